@@ -1,0 +1,49 @@
+# Two commands a newcomer needs: `make demo` and `make test`. Each does its own set-up.
+#
+# Set-up creates .venv (once), installs rayless with the CPU vLLM extra and the test tools,
+# and removes the registry's torchvision/torchaudio/torchcodec: their builds do not match
+# torch 2.13.0+cpu and break `import transformers`. A stamp file makes re-runs instant until
+# pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rayless-setup
+EXTRA ?= cpu,test
+MODEL ?= tiny
+
+# One process per role on 2 cores: more threads per process only fight each other.
+# DeepSpeed JIT-builds its CPU ops once; keep them in a cache that later runs reuse.
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rayless/torch_extensions
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export HF_HUB_OFFLINE ?= 1
+export PYTHONUNBUFFERED ?= 1
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRA)]'
+	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
+	$(PY) -c "import torch, transformers, vllm, deepspeed, zmq, msgspec; print('rayless set-up ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m launch.demo --model $(MODEL) $(DEMO_ARGS)
+
+bench: setup
+	$(PY) bench/transport.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs/
