@@ -1,0 +1,340 @@
+"""The wire protocol: every message that crosses a socket, in one place.
+
+Frames of one message: ``[tag (1 byte), header (msgpack), tensor buffers...]``
+(see ``common/serialization.py`` for the buffers). The tag picks the struct class; the header
+is that struct, msgpack-encoded by msgspec, so a message of the wrong shape fails to decode
+with a message naming the field. Nothing is ever pickled.
+
+Rules for changing this file:
+- bump ``PROTOCOL_VERSION`` when an old peer could misread a new message;
+- add new fields at the end, with defaults; never reuse a tag.
+
+Every struct names its sender and receiver. ``call_id`` (on every message) correlates a
+reply with its request for RPC-style calls; 0 means "not a call".
+
+Shape glossary: ``N`` samples in a batch, ``L`` total response tokens of the batch
+(sum of ``response_lengths``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+from common.serialization import TensorEncoder, WireError, make_ext_hook
+
+PROTOCOL_VERSION = 1
+
+# Default ceiling for one message (all frames). Experience batches are a few MB; weights do
+# not travel over ZMQ (they go over torch.distributed), so anything near this is a bug.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+Tensor = Any  # torch.Tensor on decode; torch.Tensor or numpy.ndarray on encode
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    TAG: ClassVar[int] = 0
+    call_id: int = 0
+
+
+_REGISTRY: dict[int, type[Message]] = {}
+
+
+def register(cls: type[Message]) -> type[Message]:
+    tag = cls.TAG
+    if not 0 < tag < 256:
+        raise ValueError(f"{cls.__name__}.TAG must be 1..255")
+    if tag in _REGISTRY:
+        raise ValueError(f"tag {tag} used by both {_REGISTRY[tag].__name__} and {cls.__name__}")
+    _REGISTRY[tag] = cls
+    return cls
+
+
+def _check_len(name: str, seq: Any, n: int, what: str) -> None:
+    if len(seq) != n:
+        raise ValueError(f"{name} has {len(seq)} entries, expected {n} ({what})")
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+@register
+class Hello(Message):
+    # any service -> controller, first message on a connection.
+    TAG: ClassVar[int] = 1
+    role: str  # "rollout" | "reward" | ...
+    name: str  # human-readable, unique per process (host:pid by default); used in errors
+    protocol_version: int = PROTOCOL_VERSION
+    # What the service can do, e.g. {"max_num_seqs": 256, "model": "...", "tp": 1}.
+    capabilities: dict[str, Any] = {}
+
+
+@register
+class Welcome(Message):
+    # controller -> service, answer to Hello. The service must not start work before it.
+    TAG: ClassVar[int] = 2
+    peer_id: str  # the identity the controller knows this service by
+    protocol_version: int = PROTOCOL_VERSION
+    policy_version: int = 0  # weights version the controller currently trains
+    config: dict[str, Any] = {}  # role-specific settings (e.g. weight-sync rendezvous)
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # Part of PromptBatch. Same meaning as vLLM's SamplingParams.
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = []
+    seed: int | None = None  # None: engine's seed; else per-request seed (reproducible)
+    logprobs: bool = True  # return the sampled token's log-prob, per token
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+
+@register
+class PromptBatch(Message):
+    # controller -> rollout server. Generate sampling.n samples for every prompt.
+    TAG: ClassVar[int] = 10
+    prompt_ids: list[int]  # controller-unique ids, the ledger key
+    token_ids: list[list[int]]  # prompt tokens, one list per prompt
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # The server must not start these prompts on weights older than this version
+    # (lockstep: the version just pushed; async: 0 = any).
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        _check_len("token_ids", self.token_ids, len(self.prompt_ids), "one per prompt id")
+        for i, toks in enumerate(self.token_ids):
+            if not toks:
+                raise ValueError(f"token_ids[{i}] (prompt id {self.prompt_ids[i]}) is empty")
+
+
+@register
+class SampleBatch(Message):
+    # rollout server -> controller, and controller -> reward service (inside ScoreRequest).
+    # Columnar: N samples; response tokens of all samples concatenated.
+    TAG: ClassVar[int] = 11
+    prompt_ids: list[int]  # (N,)
+    sample_indices: list[int]  # (N,) 0..n-1 within its prompt
+    response_lengths: list[int]  # (N,)
+    response_ids: Tensor  # (L,) int32/int64
+    logprobs: Tensor | None = None  # (L,) float32, sampling log-probs (after temperature)
+    finish_reasons: list[str] = []  # (N,) "stop" | "length" | "abort"
+    policy_versions: list[int] = []  # (N,) version of the weights that *started* the sample
+    prompt_token_ids: list[list[int]] | None = None  # (N,) optional echo of the prompt
+    server: str = ""  # name of the server that produced the batch
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        _check_len("sample_indices", self.sample_indices, n, "one per sample")
+        _check_len("response_lengths", self.response_lengths, n, "one per sample")
+        if self.finish_reasons:
+            _check_len("finish_reasons", self.finish_reasons, n, "one per sample")
+        if self.policy_versions:
+            _check_len("policy_versions", self.policy_versions, n, "one per sample")
+        if self.prompt_token_ids is not None:
+            _check_len("prompt_token_ids", self.prompt_token_ids, n, "one per sample")
+        _check_tensor("response_ids", self.response_ids, "int")
+        if self.logprobs is not None:
+            _check_tensor("logprobs", self.logprobs, "float")
+        total = sum(self.response_lengths)
+        if any(x < 0 for x in self.response_lengths):
+            raise ValueError("response_lengths must be >= 0")
+        if _numel(self.response_ids) != total:
+            raise ValueError(f"response_ids has {_numel(self.response_ids)} tokens, response_lengths sum to {total}")
+        if self.logprobs is not None and _numel(self.logprobs) != total:
+            raise ValueError(f"logprobs has {_numel(self.logprobs)} entries, response_lengths sum to {total}")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def split_responses(self) -> list[Any]:
+        """Per-sample views of ``response_ids`` (a list of N 1-D tensors)."""
+        return list(_as_tensor(self.response_ids).split(self.response_lengths))
+
+    def split_logprobs(self) -> list[Any]:
+        if self.logprobs is None:
+            raise ValueError("this SampleBatch carries no logprobs")
+        return list(_as_tensor(self.logprobs).split(self.response_lengths))
+
+
+@register
+class ScoreRequest(Message):
+    # controller -> reward service. Score every sample of `samples`.
+    TAG: ClassVar[int] = 12
+    samples: SampleBatch
+    prompts: list[str] = []  # (N,) prompt text per sample, for function/remote rewards
+    labels: list[Any] = []  # (N,) ground truth per sample (None when the dataset has none)
+    queries: list[str] = []  # (N,) prompt + response text, OpenRLHF's `queries`
+
+
+@register
+class ScoredBatch(Message):
+    # reward service -> controller. Same order as the request's samples.
+    TAG: ClassVar[int] = 13
+    prompt_ids: list[int]  # (N,)
+    sample_indices: list[int]  # (N,)
+    rewards: Tensor  # (N,) float32; NaN where failed
+    ref_logprobs: Tensor | None = None  # (L,) float32, reference log-probs of response tokens
+    failed: list[str | None] = []  # (N,) reason a sample could not be scored; None = ok
+    scores: Tensor | None = None  # (N,) float32, e.g. raw accuracy for logging (OpenRLHF `scores`)
+    extra_logs: dict[str, list[float]] = {}  # per-sample metrics to log (name -> (N,))
+    server: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        _check_len("sample_indices", self.sample_indices, n, "one per sample")
+        _check_tensor("rewards", self.rewards, "float")
+        if self.ref_logprobs is not None:
+            _check_tensor("ref_logprobs", self.ref_logprobs, "float", ndim=None)
+        if self.scores is not None:
+            _check_tensor("scores", self.scores, "float")
+        if _numel(self.rewards) != n:
+            raise ValueError(f"rewards has {_numel(self.rewards)} entries, expected {n}")
+        if self.failed:
+            _check_len("failed", self.failed, n, "one per sample")
+        if self.scores is not None and _numel(self.scores) != n:
+            raise ValueError(f"scores has {_numel(self.scores)} entries, expected {n}")
+
+
+# --------------------------------------------------------------------------- control
+
+
+@register
+class Heartbeat(Message):
+    # any service -> controller, every few seconds; silence past the deadline = dead peer.
+    TAG: ClassVar[int] = 20
+    name: str
+    seq: int = 0
+    policy_version: int = 0
+    stats: dict[str, float] = {}  # e.g. {"in_flight": 12, "tokens_per_s": 930.0}
+
+
+@register
+class Error(Message):
+    # either direction. With call_id != 0: the answer to that call failed, the peer lives on.
+    # code "fatal": the sender is going down (a DEAD notice); peers should fail fast.
+    TAG: ClassVar[int] = 21
+    code: str  # "bad_request" | "timeout" | "internal" | "fatal" | ...
+    message: str
+    prompt_ids: list[int] = []  # work that this error concerns, when there is any
+
+
+@register
+class Shutdown(Message):
+    # controller -> service: finish (or drop) in-flight work and exit 0.
+    TAG: ClassVar[int] = 22
+    reason: str = ""
+
+
+@register
+class Ack(Message):
+    # reply to a call that returns nothing but success.
+    TAG: ClassVar[int] = 23
+    info: dict[str, Any] = {}
+
+
+def version_error(hello: Hello) -> Error | None:
+    """The controller's check of a Hello: an Error to answer with, or None if compatible."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return Error(code="version_mismatch",
+                     message=f"{hello.name} speaks protocol {hello.protocol_version}, controller speaks "
+                             f"{PROTOCOL_VERSION}: run the same rayless version on every node")
+    return None
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def _numel(t: Any) -> int:
+    n = getattr(t, "numel", None)
+    return int(n()) if callable(n) else int(t.size)
+
+
+def _check_tensor(field: str, t: Any, kind: str, ndim: int | None = 1) -> None:
+    """Tensor fields are typed Any for msgspec; check here that a tensor (or, on the sending
+    side, a numpy array) of the right kind arrived, so a list or string fails at the socket."""
+    import numpy as np
+
+    if isinstance(t, np.ndarray):
+        ok_kind = {"int": "iu", "float": "f"}[kind]
+        good = t.dtype.kind in ok_kind
+    else:
+        import torch
+
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{field} must be a tensor, got {type(t).__name__}")
+        good = t.is_floating_point() if kind == "float" else (not t.is_floating_point() and t.dtype != torch.bool)
+    if not good:
+        raise ValueError(f"{field} must hold {kind} values, got dtype {t.dtype}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{field} must be {ndim}-D, got shape {tuple(t.shape)}")
+
+
+def _as_tensor(t: Any):
+    import torch
+
+    return t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+
+
+def message_types() -> dict[int, type[Message]]:
+    return dict(_REGISTRY)
+
+
+class Codec:
+    """Message <-> frames. One per socket-owning thread (encoders are not thread-safe)."""
+
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._enc = TensorEncoder()
+        self._bufs: list[Any] = []
+        self._hook = make_ext_hook(lambda: self._bufs)
+        self._decoders: dict[int, msgspec.msgpack.Decoder] = {}
+
+    def encode(self, msg: Message) -> list[Any]:
+        tag = type(msg).TAG
+        if _REGISTRY.get(tag) is not type(msg):
+            raise TypeError(f"{type(msg).__name__} is not a registered message type")
+        header, buffers = self._enc.encode(msg)
+        return [bytes((tag,)), header, *buffers]
+
+    def decode(self, frames: list[Any]) -> Message:
+        """Frames (bytes, memoryview or zmq.Frame) -> message. Raises WireError on anything bad."""
+        if len(frames) < 2:
+            raise WireError(f"truncated message: {len(frames)} frame(s), need at least tag + header")
+        bufs = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        size = sum(memoryview(b).nbytes for b in bufs)
+        if size > self.max_message_bytes:
+            raise WireError(f"message of {size} bytes exceeds the limit of {self.max_message_bytes}")
+        tag_frame = bytes(bufs[0])
+        if len(tag_frame) != 1:
+            raise WireError(f"bad tag frame of {len(tag_frame)} bytes (expected 1)")
+        cls = _REGISTRY.get(tag_frame[0])
+        if cls is None:
+            raise WireError(f"unknown message type tag {tag_frame[0]}")
+        self._bufs = bufs[2:]
+        try:
+            dec = self._decoders.get(cls.TAG)
+            if dec is None:
+                dec = self._decoders[cls.TAG] = msgspec.msgpack.Decoder(cls, ext_hook=self._hook)
+            return dec.decode(bufs[1])
+        except WireError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            raise WireError(f"bad {cls.__name__}: {e}") from None
+        finally:
+            self._bufs = []

@@ -1,0 +1,156 @@
+"""Round trips for every message type and tensor dtype; the codec's rejections."""
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from common import protocol as P
+from common.serialization import WireError
+
+codec = P.Codec()
+
+
+def roundtrip(msg):
+    frames = codec.encode(msg)
+    # bytes, as they come out of a socket (copy=True) -- the zmq.Frame path is in test_transport
+    return codec.decode([bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in frames])
+
+
+def sample_batch(dtype=torch.int32):
+    return P.SampleBatch(
+        prompt_ids=[7, 7, 9],
+        sample_indices=[0, 1, 0],
+        response_lengths=[2, 0, 3],
+        response_ids=torch.tensor([1, 2, 3, 4, 5], dtype=dtype),
+        logprobs=torch.tensor([-0.5, -1.0, -2.0, -0.25, -3.0]),
+        finish_reasons=["stop", "length", "stop"],
+        policy_versions=[3, 3, 4],
+        server="r0",
+    )
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        P.Hello(role="rollout", name="r0", capabilities={"max_num_seqs": 64, "model": "x"}),
+        P.Welcome(peer_id="r0", policy_version=5, config={"sync": {"port": 1234}}),
+        P.PromptBatch(prompt_ids=[1, 2], token_ids=[[5, 6], [7]],
+                      sampling=P.SamplingParams(n=4, temperature=0.7, stop_token_ids=[2], seed=3),
+                      policy_version=2),
+        P.Heartbeat(name="r0", seq=3, policy_version=1, stats={"in_flight": 2.0}),
+        P.Error(code="bad_request", message="nope", prompt_ids=[1]),
+        P.Shutdown(reason="done"),
+        P.Ack(info={"version": 3}),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_plain_messages_roundtrip(msg):
+    msg.call_id = 42
+    assert roundtrip(msg) == msg
+
+
+def test_sample_batch_roundtrip_and_split():
+    b = roundtrip(sample_batch())
+    assert b.prompt_ids == [7, 7, 9] and b.finish_reasons == ["stop", "length", "stop"]
+    assert torch.equal(b.response_ids, torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32))
+    parts = b.split_responses()
+    assert [p.tolist() for p in parts] == [[1, 2], [], [3, 4, 5]]
+    assert [p.tolist() for p in b.split_logprobs()] == [[-0.5, -1.0], [], [-2.0, -0.25, -3.0]]
+
+
+def test_score_request_and_scored_batch_roundtrip():
+    req = roundtrip(P.ScoreRequest(samples=sample_batch(torch.int64), prompts=["a", "a", "b"],
+                                   labels=["1", None, {"x": 1}], queries=["q"] * 3))
+    assert req.labels == ["1", None, {"x": 1}]
+    assert req.samples.response_ids.dtype == torch.int64
+    sb = roundtrip(P.ScoredBatch(prompt_ids=[7, 7, 9], sample_indices=[0, 1, 0],
+                                 rewards=torch.tensor([1.0, float("nan"), 0.0]),
+                                 ref_logprobs=torch.zeros(5), failed=[None, "timeout", None],
+                                 extra_logs={"acc": [1.0, 0.0, 0.0]}))
+    assert sb.failed == [None, "timeout", None]
+    assert torch.isnan(sb.rewards[1]) and sb.rewards[0] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16,
+                                   torch.float16, torch.uint8, torch.int8, torch.bool, torch.float64])
+def test_tensor_dtypes_exact(dtype):
+    from common.serialization import TensorEncoder, make_ext_hook
+
+    x = (torch.randn(3, 5) * 100).to(dtype)
+    header, bufs = TensorEncoder().encode({"x": x})
+    bufs = [bytes(b) for b in bufs]
+    y = msgspec.msgpack.decode(header, ext_hook=make_ext_hook(lambda: bufs))["x"]
+    assert y.dtype == dtype and y.shape == (3, 5)
+    assert torch.equal(y, x)
+
+
+def test_tensor_fields_must_be_tensors_of_the_right_kind():
+    with pytest.raises(WireError, match="response_ids must be a tensor"):
+        codec.decode([bytes([P.SampleBatch.TAG]),
+                      msgspec.msgpack.encode({"prompt_ids": [1], "sample_indices": [0], "response_lengths": [2],
+                                              "response_ids": "ab"})])
+    with pytest.raises(ValueError, match="logprobs must hold float"):
+        P.SampleBatch(prompt_ids=[1], sample_indices=[0], response_lengths=[1],
+                      response_ids=torch.tensor([1]), logprobs=torch.tensor([1]))
+
+
+def test_non_contiguous_and_empty_and_numpy():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    nc = base.t()[1:, ::2]  # non-contiguous view
+    assert not nc.is_contiguous()
+    for x in (nc, torch.empty(0, dtype=torch.bfloat16), torch.empty(3, 0, dtype=torch.float16),
+              torch.arange(4, dtype=torch.bfloat16)):
+        b = roundtrip(P.ScoredBatch(prompt_ids=[], sample_indices=[], rewards=torch.empty(0), ref_logprobs=x))
+        assert b.ref_logprobs.dtype == x.dtype and torch.equal(b.ref_logprobs, x)
+    arr = np.arange(6, dtype=np.int64)
+    b = roundtrip(P.SampleBatch(prompt_ids=[1], sample_indices=[0], response_lengths=[6], response_ids=arr))
+    assert b.response_ids.tolist() == list(range(6))
+
+
+def test_every_registered_type_has_a_roundtrip_here():
+    covered = {"Hello", "Welcome", "PromptBatch", "SampleBatch", "ScoreRequest", "ScoredBatch",
+               "Heartbeat", "Error", "Shutdown", "Ack"}
+    core = {c.__name__ for c in P.message_types().values() if c.__module__ == "common.protocol"}
+    assert core <= covered, f"add round-trip tests for {core - covered}"
+
+
+@pytest.mark.parametrize(
+    "frames, needle",
+    [
+        ([b"\x01"], "truncated"),
+        ([b"\x01\x02", b""], "bad tag frame"),
+        ([b"\xfe", b"\x80"], "unknown message type"),
+        ([b"\x01", b"\xc1"], "bad Hello"),
+        ([bytes([P.Hello.TAG]), msgspec.msgpack.encode({"role": 3, "name": "x"})], "role"),
+    ],
+)
+def test_codec_rejects_malformed(frames, needle):
+    with pytest.raises(WireError, match=needle):
+        codec.decode(frames)
+
+
+def test_codec_rejects_inconsistent_batches_naming_the_field():
+    good = codec.encode(sample_batch())
+    # drop the buffer frames: descriptor points at a missing frame
+    with pytest.raises(WireError, match="frame 0 missing"):
+        codec.decode(good[:2])
+    # a buffer of the wrong size
+    with pytest.raises(WireError, match="has 3 bytes"):
+        codec.decode([good[0], good[1], b"abc", bytes(memoryview(good[3]))])
+    with pytest.raises(WireError, match="response_ids must be a tensor"):
+        codec.decode([bytes([P.SampleBatch.TAG]),
+                      msgspec.msgpack.encode({"prompt_ids": [1], "sample_indices": [0], "response_lengths": [5],
+                                              "response_ids": "abc"})])
+
+
+def test_codec_rejects_oversized():
+    small = P.Codec(max_message_bytes=1000)
+    with pytest.raises(WireError, match="exceeds the limit"):
+        small.decode(codec.encode(P.Ack(info={"blob": "x" * 2000})))
+
+
+def test_sampling_params_validated():
+    with pytest.raises(WireError, match="sampling.n"):
+        codec.decode([bytes([P.PromptBatch.TAG]),
+                      msgspec.msgpack.encode({"prompt_ids": [1], "token_ids": [[1]], "sampling": {"n": 0}})])
