@@ -66,7 +66,9 @@ class Hello(Message):
     role: str  # "rollout" | "reward" | ...
     name: str  # human-readable, unique per process (host:pid by default); used in errors
     protocol_version: int = PROTOCOL_VERSION
-    # What the service can do, e.g. {"max_num_seqs": 256, "model": "...", "tp": 1}.
+    # What the service can do, e.g. {"capacity": 64, "model": "...", "tp": 1}. "capacity" is
+    # how many work items (prompts for a rollout server, requests for a reward service) the
+    # controller may keep in flight at this peer.
     capabilities: dict[str, Any] = {}
 
 
