@@ -1,0 +1,173 @@
+"""Flags of ``learner.train_ppo``.
+
+Names follow OpenRLHF's ``train_ppo_ray`` wherever the meaning is the same, so a user's script
+ports by swapping the module. Ray placement flags are accepted and explained: here, placement
+is which processes you start and where (see README's multi-terminal recipe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import flag
+
+RAY_PLACEMENT_FLAGS = ("ref_num_nodes", "ref_num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node",
+                       "critic_num_nodes", "critic_num_gpus_per_node", "reward_num_nodes",
+                       "reward_num_gpus_per_node", "vllm_num_engines", "colocate_all_models",
+                       "colocate_actor_ref", "colocate_critic_reward")
+
+
+@dataclass
+class PPOConfig:
+    # ---- models and data
+    pretrain: str = flag("", "policy model: HF hub name or local path", required=True, group="model")
+    reward_pretrain: str = flag("", "reward model path (served by reward_service; launch.local starts it)", group="model")
+    ref_pretrain: str = flag("", "reference model for KL (default: --pretrain); served by reward_service", group="model")
+    save_path: str = flag("./ckpt/ppo", "where the final HF-format policy is written", group="model")
+    prompt_data: str = flag("", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name",
+                            required=True, group="data")
+    prompt_data_probs: str = flag("", "mixing probabilities for comma-separated --prompt_data", group="data")
+    prompt_split: str = flag("train", "dataset split", group="data")
+    eval_data: str = flag("", "held-out prompts: accuracy before/after is reported", group="data")
+    input_key: str = flag("input", "dataset column holding the prompt", group="data")
+    label_key: str = flag("", "dataset column holding the label passed to reward functions", group="data")
+    input_template: str = flag("", "template with one {} for the prompt, e.g. 'Q: {}\\nA:'", group="data")
+    apply_chat_template: bool = flag(False, "wrap each prompt with the tokenizer's chat template", group="data")
+    max_samples: int = flag(10**9, "use at most this many prompts", group="data")
+    skip_bad_rows: bool = flag(False, "skip rows with a missing key or an over-long prompt (counted) "
+                                      "instead of failing with the file, row and key", group="data")
+    prompt_max_len: int = flag(1024, "prompts longer than this (tokens) are an error or skipped", group="data")
+    generate_max_len: int = flag(1024, "max new tokens per sample", group="data")
+
+    # ---- batch sizes (OpenRLHF semantics: rollout_batch_size prompts per step, each sampled
+    # n_samples_per_prompt times; train_batch_size samples per optimizer step)
+    rollout_batch_size: int = flag(512, "prompts per rollout step", group="batch")
+    n_samples_per_prompt: int = flag(1, "samples per prompt (the group size G)", group="batch")
+    micro_rollout_batch_size: int = flag(8, "samples per forward pass when computing log-probs", group="batch")
+    train_batch_size: int = flag(128, "samples per optimizer step (global)", group="batch")
+    micro_train_batch_size: int = flag(8, "samples per forward/backward pass per rank", group="batch")
+    max_epochs: int = flag(1, "passes over each rollout batch", group="batch")
+    num_episodes: int = flag(1, "passes over the prompt dataset", group="batch")
+    max_steps: int = flag(0, "stop after this many rollout steps (0: no limit)", group="batch")
+
+    # ---- optimisation
+    actor_learning_rate: float = flag(1e-6, "policy learning rate", group="optim")
+    lr_warmup_ratio: float = flag(0.0, "fraction of steps of linear warm-up", group="optim")
+    l2: float = flag(0.0, "weight decay", group="optim")
+    max_norm: float = flag(1.0, "gradient clipping norm", group="optim")
+    adam_betas: list[float] = flag([0.9, 0.95], "Adam betas", group="optim")
+    zero_stage: int = flag(2, "DeepSpeed ZeRO stage 0-3", choices=(0, 1, 2, 3), group="optim")
+    bf16: bool = flag(False, "train in bf16 (fp16 is refused by DeepSpeed on CPU)", group="optim")
+    adam_offload: bool = flag(False, "DeepSpeedCPUAdam with optimizer states offloaded", group="optim")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward", group="optim")
+    flash_attn: bool = flag(False, "flash_attention_2 where available (a notice on CPU)", group="optim")
+    seed: int = flag(42, "seed of data order, sampling and init", group="optim")
+
+    # ---- algorithm
+    advantage_estimator: str = flag("group_norm", "advantage estimator",
+                                    choices=("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"),
+                                    group="algorithm")
+    no_advantage_std_norm: bool = flag(False, "group_norm without dividing by the group std", group="algorithm")
+    policy_loss_type: str = flag("ppo", "ppo (token ratio) or gspo (sequence ratio)", choices=("ppo", "gspo"),
+                                 group="algorithm")
+    loss_agg_mode: str = flag("token_mean", "how per-token losses are averaged",
+                              choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                       "seq_mean_token_sum_norm"), group="algorithm")
+    eps_clip: float = flag(0.2, "PPO clip range", group="algorithm")
+    eps_clip_low_high: list[float] = flag([], "asymmetric clip (low high), e.g. 0.2 0.28 (clip-higher)",
+                                          group="algorithm")
+    dual_clip: float = flag(0.0, "dual-clip constant c > 1 (0: off)", group="algorithm")
+    init_kl_coef: float = flag(0.01, "KL coefficient (in the reward, or of the loss with --use_kl_loss)",
+                               group="algorithm")
+    kl_target: float = flag(0.0, "adaptive KL controller target (0: fixed coefficient)", group="algorithm")
+    kl_horizon: int = flag(10000, "adaptive KL controller horizon", group="algorithm")
+    use_kl_loss: bool = flag(False, "KL as a loss term instead of in the reward", group="algorithm")
+    kl_estimator: str = flag("k1", "KL estimator", choices=("k1", "k2", "k3"), group="algorithm")
+    entropy_loss_coef: float = flag(0.0, "entropy bonus coefficient (entropy is logged regardless)",
+                                    group="algorithm")
+    gamma: float = flag(1.0, "discount", group="algorithm")
+    lambd: float = flag(1.0, "GAE lambda", group="algorithm")
+    normalize_reward: bool = flag(False, "reward service normalises RM scores with the RM's saved mean/std",
+                                  group="algorithm")
+    reward_clip_range: list[float] = flag([-10.0, 10.0], "clip rewards to [low, high]", group="algorithm")
+    dynamic_filtering: bool = flag(False, "DAPO: drop groups whose rewards are all equal", group="algorithm")
+    overlong_buffer_len: int = flag(0, "DAPO overlong penalty window (tokens before the max length)",
+                                    group="algorithm")
+    overlong_penalty_factor: float = flag(1.0, "DAPO overlong penalty at the max length", group="algorithm")
+    stop_properly_penalty_coef: float = flag(-1.0, "reward of samples cut at the max length (<0: off)",
+                                             group="algorithm")
+    is_correction: str = flag("", "vLLM-vs-learner mismatch correction: tis | icepop | '' (off)",
+                              choices=("", "tis", "icepop"), group="algorithm")
+    is_correction_low_high: list[float] = flag([0.0, 2.0], "IS ratio thresholds (low high)", group="algorithm")
+
+    # ---- rollout
+    temperature: float = flag(1.0, "sampling temperature", group="rollout")
+    top_p: float = flag(1.0, "nucleus sampling", group="rollout")
+    top_k: int = flag(-1, "top-k sampling (-1: off)", group="rollout")
+
+    # ---- processes and the wire (rayless's own)
+    controller_bind: str = flag("tcp://0.0.0.0:5555", "where the controller (rank 0) listens for services",
+                                group="services")
+    min_rollout_servers: int = flag(1, "wait for this many rollout servers before the first step",
+                                    group="services")
+    min_reward_services: int = flag(1, "wait for this many reward services before the first step",
+                                    group="services")
+    wait_for_services_s: float = flag(600.0, "give up waiting for services after this long", group="services")
+    peer_timeout_s: float = flag(30.0, "a service silent this long is declared dead; its work is re-issued",
+                                 group="services")
+    generate_timeout_s: float = flag(600.0, "re-issue a prompt not generated within this long", group="services")
+    score_timeout_s: float = flag(300.0, "re-score a prompt not scored within this long", group="services")
+    weight_sync_timeout_s: float = flag(300.0, "deadline of one weight push to one server", group="services")
+    weight_sync_backend: str = flag("auto", "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo", group="services")
+    sync_host: str = flag("", "address rollout servers reach this rank at for weight sync (default: hostname)",
+                          group="services")
+
+    # ---- logging
+    logging_steps: int = flag(1, "log every N steps", group="logging")
+    save_steps: int = flag(0, "save an HF checkpoint every N steps (0: only at the end)", group="logging")
+    use_tensorboard: str = flag("", "TensorBoard log dir (default: SAVE_PATH/tensorboard)", group="logging")
+    metrics_file: str = flag("", "JSON-lines metrics (default: SAVE_PATH/metrics.jsonl)", group="logging")
+
+    # ---- accepted for OpenRLHF compatibility
+    ref_num_nodes: int = flag(0, "Ray placement (ignored: start reward_service processes yourself)", group="ray")
+    ref_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
+    actor_num_nodes: int = flag(0, "Ray placement (ignored: torchrun --nnodes decides)", group="ray")
+    actor_num_gpus_per_node: int = flag(0, "Ray placement (ignored: torchrun --nproc_per_node decides)", group="ray")
+    critic_num_nodes: int = flag(0, "Ray placement (ignored)", group="ray")
+    critic_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
+    reward_num_nodes: int = flag(0, "Ray placement (ignored)", group="ray")
+    reward_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
+    vllm_num_engines: int = flag(0, "Ray placement (ignored: start that many rollout_service processes)", group="ray")
+    vllm_tensor_parallel_size: int = flag(0, "pass --tensor_parallel_size to rollout_service instead", group="ray")
+    colocate_all_models: bool = flag(False, "Ray placement (ignored)", group="ray")
+    colocate_actor_ref: bool = flag(False, "Ray placement (ignored)", group="ray")
+    colocate_critic_reward: bool = flag(False, "Ray placement (ignored)", group="ray")
+
+    def __post_init__(self) -> None:
+        g = self.n_samples_per_prompt
+        if g < 1:
+            raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")
+        if self.advantage_estimator in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline") and g < 2:
+            raise ValueError(f"--advantage_estimator {self.advantage_estimator} compares samples of one prompt: "
+                             f"needs --n_samples_per_prompt >= 2, got {g}")
+        samples = self.rollout_batch_size * g
+        if samples % self.train_batch_size:
+            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step must be a "
+                             f"multiple of --train_batch_size {self.train_batch_size}")
+        if self.train_batch_size % self.micro_train_batch_size:
+            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of "
+                             f"--micro_train_batch_size {self.micro_train_batch_size}")
+        if self.eps_clip_low_high and len(self.eps_clip_low_high) != 2:
+            raise ValueError("--eps_clip_low_high takes two numbers: low high")
+        if self.advantage_estimator == "gae":
+            raise ValueError("--advantage_estimator gae needs a critic, which is not wired into train_ppo yet; "
+                             "use group_norm, dr_grpo, rloo, reinforce or reinforce_baseline")
+
+    @property
+    def clip_low_high(self) -> tuple[float, float]:
+        if self.eps_clip_low_high:
+            return float(self.eps_clip_low_high[0]), float(self.eps_clip_low_high[1])
+        return self.eps_clip, self.eps_clip
+
+    def ray_flags_used(self) -> list[str]:
+        return [name for name in RAY_PLACEMENT_FLAGS if getattr(self, name)]
