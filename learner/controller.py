@@ -1,0 +1,233 @@
+"""The controller (learner rank 0): hands out prompts, routes samples to scoring, collects.
+
+It owns the ROUTER socket every service connects to, the ``ServicePool`` (who is there) and
+the ``PromptLedger`` (what is where). ``collect(n)`` runs the data path until ``n`` prompts are
+generated and scored:
+
+    queued prompts --PromptBatch--> rollout server --SampleBatch--> controller
+    generated prompts --ScoreRequest--> reward service --ScoredBatch--> controller
+
+Dead or silent peers give their work back (``pool.reap``), late work is re-issued
+(``ledger.expire``), late answers are dropped as duplicates. The schedule (lockstep here:
+collect, train, push) lives in ``learner.train_ppo``; this class is the data path only.
+
+Weight pushes are not done here: the caller passes ``sync_joiner`` — how to bring a newly
+joined rollout server to the current weights — and decides when to push to everybody.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common.protocol import Error, PromptBatch, SampleBatch, SamplingParams, ScoredBatch, ScoreRequest
+from common.transport import Endpoint
+from learner.batches import concat_samples, split_by_prompt, split_scored_by_prompt
+from learner.experience import Rollout, Sample
+from learner.ledger import Entry, PromptLedger
+from learner.pool import Peer, ServicePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptItem:
+    tokens: list[int]
+    text: str = ""
+    label: Any = None
+
+
+@dataclass
+class CollectResult:
+    rollout: Rollout
+    entries: list[Entry]
+    failed_groups: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+
+class ServicesMissing(RuntimeError):
+    pass
+
+
+class Controller:
+    def __init__(self, endpoint: Endpoint, pool: ServicePool, ledger: PromptLedger, *,
+                 sampling: SamplingParams, max_prompts_per_request: int = 16,
+                 sync_joiner: Callable[[Peer], None] | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self.pool = pool
+        self.ledger = ledger
+        self.sampling = sampling
+        self.max_prompts_per_request = max_prompts_per_request
+        self.sync_joiner = sync_joiner
+        self.progress = progress
+        self.policy_version = 0
+        self._next_id = 0
+        self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
+
+    # ------------------------------------------------------------------ intake
+    def add_prompts(self, items: list[PromptItem]) -> list[int]:
+        ids = []
+        for item in items:
+            self.ledger.add(self._next_id, item)
+            ids.append(self._next_id)
+            self._next_id += 1
+        return ids
+
+    def wait_for_services(self, min_rollout: int, min_reward: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.pump(0.1)
+            n_roll, n_rew = len(self.pool.alive("rollout")), len(self.pool.alive("reward"))
+            if n_roll >= min_rollout and n_rew >= min_reward:
+                return
+            if time.monotonic() > deadline:
+                raise ServicesMissing(
+                    f"after {timeout_s:.0f} s only {n_roll}/{min_rollout} rollout server(s) and {n_rew}/{min_reward} "
+                    f"reward service(s) have connected to {self.endpoint.address}; start them with "
+                    f"--controller pointing here (see their logs if they were started)")
+
+    # ------------------------------------------------------------------ the loop
+    def pump(self, timeout: float = 0.05) -> None:
+        """One turn: receive and route messages, handle deaths and deadlines, dispatch work."""
+        got = self.endpoint.recv(timeout=timeout)
+        while got is not None:
+            self._route(*got)
+            got = self.endpoint.recv(timeout=0)
+        for lost in self.pool.reap():
+            back = self.ledger.lost(lost.keys, f"{lost.peer.name} {lost.reason}")
+            if back:
+                log.warning("re-issuing %d prompt(s) held by %s", len(back), lost.peer.name)
+        for pid in self.ledger.expire():
+            log.warning("prompt %d passed its deadline; re-issuing", pid)
+        for peer in self.pool.take_joined():
+            if peer.role == "rollout" and not peer.ready and self.sync_joiner is not None:
+                self.sync_joiner(peer)
+        self._dispatch_generation()
+        self._dispatch_scoring()
+
+    def _route(self, identity: bytes, msg: Any) -> None:
+        msg = self.pool.handle(identity, msg)
+        if msg is None:
+            return
+        peer = self.pool.peers[identity]
+        if isinstance(msg, SampleBatch):
+            for pid, sub in split_by_prompt(msg).items():
+                if sub.policy_versions and min(sub.policy_versions) < self.policy_version:
+                    self.counters["stale_samples"] += len(sub)
+                self.pool.complete(identity, [pid])
+                self.ledger.generated(pid, sub, peer.name)
+        elif isinstance(msg, ScoredBatch):
+            entries = self.ledger.entries
+            lengths = []
+            for pid, idx in zip(msg.prompt_ids, msg.sample_indices):
+                e = entries.get(pid)
+                sb = e.samples if e is not None else None
+                lengths.append(sb.response_lengths[sb.sample_indices.index(idx)] if sb is not None else 0)
+            for pid, sub in split_scored_by_prompt(msg, lengths).items():
+                self.pool.complete(identity, [pid])
+                self.ledger.scored(pid, sub, peer.name)
+        elif isinstance(msg, Error):
+            self.counters["error_replies"] += 1
+            log.error("%s answered %s: %s (prompts %s)", peer.name, msg.code, msg.message, msg.prompt_ids[:8])
+            self.pool.complete(identity, msg.prompt_ids)
+            self.ledger.lost(msg.prompt_ids, f"{peer.name} answered {msg.code}: {msg.message}")
+        else:
+            log.debug("ignoring %s from %s", type(msg).__name__, peer.name)
+
+    def _dispatch_generation(self) -> None:
+        queued = self.ledger.queued()
+        while queued:
+            peer = self.pool.pick("rollout")
+            if peer is None:
+                return
+            room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
+            chunk, queued = queued[:room], queued[room:]
+            ids = [e.prompt_id for e in chunk]
+            msg = PromptBatch(prompt_ids=ids, token_ids=[e.payload.tokens for e in chunk],
+                              sampling=self.sampling, policy_version=self.policy_version)
+            if self.pool.send_work(peer, msg, ids):
+                self.ledger.start_generation(ids, peer.name)
+
+    def _dispatch_scoring(self) -> None:
+        waiting = self.ledger.awaiting_scoring()
+        while waiting:
+            peer = self.pool.pick("reward")
+            if peer is None:
+                return
+            room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
+            chunk, waiting = waiting[:room], waiting[room:]
+            ids = [e.prompt_id for e in chunk]
+            samples = concat_samples([e.samples for e in chunk])
+            per_sample = [e for e in chunk for _ in range(len(e.samples))]
+            req = ScoreRequest(samples=samples, prompts=[e.payload.text for e in per_sample],
+                               labels=[e.payload.label for e in per_sample])
+            if self.pool.send_work(peer, req, ids):
+                self.ledger.start_scoring(ids, peer.name)
+
+    # ------------------------------------------------------------------ collect
+    def collect(self, n_prompts: int, items: list[PromptItem], *, timeout_s: float,
+                on_progress: Callable[[int, int], None] | None = None) -> CollectResult:
+        """Generates and scores ``items`` (``n_prompts`` of them); returns them as a Rollout of
+        complete groups, in prompt order. Raises TimeoutError naming what is missing."""
+        ids = self.add_prompts(items)
+        deadline = time.monotonic() + timeout_s
+        done: dict[int, Entry] = {}
+        wanted = set(ids)
+        while len(done) < len(ids):
+            self.pump(0.05)
+            for e in self.ledger.take_done():
+                if e.prompt_id in wanted:
+                    done[e.prompt_id] = e
+            if on_progress:
+                on_progress(len(done), len(ids))
+            if time.monotonic() > deadline:
+                missing = sorted(wanted - set(done))
+                holders = self.ledger.holders(missing[:5])
+                raise TimeoutError(
+                    f"collect: {len(missing)} of {len(ids)} prompts not done after {timeout_s:.0f} s "
+                    f"(e.g. {holders}); rollout servers alive: {[p.name for p in self.pool.alive('rollout')]}, "
+                    f"reward services alive: {[p.name for p in self.pool.alive('reward')]}")
+        return self._to_rollout([done[i] for i in ids])
+
+    def _to_rollout(self, entries: list[Entry]) -> CollectResult:
+        samples: list[Sample] = []
+        failed_groups, reasons = 0, []
+        kept = []
+        for e in entries:
+            sb, sc = e.samples, e.scores
+            bad = [r for r in (sc.failed or []) if r]
+            if bad:
+                failed_groups += 1
+                self.counters["failed_samples"] += len(bad)
+                reasons.append(bad[0])
+                continue
+            kept.append(e)
+            order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])
+            resp = sb.split_responses()
+            lps = sb.split_logprobs()
+            score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
+            ref_offsets = None
+            if sc.ref_logprobs is not None:
+                ref_offsets, acc = {}, 0
+                for idx in sc.sample_indices:
+                    n = sb.response_lengths[sb.sample_indices.index(idx)]
+                    ref_offsets[idx] = (acc, n)
+                    acc += n
+            for i in order:
+                idx = sb.sample_indices[i]
+                ref = None
+                if ref_offsets is not None:
+                    a, n = ref_offsets[idx]
+                    ref = sc.ref_logprobs.reshape(-1)[a:a + n].float()
+                samples.append(Sample(
+                    prompt_id=e.prompt_id, sample_index=idx, prompt=list(e.payload.tokens),
+                    response=resp[i].tolist(), rollout_logprobs=lps[i].float().clone(), ref_logprobs=ref,
+                    reward=float(sc.rewards[score_row[idx]]),
+                    finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
+                    policy_version=sb.policy_versions[i] if sb.policy_versions else 0))
+        if failed_groups:
+            log.warning("dropped %d group(s) whose scoring failed (first reason: %s)", failed_groups, reasons[0])
+        return CollectResult(Rollout(samples, self.sampling.n), kept, failed_groups, reasons)

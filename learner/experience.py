@@ -1,0 +1,133 @@
+"""From scored samples to training tensors, and across learner ranks.
+
+A ``Rollout`` is one global batch: N = B x G samples in groups of G consecutive samples
+(one prompt each), with the prompt and response tokens, vLLM's sampling log-probs, the
+reference log-probs and the scalar reward of every sample. Rank 0 (the controller) builds it
+from the ledger; ``broadcast_rollout`` gives every learner rank the same copy as plain
+tensors (no pickling). Every rank then computes advantages over the whole batch —
+identically, so group and global statistics are exact with no extra collective — and trains
+on its own slice.
+
+``collate`` pads a list of samples into model inputs: prompts left-padded and responses
+right-padded, so every response starts at column P and the logits predicting response
+token t sit at column P - 1 + t.
+
+Shape glossary: N samples, P prompt width, T response width (both padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
+
+
+@dataclass
+class Sample:
+    prompt_id: int
+    sample_index: int
+    prompt: list[int]
+    response: list[int]
+    rollout_logprobs: torch.Tensor  # (T_i,) float32, from vLLM
+    ref_logprobs: torch.Tensor | None  # (T_i,) float32, from the reference model
+    reward: float
+    finish_reason: str = "stop"
+    policy_version: int = 0
+
+
+@dataclass
+class Rollout:
+    samples: list[Sample]
+    group_size: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)  # (N,)
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Pads samples into a batch. Returns input_ids/attention_mask/position_ids (N, P+T),
+    response/action_mask/rollout_logprobs/ref_logprobs (N, T) and ``prompt_width`` P."""
+    n = len(samples)
+    P = max(len(s.prompt) for s in samples)
+    T = max(1, max(len(s.response) for s in samples))
+    input_ids = torch.full((n, P + T), pad_id, dtype=torch.long)  # (N, P+T)
+    attention_mask = torch.zeros((n, P + T), dtype=torch.long)  # (N, P+T)
+    action_mask = torch.zeros((n, T), dtype=torch.bool)  # (N, T)
+    rollout_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
+    ref_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
+    for i, s in enumerate(samples):
+        p, t = len(s.prompt), len(s.response)
+        input_ids[i, P - p:P] = torch.tensor(s.prompt, dtype=torch.long)
+        input_ids[i, P:P + t] = torch.tensor(s.response, dtype=torch.long)
+        attention_mask[i, P - p:P + t] = 1
+        action_mask[i, :t] = True
+        rollout_lp[i, :t] = s.rollout_logprobs[:t]
+        if s.ref_logprobs is not None:
+            ref_lp[i, :t] = s.ref_logprobs[:t]
+    # Left padding: positions count real tokens only, as in an unpadded forward.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+T)
+    out = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               response=input_ids[:, P:], action_mask=action_mask, rollout_logprobs=rollout_lp,
+               ref_logprobs=ref_lp)
+    out = {k: v.to(device) for k, v in out.items()}
+    out["prompt_width"] = P
+    return out
+
+
+# ------------------------------------------------------------------ across ranks
+
+_META_COLS = 6  # prompt_len, response_len, prompt_id, sample_index, policy_version, finish code
+
+
+def _pack(rollout: Rollout) -> list[torch.Tensor]:
+    s = rollout.samples
+    meta = torch.tensor([[len(x.prompt), len(x.response), x.prompt_id, x.sample_index, x.policy_version,
+                          FINISH_CODES.get(x.finish_reason, 2)] for x in s], dtype=torch.long).reshape(-1, _META_COLS)
+    tokens = torch.tensor([t for x in s for t in (*x.prompt, *x.response)], dtype=torch.long)
+    lp = torch.cat([x.rollout_logprobs.float().reshape(-1) for x in s]) if s else torch.zeros(0)
+    has_ref = all(x.ref_logprobs is not None for x in s)
+    ref = torch.cat([x.ref_logprobs.float().reshape(-1) for x in s]) if s and has_ref else torch.zeros(0)
+    rewards = torch.tensor([x.reward for x in s], dtype=torch.float32)
+    return [meta, tokens, lp, ref, rewards]
+
+
+def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
+    meta, tokens, lp, ref, rewards = tensors
+    codes = {v: k for k, v in FINISH_CODES.items()}
+    samples, tok_off, lp_off = [], 0, 0
+    for i, (p, t, pid, idx, ver, fin) in enumerate(meta.tolist()):
+        prompt = tokens[tok_off:tok_off + p].tolist()
+        response = tokens[tok_off + p:tok_off + p + t].tolist()
+        tok_off += p + t
+        samples.append(Sample(pid, idx, prompt, response, lp[lp_off:lp_off + t].clone(),
+                              ref[lp_off:lp_off + t].clone() if ref.numel() else None,
+                              float(rewards[i]), codes.get(fin, "abort"), ver))
+        lp_off += t
+    return Rollout(samples, group_size)
+
+
+def broadcast_rollout(rollout: Rollout | None, group_size: int, src: int = 0,
+                      device: torch.device | str = "cpu") -> Rollout:
+    """Every rank gets rank ``src``'s rollout. A collective: all ranks call it together."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert rollout is not None
+        return rollout
+    is_src = dist.get_rank() == src
+    parts = _pack(rollout) if is_src else None
+    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 5, dtype=torch.long, device=device)
+    dist.broadcast(sizes, src)
+    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32]
+    out = []
+    for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes)):
+        buf = parts[i].reshape(-1).to(device) if is_src else torch.empty(n, dtype=dt, device=device)
+        dist.broadcast(buf, src)
+        out.append(buf.cpu())
+    out[0] = out[0].reshape(-1, _META_COLS)
+    return _unpack(out, group_size) if not is_src else rollout
