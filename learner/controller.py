@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.protocol import Error, PromptBatch, SampleBatch, SamplingParams, ScoredBatch, ScoreRequest
+from common.protocol import Error, PromptBatch, SampleBatch, SamplingParams, ScoredBatch, ScoreRequest, Shutdown
 from common.transport import Endpoint
 from learner.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.experience import Rollout, Sample
@@ -166,6 +166,11 @@ class Controller:
                                labels=[e.payload.label for e in per_sample])
             if self.pool.send_work(peer, req, ids):
                 self.ledger.start_scoring(ids, peer.name)
+
+    def shutdown_services(self, reason: str) -> None:
+        """Tells every live service to exit. Best effort: a gone peer is already gone."""
+        for peer in self.pool.alive():
+            self.pool._try_send(Shutdown(reason=reason), peer.identity)
 
     # ------------------------------------------------------------------ collect
     def collect(self, n_prompts: int, items: list[PromptItem], *, timeout_s: float,

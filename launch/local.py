@@ -1,0 +1,214 @@
+"""Every role of a run on this machine, supervised: ``python -m launch.local --config RUN.yaml``.
+
+Starts ``rollout_servers`` rollout services, ``reward_services`` reward services and the learner
+(``torchrun`` when ``learner_nproc > 1``), all bound to 127.0.0.1, each writing its own log
+under ``RUN_DIR/logs/``. Shows one progress line (step, reward, tokens/s, time left) read from
+the learner's ``metrics.jsonl``. Stops everything on Ctrl-C, when the learner finishes, or
+when any role dies — naming it and pointing at its log.
+
+There is no magic here: the same run by hand is one command per role in its own terminal
+(README, "The same run, by hand").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import flag, log_config, parse
+
+
+@dataclass
+class LocalConfig:
+    run_dir: str = flag("runs/local", "output folder: logs/, the learner's save_path and metrics")
+    pretrain: str = flag("", "policy model path (passed to every role unless their args say otherwise)", required=True)
+    rollout_servers: int = flag(1, "how many rollout_service processes")
+    rollout_args: str = flag("", "extra flags for each rollout_service")
+    reward_services: int = flag(1, "how many reward_service processes")
+    reward_args: str = flag("", "extra flags for each reward_service (e.g. --reward_func FILE)")
+    learner_nproc: int = flag(1, "learner ranks (torchrun --nproc_per_node when > 1)")
+    learner_args: str = flag("", "flags for learner.train_ppo (--prompt_data etc.)")
+    port: int = flag(0, "controller port on 127.0.0.1 (0: pick a free one)")
+    threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
+    stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
+    quiet: bool = flag(False, "no progress line (logs only)")
+
+
+@dataclass
+class Role:
+    name: str
+    cmd: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    essential: bool = True  # its death stops the run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_roles(cfg: LocalConfig) -> list[Role]:
+    run = Path(cfg.run_dir)
+    logs = run / "logs"
+    port = cfg.port or _free_port()
+    controller = f"tcp://127.0.0.1:{port}"
+    py = sys.executable
+    roles: list[Role] = []
+    for i in range(cfg.rollout_servers):
+        roles.append(Role(f"rollout-{i}", [py, "-m", "rollout_service", "--model", cfg.pretrain,
+                                             "--controller", controller, "--name", f"rollout-{i}",
+                                             *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log"))
+    for i in range(cfg.reward_services):
+        roles.append(Role(f"reward-{i}", [py, "-m", "reward_service", "--controller", controller,
+                                           "--name", f"reward-{i}", *shlex.split(cfg.reward_args)],
+                          logs / f"reward-{i}.log"))
+    learner_flags = ["--pretrain", cfg.pretrain, "--save_path", str(run / "model"),
+                     "--controller_bind", controller, "--min_rollout_servers", str(cfg.rollout_servers),
+                     "--min_reward_services", str(cfg.reward_services), "--metrics_file", str(run / "metrics.jsonl"),
+                     "--use_tensorboard", str(run / "tensorboard"), *shlex.split(cfg.learner_args)]
+    if cfg.learner_nproc > 1:
+        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.learner_nproc}",
+               "-m", "learner.train_ppo", *learner_flags]
+    else:
+        cmd = [py, "-m", "learner.train_ppo", *learner_flags]
+    roles.append(Role("learner", cmd, logs / "learner.log"))
+    return roles
+
+
+class Supervisor:
+    def __init__(self, roles: list[Role], cfg: LocalConfig) -> None:
+        self.roles = roles
+        self.cfg = cfg
+        self.metrics = Path(cfg.run_dir) / "metrics.jsonl"
+        self._metrics_pos = 0
+        self.last: dict = {}
+
+    def start(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.threads_per_process), PYTHONUNBUFFERED="1",
+                   TOKENIZERS_PARALLELISM="false")
+        for r in self.roles:
+            r.log.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(r.log, "w")
+            fh.write("$ " + shlex.join(r.cmd) + "\n")
+            fh.flush()
+            # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
+            # e.g. vLLM's engine core) as a whole.
+            r.proc = subprocess.Popen(r.cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
+
+    def watch(self) -> int:
+        """Returns the run's exit code: the learner's, or 1 if another role died first."""
+        learner = next(r for r in self.roles if r.name == "learner")
+        while True:
+            self._progress()
+            for r in self.roles:
+                code = r.proc.poll()
+                if code is None:
+                    continue
+                if r is learner:
+                    self._progress(final=True)
+                    if code != 0:
+                        print(f"\nthe learner exited with code {code}; see its log: {r.log}\n{_tail(r.log)}",
+                              file=sys.stderr)
+                    return code
+                if r.essential:
+                    print(f"\n{r.name} died (exit code {code}) during the run; see its log: {r.log}\n{_tail(r.log)}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        """terminate -> wait with a deadline -> kill, every role's whole process group."""
+        alive = [r for r in self.roles if r.proc is not None and r.proc.poll() is None]
+        for r in alive:
+            _signal_group(r.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        for r in alive:
+            try:
+                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"{r.name} did not exit within {self.cfg.stop_timeout_s:.0f} s; killing it", file=sys.stderr)
+                _signal_group(r.proc, signal.SIGKILL)
+                r.proc.wait(timeout=10)
+        for r in self.roles:  # stragglers of finished roles (engine cores, workers)
+            if r.proc is not None:
+                _signal_group(r.proc, signal.SIGKILL)
+
+    def _progress(self, final: bool = False) -> None:
+        if not self.metrics.exists():
+            return
+        with open(self.metrics) as fh:
+            fh.seek(self._metrics_pos)
+            for line in fh:
+                if line.endswith("\n"):
+                    self._metrics_pos += len(line.encode())
+                    try:
+                        self.last.update(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass
+        if self.cfg.quiet or "step" not in self.last:
+            return
+        m = self.last
+        total = int(m.get("time/total_steps", 0)) or "?"
+        line = (f"step {m['step']}/{total}  reward {m.get('rollout/reward', float('nan')):.3f}  "
+                f"tokens/s {m.get('perf/rollout_tokens_per_s', 0):.0f}  "
+                f"left {_fmt_s(m.get('time/eta_s', 0))}  re-issued {int(m.get('ledger/reissued', 0))}")
+        if "eval/accuracy" in m:
+            line += f"  eval acc (start) {m['eval/accuracy']:.2f}"
+        print("\r" + line.ljust(100), end="\n" if final else "", flush=True)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _fmt_s(s: float) -> str:
+    s = int(s)
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return ""
+    return "\n".join("    " + ln for ln in lines)
+
+
+def run(cfg: LocalConfig) -> int:
+    roles = build_roles(cfg)
+    sup = Supervisor(roles, cfg)
+    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    sup.start()
+    try:
+        return sup.watch()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every role", file=sys.stderr)
+        return 130
+    finally:
+        sup.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(LocalConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.local")
+    log_config(cfg)
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""RL training of a policy with rollouts from rollout_service and scores from reward_service.
+
+    torchrun --nproc_per_node N -m learner.train_ppo --pretrain PATH --prompt_data FILE ...
+    python -m learner.train_ppo ...            # one learner process
+
+Rank 0 is also the controller: it binds ``--controller_bind``, waits for the services, and
+runs the lockstep schedule
+
+    collect rollout_batch_size prompts x n_samples_per_prompt  (rollout + reward services)
+    -> PPO/GRPO update on every rank                            (DeepSpeed)
+    -> push the new weights to every rollout server             (torch.distributed)
+
+Flags follow OpenRLHF's ``train_ppo_ray``; ``--help`` lists them all. The services are
+separate processes: start them yourself (README's multi-terminal recipe) or with
+``python -m launch.local``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from common.config import parse
+from learner.ppo_config import PPOConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse(PPOConfig, argv, description=__doc__.split("\n\n")[0], prog="learner.train_ppo")
+    from learner.ppo_loop import run  # heavy imports only after the flags parse
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
