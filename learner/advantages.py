@@ -31,6 +31,9 @@ valid token of every rank: pass ``dist_reduce`` (e.g. ``dist_sum(group)``), a ca
 returns the element-wise SUM of a tensor over ranks; mean and variance are then computed
 from all-reduced sums, exactly as if one rank held the whole batch.
 
+Tests: ``pytest tests/test_advantages.py tests/test_dp_invariance.py`` (hand-computed values;
+2 gloo ranks reproduce the single-rank whitening).
+
 Differences from OpenRLHF:
 * masked positions in the middle of a response (tool output in multi-turn) are skipped by
   GAE and the returns recursion (the value/return carries over them) instead of being

@@ -14,6 +14,8 @@ Shape glossary (shared by ``learner.losses`` and ``learner.advantages``)::
     T  response tokens (right-padded; ``mask`` marks the valid ones)
     V  vocabulary size
 
+Tests: ``pytest tests/test_kl.py`` (every function, numbers derived by hand).
+
 Differences from OpenRLHF's ``compute_approx_kl`` / ``compute_reward``:
 masked (padding) positions are zeroed here rather than left for the caller to mask, and the
 optional ``clamp`` is symmetric ``[-clamp, clamp]``.

@@ -22,6 +22,9 @@ Shape glossary::
 Metrics are detached 0-dim tensors (no host sync until the caller asks), computed as LOCAL
 masked means over this micro-batch's valid tokens; reduce them across ranks for logging.
 
+Tests: ``pytest tests/test_losses.py tests/test_dp_invariance.py`` (hand-computed losses and
+gradients; 2 gloo ranks x 2 micro-batches reproduce the whole-batch loss and gradients).
+
 Differences from OpenRLHF's ``PolicyLoss`` / ``ValueLoss``: aggregation uses global counts
 (OpenRLHF: per-micro-batch mean); the policy log-ratio is clamped to [-20, 20] before exp
 (as verl does) and zeroed at padding so garbage log-probs there cannot produce NaN grads.

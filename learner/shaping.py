@@ -7,6 +7,8 @@ groups are kept at all (DAPO dynamic sampling).
 
 Shape glossary: B sequences, G group size (B // G consecutive groups), T response tokens.
 
+Tests: ``pytest tests/test_advantages.py`` (the shaping section).
+
 Difference from OpenRLHF: OpenRLHF applies ``reward_clip_range`` inside ``compute_reward``,
 i.e. after group normalisation; here clipping is a separate step on the raw scalar reward,
 which is where the range of a reward model's score is meaningful. For PPO (no group step)
