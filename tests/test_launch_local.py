@@ -1,0 +1,60 @@
+"""launch.local's supervisor: a dying role stops the run, named, and nobody is left behind."""
+
+import os
+import sys
+import time
+
+from launch.local import LocalConfig, Role, Supervisor, build_roles
+
+
+def _role(name, code, tmp_path):
+    return Role(name, [sys.executable, "-c", code], tmp_path / "logs" / f"{name}.log")
+
+
+def test_role_death_stops_everything_and_names_it(tmp_path, capsys):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [
+        _role("rollout-0", "import time; time.sleep(120)", tmp_path),
+        # ignores SIGTERM: must be killed after the deadline
+        _role("reward-0", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
+              tmp_path),
+        _role("learner", "import time; time.sleep(120)", tmp_path),
+    ]
+    roles.insert(0, _role("rollout-1", "import sys, time; print('boom: CUDA error'); time.sleep(0.5); sys.exit(3)",
+                          tmp_path))
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    t0 = time.monotonic()
+    try:
+        assert sup.watch() == 1
+    finally:
+        sup.stop()
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert "rollout-1 died (exit code 3)" in err and "rollout-1.log" in err and "boom: CUDA error" in err
+    for r in roles:
+        assert r.proc.poll() is not None, f"{r.name} still running"
+
+
+def test_learner_exit_code_is_the_runs(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [_role("rollout-0", "import time; time.sleep(120)", tmp_path),
+             _role("learner", "import time; time.sleep(0.5)", tmp_path)]
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    try:
+        assert sup.watch() == 0
+    finally:
+        sup.stop()
+    assert roles[0].proc.poll() is not None
+
+
+def test_build_roles_wires_every_process_to_one_controller(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", rollout_servers=2, reward_services=1,
+                      learner_nproc=2, port=5999, reward_args="--reward_func f.py", learner_args="--max_steps 3")
+    roles = {r.name: r for r in build_roles(cfg)}
+    assert set(roles) == {"rollout-0", "rollout-1", "reward-0", "learner"}
+    assert "tcp://127.0.0.1:5999" in roles["rollout-1"].cmd and "--reward_func" in roles["reward-0"].cmd
+    learner = roles["learner"].cmd
+    assert "torch.distributed.run" in learner and "--nproc_per_node=2" in learner
+    assert learner[learner.index("--min_rollout_servers") + 1] == "2" and learner[-2:] == ["--max_steps", "3"]
