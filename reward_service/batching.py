@@ -1,0 +1,51 @@
+"""Ragged token sequences -> padded micro-batches for the reference and reward models.
+
+Samples are sorted by length (longest first, so an out-of-memory shows on the first
+micro-batch rather than midway) and cut into micro-batches of ``micro_batch_size``: sorting
+keeps the padding in each micro-batch small, which is most of what packing would save,
+without packing's need for varlen attention kernels (absent on CPU).
+
+Position ids come from the attention mask (``cumsum - 1``), so a left-padded sequence sees
+the same positions as the unpadded one; pad positions get position 0 and are masked out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def length_sorted_chunks(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
+    """Indices into ``lengths``, grouped longest first into chunks of ``micro_batch_size``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+
+
+def pad(seqs: Sequence[torch.Tensor], pad_id: int, side: str, device: torch.device | str = "cpu"
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1-D int tensors -> ``(input_ids, attention_mask, position_ids)``, each ``(B, T)``.
+
+    ``side`` is "left" (every sequence ends at column T-1) or "right" (every sequence starts
+    at column 0).
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    b, t = len(seqs), max((len(s) for s in seqs), default=0)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((b, t), dtype=torch.long)  # (B, T)
+    for i, s in enumerate(seqs):
+        n = len(s)
+        if n == 0:
+            continue
+        cols = slice(t - n, t) if side == "left" else slice(0, n)
+        ids[i, cols] = s
+        mask[i, cols] = 1
+    pos = (mask.cumsum(-1) - 1).clamp_(min=0)  # (B, T)
+    return ids.to(device), mask.to(device), pos.to(device)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Column of the last non-pad token of each row of a ``(B, T)`` mask, for either padding side."""
+    t = mask.shape[1]
+    return t - 1 - mask.flip(-1).argmax(-1)  # (B,)

@@ -1,0 +1,97 @@
+"""Reference scorer: per-token log-probs of each response under the frozen reference model.
+
+For the KL term of PPO / GRPO: ``ref_logprobs[t] = log softmax(logits[t-1] / temperature)[token t]``
+for every response token, with the prompt as context. The output is columnar like
+``SampleBatch.response_ids``: the responses' log-probs concatenated, shape ``(L,)``.
+
+Batching: length-sorted micro-batches, *left*-padded, so every response ends at the last
+column and the model's own forward can be asked for the logits of the last
+``max_response_len + 1`` positions only (``logits_to_keep``). That keeps the ``(B, T, V)``
+logits tensor, the memory peak of this job, down to the response part, and still runs the
+model's real forward (any logit soft-capping or scaling it does is included), rather than a
+hand-rolled ``backbone -> lm_head``. Position ids follow the mask, so padding does not shift
+positions: results equal an unpadded forward up to fp32 rounding of different kernel shapes
+(and exactly when a micro-batch holds one sequence).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from reward_service.batching import length_sorted_chunks, pad
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceScorer:
+    def __init__(self, model: torch.nn.Module, *, micro_batch_size: int = 8, temperature: float = 1.0,
+                 pad_id: int = 0) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.pad_id = pad_id
+
+    @classmethod
+    def load(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             attn_implementation: str | None = None, micro_batch_size: int = 8,
+             temperature: float = 1.0) -> "ReferenceScorer":
+        from transformers import AutoModelForCausalLM
+
+        kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device)
+        pad_id = model.config.pad_token_id
+        if pad_id is None:  # any id works: padded positions are masked and never read
+            pad_id = 0
+        log.info("reference model %s loaded (%s, %s)", path, dtype, device)
+        return cls(model, micro_batch_size=micro_batch_size, temperature=temperature, pad_id=int(pad_id))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> torch.Tensor:
+        """Log-probs of every response token, concatenated in input order: ``(L,)`` float32.
+
+        ``prompts[i]`` and ``responses[i]`` are 1-D int tensors; a prompt must be non-empty
+        (the first response token needs context), a response may be empty.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
+        for chunk in length_sorted_chunks([len(s) for s in seqs], self.micro_batch_size):
+            for i, lp in zip(chunk, self._chunk([seqs[i] for i in chunk], [responses[i] for i in chunk])):
+                out[i] = lp
+        if not out:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.cat(out)  # (L,)
+
+    def _chunk(self, seqs: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        max_r = max(len(r) for r in responses)
+        if max_r == 0:
+            return [torch.empty(0, dtype=torch.float32) for _ in responses]
+        ids, mask, pos = pad(seqs, self.pad_id, "left", self.device)  # (B, T)
+        # Logits at columns T-1-max_r .. T-2 predict the last max_r tokens of every row; the
+        # last column (predicting past the end) is computed too, cheaper than slicing inputs.
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            logits_to_keep=max_r + 1, use_cache=False).logits  # (B, max_r + 1, V)
+        res = []
+        for b, r in enumerate(responses):
+            n = len(r)
+            if n == 0:
+                res.append(torch.empty(0, dtype=torch.float32))
+                continue
+            # Row b's response occupies the last n columns of the input; the logits that
+            # predict them are the n columns before the final one.
+            lg = logits[b, max_r - n:max_r].float()  # (n, V); log-softmax in fp32 even for bf16 models
+            if self.temperature != 1.0:
+                lg = lg / self.temperature
+            lp = lg.log_softmax(-1).gather(-1, r.to(lg.device).long()[:, None])[:, 0]  # (n,)
+            res.append(lp.cpu())
+        return res

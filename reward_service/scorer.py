@@ -1,0 +1,256 @@
+"""The socket-free core of the reward service: ``Scorer.score(ScoreRequest) -> ScoredBatch``.
+
+A Scorer holds an optional reference scorer (per-token log-probs for the KL term) and any
+number of reward *sources*, built from the config by the ``SOURCES`` registry:
+
+========  =========================================  ==========================
+name      what                                       flags
+========  =========================================  ==========================
+rm        reward model, head at last non-pad token   --reward_pretrain
+func      user ``reward_func`` in worker processes   --reward_func, .py in --remote_rm_url
+remote    HTTP reward servers (OpenRLHF serve_rm)    --remote_rm_url URL[,URL]
+========  =========================================  ==========================
+
+Combination: a sample's reward is the **sum** of its sources' rewards (e.g. an RM plus a
+format bonus); each source's own reward is logged in ``extra_logs["reward/<source>"]`` when
+there are several. A sample fails if any source failed it (``failed[i]`` joins the reasons,
+reward NaN). ``scores`` sums each source's ``scores``, or its rewards where it gave none
+(OpenRLHF's default). A service with only ``--ref_pretrain`` returns rewards of 0.
+
+Function and remote sources wait on other processes, so they run in threads while the
+reference and reward models compute. How to use it in-process (tests, notebooks)::
+
+    scorer = Scorer.from_config(RewardConfig(controller="-", reward_func="my_reward.py"))
+    scored = scorer.score(ScoreRequest(samples=batch, prompts=[...], labels=[...]))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Protocol
+
+import torch
+
+from common.protocol import ScoredBatch, ScoreRequest
+from reward_service.config import RewardConfig
+from reward_service.inputs import BadRequest, ScoringInput, from_request, with_text
+from reward_service.ref_model import ReferenceScorer
+from reward_service.results import NAN, SourceResult
+
+log = logging.getLogger(__name__)
+
+
+class RewardSource(Protocol):
+    name: str  # "rm", "func:file.py", "remote": names the source in failure reasons and metrics
+    needs_text: bool  # needs prompts / responses / queries text
+    background: bool  # waits on other processes or servers: run in a thread, overlapping the models
+
+    def score(self, inp: ScoringInput) -> SourceResult: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class RMSource:
+    name, background = "rm", False
+
+    def __init__(self, rm, tokenizer=None) -> None:
+        self.rm = rm
+        self.tokenizer = tokenizer  # the RM's own, when it reads the query text (--rm_from_text)
+        self.needs_text = tokenizer is not None
+
+    def score(self, inp: ScoringInput) -> SourceResult:
+        if self.tokenizer is not None:
+            seqs = [torch.tensor(self.tokenizer(q, add_special_tokens=False)["input_ids"]) for q in inp.queries]
+        else:
+            seqs = inp.sequences()
+        return SourceResult(rewards=self.rm.rewards(seqs).tolist(), failed=[None] * len(inp))
+
+    def close(self) -> None:
+        pass
+
+
+class TextSource:
+    """Adapts a ``(queries, prompts, labels, **kw) -> SourceResult`` callable (func, remote)."""
+
+    needs_text, background = True, True
+
+    def __init__(self, impl) -> None:
+        self.impl, self.name = impl, impl.name
+
+    def score(self, inp: ScoringInput) -> SourceResult:
+        return self.impl(inp.queries, inp.prompts, inp.labels, responses=inp.responses, prompt_ids=inp.prompt_ids,
+                         sample_indices=inp.sample_indices, finish_reasons=inp.finish_reasons)
+
+    def close(self) -> None:
+        self.impl.close()
+
+
+def _dtype(cfg: RewardConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def device_of(cfg: RewardConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def _rm_sources(cfg: RewardConfig) -> list[RewardSource]:
+    if not cfg.reward_pretrain:
+        return []
+    from reward_service.reward_model import RewardModelScorer
+
+    rm = RewardModelScorer.load(cfg.reward_pretrain, dtype=_dtype(cfg), device=device_of(cfg),
+                                attn_implementation=cfg.attn_implementation, micro_batch_size=cfg.micro_batch_size,
+                                value_head_prefix=cfg.value_head_prefix, normalize=cfg.normalize_reward)
+    tok = None
+    if cfg.rm_from_text:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.reward_pretrain)
+    return [RMSource(rm, tok)]
+
+
+def _func_sources(cfg: RewardConfig) -> list[RewardSource]:
+    from reward_service.func_reward import FunctionReward
+
+    out = []
+    try:
+        for path in cfg.func_files():
+            out.append(TextSource(FunctionReward(path, timeout_s=cfg.timeout_s, workers=cfg.func_workers)))
+    except BaseException:
+        for s in out:
+            s.close()
+        raise
+    return out
+
+
+def _remote_sources(cfg: RewardConfig) -> list[RewardSource]:
+    from reward_service.remote import RemoteReward
+
+    urls = cfg.urls()
+    return [TextSource(RemoteReward(urls, timeout_s=cfg.timeout_s, retries=cfg.retries,
+                                    backoff_s=cfg.retry_backoff_s))] if urls else []
+
+
+# name -> builder(config) -> sources. Cheap checks first: a bad reward file fails start-up
+# before minutes of model loading.
+SOURCES: dict[str, Callable[[RewardConfig], list[RewardSource]]] = {
+    "func": _func_sources,
+    "remote": _remote_sources,
+    "rm": _rm_sources,
+}
+
+
+# --------------------------------------------------------------------------- scorer
+
+
+class Scorer:
+    def __init__(self, *, ref: ReferenceScorer | None = None, sources: list[RewardSource] = (),
+                 tokenizer=None, name: str = "reward") -> None:
+        self.ref = ref
+        self.sources = list(sources)
+        self.tokenizer = tokenizer  # the policy's: decodes token ids for text sources
+        self.name = name
+        n_bg = sum(s.background for s in self.sources)
+        self._pool = ThreadPoolExecutor(max_workers=n_bg, thread_name_prefix="reward-src") if n_bg else None
+        self.counters: Counter[str] = Counter()
+        self.last_batch_s = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig) -> "Scorer":
+        sources: list[RewardSource] = []
+        try:
+            for build in SOURCES.values():
+                sources += build(cfg)
+            ref = None
+            if cfg.ref_pretrain:
+                ref = ReferenceScorer.load(cfg.ref_pretrain, dtype=_dtype(cfg), device=device_of(cfg),
+                                           attn_implementation=cfg.attn_implementation,
+                                           micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
+            tokenizer = None
+            if cfg.tokenizer_path():
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path())
+        except BaseException:
+            for s in sources:
+                s.close()
+            raise
+        return cls(ref=ref, sources=sources, tokenizer=tokenizer, name=cfg.name or "reward")
+
+    def capabilities(self) -> dict:
+        """What the Hello announces: which sources this service computes."""
+        return {"sources": (["ref"] if self.ref else []) + [s.name for s in self.sources],
+                "ref_logprobs": self.ref is not None,
+                "rewards": bool(self.sources)}
+
+    def score(self, req: ScoreRequest) -> ScoredBatch:
+        """Scores every sample. Raises BadRequest for a request that cannot be scored as sent;
+        failures of reward functions / servers are per-sample (``failed``), not exceptions."""
+        t0 = time.monotonic()
+        inp = from_request(req)
+        n = len(inp)
+        if self.ref is not None and inp.prompt_tokens is None:
+            raise BadRequest("reference log-probs need samples.prompt_token_ids (the prompt tokens)")
+        if any(s.needs_text for s in self.sources):
+            with_text(inp, self.tokenizer)
+        futs = {id(s): self._pool.submit(s.score, inp) for s in self.sources if s.background}
+        ref_logprobs = self.ref.logprobs(inp.prompt_tokens, inp.response_tokens) if self.ref else None
+        results = [(s, s.score(inp)) for s in self.sources if not s.background]
+        results += [(s, futs[id(s)].result()) for s in self.sources if s.background]
+        scored = self._combine(inp, results, ref_logprobs)
+        self.last_batch_s = time.monotonic() - t0
+        self.counters["requests"] += 1
+        self.counters["samples"] += n
+        return scored
+
+    def _combine(self, inp: ScoringInput, results: list[tuple[RewardSource, SourceResult]],
+                 ref_logprobs: torch.Tensor | None) -> ScoredBatch:
+        n = len(inp)
+        rewards, scores = [0.0] * n, [0.0] * n
+        failed: list[str | None] = [None] * n
+        extra: dict[str, list[float]] = {}
+        for src, res in results:
+            src_scores = res.scores if res.scores is not None else res.rewards
+            for i in range(n):
+                rewards[i] += res.rewards[i]
+                scores[i] += src_scores[i]
+                if res.failed[i]:
+                    failed[i] = res.failed[i] if failed[i] is None else f"{failed[i]}; {res.failed[i]}"
+                    self.counters[f"failed:{src.name}"] += 1
+            if len(results) > 1:
+                extra[f"reward/{src.name}"] = list(res.rewards)
+            for k, v in res.extra_logs.items():
+                extra[k if k not in extra else f"{src.name}/{k}"] = v
+        for i in range(n):
+            if failed[i] is not None:
+                rewards[i] = scores[i] = NAN
+                self.counters["samples_failed"] += 1
+            elif not math.isfinite(rewards[i]):  # e.g. an RM that overflowed in bf16
+                failed[i], rewards[i], scores[i] = f"reward is {rewards[i]}", NAN, NAN
+                self.counters["samples_failed"] += 1
+        return ScoredBatch(prompt_ids=inp.prompt_ids, sample_indices=inp.sample_indices,
+                           rewards=torch.tensor(rewards, dtype=torch.float32),
+                           ref_logprobs=ref_logprobs, failed=failed,
+                           scores=torch.tensor(scores, dtype=torch.float32), extra_logs=extra, server=self.name)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the heartbeat: requests, samples, samples_failed, failed:<source>, last_batch_s."""
+        out = {k: float(v) for k, v in self.counters.items()}
+        out.setdefault("samples_failed", 0.0)
+        out["last_batch_s"] = round(self.last_batch_s, 4)
+        return out
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+        if self._pool:
+            self._pool.shutdown(wait=False, cancel_futures=True)
