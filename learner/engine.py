@@ -278,8 +278,13 @@ def make_frozen_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, o
 
 
 def unwrap(model: Any) -> torch.nn.Module:
-    """The HF module inside a DeepSpeed engine (or the module itself)."""
-    return getattr(model, "module", model)
+    """The HF module inside a DeepSpeed engine (or the module itself).
+
+    A wrapper module that adds a forward of its own around an HF model (the reward model
+    in ``learner.models``) exposes it as ``hf_model``; that is what gets saved.
+    """
+    model = getattr(model, "module", model)
+    return getattr(model, "hf_model", model)
 
 
 # --------------------------------------------------------------------------- saving
