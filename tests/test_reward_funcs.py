@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.protocol import SampleBatch, ScoreRequest
+from reward_service.config import parse_config
 from reward_service.func_reward import FuncLoadError, FunctionReward
 from reward_service.remote import RemoteReward
 from reward_service.results import from_raw
@@ -163,8 +164,11 @@ def no_proxy(monkeypatch):
 def test_remote_http_rewards_then_server_killed(no_proxy):
     proc, url = start_http()
     try:
-        rr = RemoteReward([url], timeout_s=2, retries=2, backoff_s=0.05)
-        scorer = Scorer(sources=[TextSource(rr)])
+        cfg = parse_config(["--controller", "tcp://127.0.0.1:1", "--remote_rm_url", url, "--timeout_s", "2",
+                            "--retries", "2", "--retry_backoff_s", "0.05"])
+        scorer = Scorer.from_config(cfg)
+        rr = scorer.sources[0].impl
+        assert scorer.capabilities()["sources"] == ["remote"]
         req = request(["ab", "abcd", "x"], ["cd", "", "yz"])
         out = scorer.score(req)
         assert out.rewards.tolist() == pytest.approx([0.04, 0.04, 0.03]) and out.failed == [None] * 3

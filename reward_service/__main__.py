@@ -1,0 +1,26 @@
+"""``python -m reward_service --controller tcp://HOST:PORT [sources...]``: one reward service.
+
+Parses the config before importing torch or transformers, so ``--help`` is instant; logs
+the resolved config as JSON; then loads the models / reward functions and serves
+(``reward_service/server.py``). Exit codes: 0 stopped (Shutdown or signal), 1 fatal fault,
+2 could not start (the log names the file or flag at fault).
+"""
+
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from reward_service.config import parse_config
+
+    cfg = parse_config(argv)
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s reward[%(process)d] %(name)s: %(message)s")
+    logging.getLogger(__name__).info("config %s", cfg.to_json())
+    from reward_service.server import serve  # the heavy imports start here
+
+    return serve(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

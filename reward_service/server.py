@@ -1,0 +1,241 @@
+"""The reward service process: a ``Scorer`` behind a DEALER socket to the controller.
+
+Threads and sockets:
+- the *main* thread owns the DEALER socket (ZMQ sockets are not thread-safe): it answers
+  the handshake, receives requests, sends replies and a Heartbeat every ``--heartbeat_s``;
+- one *scoring* thread runs ``Scorer.score`` on queued ScoreRequests in arrival order (one
+  model forward at a time is what a GPU wants) and hands replies back through a queue,
+  waking the main thread over an inproc PAIR socket. So heartbeats keep flowing while a
+  long batch scores, and a slow batch does not look like a dead service.
+
+Messages in (controller -> service):
+- ``ScoreRequest`` -> ``ScoredBatch`` (same ``call_id``), or ``Error`` with the request's
+  ``call_id`` and ``prompt_ids``: "bad_request" (it cannot be scored as sent; the service
+  stays up), "overloaded" (more than ``--max_pending`` queued), "internal" (a model forward
+  raised, e.g. out of memory; the controller may re-issue the work elsewhere);
+- ``Shutdown`` -> finish queued work (at most ``DRAIN_S``), answer ``Ack`` if it was a call,
+  exit 0;
+- ``Error(code="fatal")`` from the controller -> exit 0: there is no one left to serve;
+- anything else -> ``Error(code="bad_request")``. Undecodable frames are answered by the
+  transport (``common/transport.py``) and counted in ``rejected``.
+
+Fatal faults -- ``FATAL_AFTER`` internal errors in a row (a broken device stays broken),
+an unexpected exception in this loop, SIGTERM / SIGINT -- send ``Error(code="fatal")`` so the
+controller re-issues this service's work at once instead of waiting for the heartbeat
+deadline, then exit (1 for a fault, 0 for a signal).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+
+import zmq
+
+from common.protocol import Ack, Error, Heartbeat, Message, ScoreRequest, Shutdown
+from common.transport import Endpoint, PeerUnavailable, TransportError, default_name, handshake
+from reward_service.inputs import BadRequest
+from reward_service.scorer import Scorer
+
+log = logging.getLogger(__name__)
+
+DRAIN_S = 30.0  # on Shutdown, queued work gets this long to finish
+FATAL_AFTER = 3  # consecutive internal errors that make the service declare itself broken
+FATAL_SEND_S = 2.0  # how long the last words may take to leave
+
+
+class RewardServer:
+    def __init__(self, scorer: Scorer, *, controller: str, name: str = "", heartbeat_s: float = 2.0,
+                 connect_timeout_s: float = 60.0, max_pending: int = 64) -> None:
+        self.scorer = scorer
+        self.controller = controller
+        self.name = name or default_name("reward")
+        self.heartbeat_s = heartbeat_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_pending = max_pending
+        self._todo: queue.Queue[ScoreRequest | None] = queue.Queue()
+        self._done: queue.Queue[Message] = queue.Queue()
+        self._busy = 0  # requests taken by the scoring thread and not yet answered
+        self._consecutive_internal = 0
+        self._fatal: str | None = None  # set by the scoring thread: the main loop announces it
+        self._signal: str | None = None
+        self.counters = {"bad_requests": 0, "internal_errors": 0, "overloaded": 0}
+        self._ctx = zmq.Context.instance()
+        self._wake_addr = f"inproc://reward-wake-{id(self)}"
+        self._ep: Endpoint | None = None
+
+    # ------------------------------------------------------------------ scoring thread
+    def _score_loop(self) -> None:
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.connect(self._wake_addr)
+        try:
+            while True:
+                req = self._todo.get()
+                if req is None:
+                    return
+                self._done.put(self._answer(req))
+                wake.send(b"", zmq.NOBLOCK)
+        except Exception as e:  # noqa: BLE001 - a bug here must take the service down loudly
+            log.exception("scoring thread crashed")
+            self._fatal = f"scoring thread crashed: {type(e).__name__}: {e}"
+            wake.send(b"", zmq.NOBLOCK)
+        finally:
+            wake.close(0)
+
+    def _answer(self, req: ScoreRequest) -> Message:
+        try:
+            out = self.scorer.score(req)
+            self._consecutive_internal = 0
+        except BadRequest as e:
+            self.counters["bad_requests"] += 1
+            log.warning("bad ScoreRequest (call %d): %s", req.call_id, e)
+            out = Error(code="bad_request", message=str(e), prompt_ids=list(req.samples.prompt_ids))
+        except Exception as e:  # noqa: BLE001 - the request failed, the service may live on
+            self.counters["internal_errors"] += 1
+            self._consecutive_internal += 1
+            log.exception("scoring call %d failed", req.call_id)
+            out = Error(code="internal", message=f"{self.name}: {type(e).__name__}: {e}",
+                        prompt_ids=list(req.samples.prompt_ids))
+            if self._consecutive_internal >= FATAL_AFTER:
+                self._fatal = f"{FATAL_AFTER} scoring calls in a row failed; last: {type(e).__name__}: {e}"
+        out.call_id = req.call_id
+        return out
+
+    # ------------------------------------------------------------------ main thread
+    def run(self) -> int:
+        """Serves until Shutdown, a fatal fault or a signal; returns the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        wake = self._ctx.socket(zmq.PAIR)
+        wake.bind(self._wake_addr)
+        ep = self._ep = Endpoint.connect(self.controller, name=self.name)
+        worker = threading.Thread(target=self._score_loop, name="reward-score", daemon=True)
+        try:
+            try:
+                welcome = handshake(ep, "reward", self.capabilities(), timeout=self.connect_timeout_s)
+            except TransportError as e:  # never registered: nobody to announce anything to
+                log.error("could not register with the controller: %s", e)
+                return 1
+            log.info("%s registered with the controller at %s as %s", self.name, self.controller, welcome.peer_id)
+            worker.start()
+            return self._loop(ep, wake)
+        except Exception as e:  # noqa: BLE001
+            log.exception("reward service failed")
+            self._last_words(ep, f"{self.name} failed: {type(e).__name__}: {e}")
+            return 1
+        finally:
+            self._todo.put(None)
+            if worker.is_alive():
+                worker.join(timeout=5)
+            self.scorer.close()
+            ep.close()
+            wake.close(0)
+
+    def capabilities(self) -> dict:
+        return {**self.scorer.capabilities(), "max_pending": self.max_pending}
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signal = signal.Signals(signum).name
+
+    def _loop(self, ep: Endpoint, wake: zmq.Socket) -> int:
+        poller = zmq.Poller()
+        poller.register(ep.sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        seq, next_hb = 0, time.monotonic()
+        drain_deadline: float | None = None
+        shutdown_call: Shutdown | None = None
+        while True:
+            while not self._done.empty():
+                msg = self._done.get()
+                self._busy -= 1
+                ep.send(msg)
+            if self._fatal:
+                self._last_words(ep, f"{self.name}: {self._fatal}")
+                return 1
+            if self._signal:
+                self._last_words(ep, f"{self.name} stopping on {self._signal}")
+                return 0
+            now = time.monotonic()
+            if drain_deadline is not None and (self._busy == 0 or now >= drain_deadline):
+                if self._busy:
+                    log.warning("shutting down with %d request(s) unanswered after %.0f s", self._busy, DRAIN_S)
+                if shutdown_call is not None and shutdown_call.call_id:
+                    ep.reply(shutdown_call, Ack(info={"unanswered": self._busy}))
+                return 0
+            if now >= next_hb:
+                ep.send(Heartbeat(name=self.name, seq=seq, stats=self.stats()))
+                seq += 1
+                next_hb = now + self.heartbeat_s
+            # Wake for the next heartbeat, and often enough to notice a signal.
+            events = dict(poller.poll(timeout=max(0, min(next_hb - now, 0.2)) * 1000))
+            if wake in events:
+                while wake.poll(0):
+                    wake.recv()
+            if ep.core.stash or ep.sock in events:
+                got = ep.recv(timeout=0)
+                if got is None:
+                    continue
+                msg = got[1]
+                if isinstance(msg, Shutdown):
+                    log.info("Shutdown from the controller (%s): finishing %d queued request(s)",
+                             msg.reason or "no reason given", self._busy)
+                    shutdown_call, drain_deadline = msg, time.monotonic() + DRAIN_S
+                elif drain_deadline is not None:
+                    if isinstance(msg, ScoreRequest):
+                        ep.reply(msg, Error(code="shutting_down", message=f"{self.name} is shutting down",
+                                            prompt_ids=list(msg.samples.prompt_ids)))
+                else:
+                    if self._handle(ep, msg) == "exit":
+                        return 0
+
+    def _handle(self, ep: Endpoint, msg: Message) -> str | None:
+        if isinstance(msg, ScoreRequest):
+            if self._busy >= self.max_pending:
+                self.counters["overloaded"] += 1
+                ep.reply(msg, Error(code="overloaded", message=f"{self.name} has {self._busy} requests queued "
+                                    f"(--max_pending {self.max_pending})", prompt_ids=list(msg.samples.prompt_ids)))
+                return None
+            self._busy += 1
+            self._todo.put(msg)
+        elif isinstance(msg, Error):
+            if msg.code == "fatal":
+                log.error("controller is going down (%s): exiting", msg.message)
+                return "exit"
+            log.warning("controller sent error %s: %s", msg.code, msg.message)
+        else:
+            self.counters["bad_requests"] += 1
+            ep.reply(msg, Error(code="bad_request", message=f"{self.name} (a reward service) does not handle "
+                                f"{type(msg).__name__}"))
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Heartbeat stats: the scorer's counters plus queue depth and error counts."""
+        return {**self.scorer.stats(), **{k: float(v) for k, v in self.counters.items()},
+                "in_flight": float(self._busy), "rejected": float(self._ep.stats["rejected"] if self._ep else 0)}
+
+    def _last_words(self, ep: Endpoint, message: str) -> None:
+        log.error("announcing fatal: %s", message)
+        try:
+            ep.send(Error(code="fatal", message=message), timeout=FATAL_SEND_S)
+        except (PeerUnavailable, zmq.ZMQError) as e:
+            log.warning("could not announce the fault to the controller: %s", e)
+
+
+def serve(cfg) -> int:
+    """Builds the Scorer from ``cfg`` and serves; returns the exit code."""
+    from reward_service.func_reward import FuncLoadError
+    from reward_service.reward_model import RewardModelError
+
+    name = cfg.name or default_name("reward")
+    cfg.name = name
+    try:
+        scorer = Scorer.from_config(cfg)
+    except (FuncLoadError, RewardModelError, OSError, ValueError) as e:
+        log.error("reward service %s failed to start: %s", name, e)
+        return 2
+    log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
+    return RewardServer(scorer, controller=cfg.controller, name=name, heartbeat_s=cfg.heartbeat_s,
+                        connect_timeout_s=cfg.connect_timeout_s, max_pending=cfg.max_pending).run()
