@@ -27,6 +27,7 @@ class RewardConfig:
     name: str = _f("", "this service's name at the controller (its ZMQ identity); default reward-HOST-PID")
     heartbeat_s: float = _f(2.0, "seconds between Heartbeat messages to the controller")
     connect_timeout_s: float = _f(60.0, "give up if the controller does not answer Hello within this many seconds")
+    capacity: int = _f(64, "prompts the controller may have in flight here (announced in Hello as capabilities['capacity'])")
     max_pending: int = _f(64, "ScoreRequests queued beyond this are refused with Error(code='overloaded')")
 
     # -- reference model (KL term)
@@ -79,7 +80,7 @@ class RewardConfig:
         for u in self.urls():
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"--remote_rm_url entry {u!r} is neither an http(s) URL nor a .py file")
-        for name in ("micro_batch_size", "func_workers", "max_pending"):
+        for name in ("micro_batch_size", "func_workers", "max_pending", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "temperature"):

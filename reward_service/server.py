@@ -49,13 +49,14 @@ FATAL_SEND_S = 2.0  # how long the last words may take to leave
 
 class RewardServer:
     def __init__(self, scorer: Scorer, *, controller: str, name: str = "", heartbeat_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, max_pending: int = 64) -> None:
+                 connect_timeout_s: float = 60.0, max_pending: int = 64, capacity: int = 64) -> None:
         self.scorer = scorer
         self.controller = controller
         self.name = name or default_name("reward")
         self.heartbeat_s = heartbeat_s
         self.connect_timeout_s = connect_timeout_s
         self.max_pending = max_pending
+        self.capacity = capacity
         self._todo: queue.Queue[ScoreRequest | None] = queue.Queue()
         self._done: queue.Queue[Message] = queue.Queue()
         self._busy = 0  # requests taken by the scoring thread and not yet answered
@@ -135,7 +136,7 @@ class RewardServer:
             wake.close(0)
 
     def capabilities(self) -> dict:
-        return {**self.scorer.capabilities(), "max_pending": self.max_pending}
+        return {**self.scorer.capabilities(), "capacity": self.capacity, "max_pending": self.max_pending}
 
     def _on_signal(self, signum, _frame) -> None:
         self._signal = signal.Signals(signum).name
@@ -238,4 +239,5 @@ def serve(cfg) -> int:
         return 2
     log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
     return RewardServer(scorer, controller=cfg.controller, name=name, heartbeat_s=cfg.heartbeat_s,
-                        connect_timeout_s=cfg.connect_timeout_s, max_pending=cfg.max_pending).run()
+                        connect_timeout_s=cfg.connect_timeout_s, max_pending=cfg.max_pending,
+                        capacity=cfg.capacity).run()
