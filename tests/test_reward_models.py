@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.protocol import SampleBatch, ScoreRequest
+from helpers.reward_models import build_tiny_rm
 from reward_service.batching import pad
 from reward_service.inputs import BadRequest
 from reward_service.ref_model import ReferenceScorer
@@ -32,11 +33,7 @@ def policy(tiny_model_dir):
 @pytest.fixture(scope="module")
 def rm_dir(tiny_model_dir, tmp_path_factory):
     """A tiny HF sequence-classification RM: the tiny model + a fresh score head."""
-    torch.manual_seed(1)
-    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    out = tmp_path_factory.mktemp("rm") / "hf"
-    rm.save_pretrained(out)
-    return out
+    return build_tiny_rm(tiny_model_dir, tmp_path_factory.mktemp("rm") / "hf")
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from common import protocol as P
 from common.transport import RemoteError
 from helpers.reward_controller import ENV, ROOT, FakeController
+from helpers.reward_models import build_tiny_rm
 
 MATH = "examples/rewards/math_exact_match.py"
 FAULTY = "tests/helpers/reward_faulty.py"
@@ -116,6 +117,30 @@ def test_garbage_and_bad_requests_are_answered_and_service_keeps_serving(ctrl, s
     assert ok.rewards.tolist() == [1.0]
     hb = ctrl.recv_until(lambda m: isinstance(m, P.Heartbeat) and m.stats.get("rejected", 0) >= 2, timeout=10)
     assert hb.stats["bad_requests"] >= 2
+
+
+def test_ref_and_reward_model_through_the_process(ctrl, tiny_model_dir, tmp_path, tok):
+    """--ref_pretrain + --reward_pretrain + a format bonus, as the controller would use them."""
+    rm_dir = build_tiny_rm(tiny_model_dir, tmp_path / "rm")
+    ctrl.start("rw-models", "--ref_pretrain", str(tiny_model_dir), "--reward_pretrain", str(rm_dir),
+               "--reward_func", "examples/rewards/format_check.py", "--micro_batch_size", "2")
+    prompts, responses = ["Q: 2+3?\n", "Reverse: abc\n", "Hi\n"], ["Answer: 5", "cba", "Answer: 1\nAnswer: 2"]
+    req = token_request(tok, prompts, responses, labels=[None] * 3)
+    out = call(ctrl, "rw-models", req, timeout=60)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    want_lp, want_rm = [], []
+    with torch.no_grad():
+        for p, r in zip(req.samples.prompt_token_ids, req.samples.split_responses()):
+            ids = torch.tensor(p + r.tolist())[None]
+            lp = policy(ids).logits[0].log_softmax(-1)
+            want_lp.append(lp[len(p) - 1:-1].gather(-1, r.long()[:, None])[:, 0])
+            want_rm.append(rm(ids).logits[0, 0])
+    assert (out.ref_logprobs - torch.cat(want_lp)).abs().max() < 1e-5
+    fmt = torch.tensor([1.0, 0.0, 0.0])  # only the first has exactly one answer
+    assert (out.rewards - (torch.stack(want_rm) + fmt)).abs().max() < 1e-5
+    assert (torch.tensor(out.extra_logs["reward/rm"]) - torch.stack(want_rm)).abs().max() < 1e-5
+    assert out.extra_logs["reward/func:format_check.py"] == fmt.tolist() and out.failed == [None] * 3
 
 
 def test_shutdown_is_acknowledged_and_exits_0(ctrl):
