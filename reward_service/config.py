@@ -36,7 +36,7 @@ class RewardConfig:
 
     # -- reward model
     reward_pretrain: str | None = _f(None, "HF reward model path (sequence classifier or OpenRLHF value-head format)")
-    value_head_prefix: str = _f("auto", "name of the RM's scalar head in the checkpoint; auto tries 'score' then 'value_head'")
+    value_head_prefix: str = _f("auto", "name of the RM's scalar head in the checkpoint; auto: config's value_head_prefix, then 'score', 'value_head'")
     normalize_reward: bool = _f(False, "RM rewards become (r - config.mean) / config.std, from the RM's config.json")
     rm_from_text: bool = _f(False, "feed the RM the query text re-tokenised by its own tokenizer (RM tokenizer differs from policy's)")
 

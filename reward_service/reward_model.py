@@ -39,10 +39,17 @@ class RewardModelError(RuntimeError):
     """The reward model checkpoint cannot be used (missing head, bad normalisation keys)."""
 
 
-def load_head(path: str, prefix: str = "auto") -> tuple[str, torch.Tensor, torch.Tensor | None]:
-    """Finds the scalar head in a checkpoint dir: ``(prefix, weight (1, H), bias (1,) | None)``."""
-    tensors = _checkpoint_tensors(path, [f"{p}.{k}" for p in HEAD_PREFIXES + (prefix,) for k in ("weight", "bias")])
-    tried = HEAD_PREFIXES if prefix == "auto" else (prefix,)
+def load_head(path: str, prefix: str = "auto", config_prefix: str | None = None
+              ) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """Finds the scalar head in a checkpoint dir: ``(prefix, weight (1, H), bias (1,) | None)``.
+
+    ``auto`` tries the prefix the checkpoint's config names (``value_head_prefix``, as our RM
+    trainer and OpenRLHF write it), then ``score``, then ``value_head``."""
+    if prefix == "auto":
+        tried = tuple(dict.fromkeys(([config_prefix] if isinstance(config_prefix, str) else []) + list(HEAD_PREFIXES)))
+    else:
+        tried = (prefix,)
+    tensors = _checkpoint_tensors(path, [f"{p}.{k}" for p in tried for k in ("weight", "bias")])
     for p in tried:
         w = tensors.get(f"{p}.weight")
         if w is None:
@@ -116,7 +123,7 @@ class RewardModelScorer:
 
         config = AutoConfig.from_pretrained(path)
         mean, std = normalization(config, path) if normalize else (0.0, 1.0)
-        prefix, w, b = load_head(path, value_head_prefix)
+        prefix, w, b = load_head(path, value_head_prefix, getattr(config, "value_head_prefix", None))
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the head is "unexpected" to AutoModel: by design

@@ -99,12 +99,21 @@ def test_rm_scores_equal_direct_forward_left_and_right_padded(rm_dir):
     assert (rm.rewards(seqs) - want).abs().max().item() < 1e-5  # unpadded
 
 
-def test_openrlhf_format_value_head_and_normalisation(rm_dir, openrlhf_rm_dir):
+def test_openrlhf_format_value_head_and_normalisation(rm_dir, openrlhf_rm_dir, tmp_path):
     seqs = [torch.cat(s) for s in ragged(3)]
     raw = RewardModelScorer.load(str(rm_dir)).rewards(seqs)
     rm = RewardModelScorer.load(str(openrlhf_rm_dir), normalize=True)
     assert (rm.mean, rm.std) == (0.25, 2.0)
     assert torch.allclose(rm.rewards(seqs), (raw - 0.25) / 2.0, atol=1e-6, rtol=0)
+    # A head named in the config (value_head_prefix, as the RM trainer writes it) is found by auto.
+    named = tmp_path / "named"
+    named.mkdir()
+    sd = load_file(openrlhf_rm_dir / "model.safetensors")
+    sd["my_head.weight"] = sd.pop("value_head.weight")
+    save_file(sd, named / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((openrlhf_rm_dir / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**cfg, "value_head_prefix": "my_head"}))
+    assert torch.allclose(RewardModelScorer.load(str(named)).rewards(seqs), raw, atol=1e-6, rtol=0)
     with pytest.raises(RewardModelError, match=r"config.json has no numeric 'mean'"):
         RewardModelScorer.load(str(rm_dir), normalize=True)
     with pytest.raises(RewardModelError, match=r"no reward head found \(looked for reward\.weight\)"):
