@@ -4,8 +4,10 @@ and how samples become padded or packed micro-batches.
 A sample is ``(input_ids, loss_mask)``: the mask marks response tokens (prompt tokens get
 no loss). Response tokens are found on CHARACTER spans of the rendered text through the
 fast tokenizer's offsets, so a BPE merge across the prompt/response boundary cannot shift
-the mask by a token (a token that starts in the prompt counts as prompt). Multi-turn chats
-mark every assistant turn.
+the mask by a token: a token that overlaps the response counts as response. (With
+``--input_template 'User: {}\nAssistant: '`` the template's last space merges with the
+response's first word into one token, " Answer"; that token is what the model must produce,
+so it is learned.) Multi-turn chats mark every assistant turn.
 
 Collation shifts labels per sample (``labels[t]`` = token t+1, ``IGNORE_INDEX`` at each
 sample's last position and where the next token is not a response token), so the same
@@ -16,7 +18,9 @@ loss serves:
   restarting at 0 for every sample and no attention mask. transformers reads the restarts
   as sample boundaries: flash_attention_2 gets per-sample ``cu_seqlens``, and SDPA/eager
   (CPU) get a block-diagonal causal mask. Attention never crosses samples on either path
-  (``tests/test_sft_data.py`` checks packed logits equal per-sample logits).
+  (``tests/test_sft_data.py`` checks packed logits equal per-sample logits). The forward
+  must pass ``use_cache=False`` (``learner.models.forward_logits`` does): with a KV cache
+  transformers skips the packed-row detection and attends across samples.
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ class Sample:
 
 
 def encode_spans(tokenizer: Any, text: str, spans: Sequence[Tuple[int, int]]) -> Sample:
-    """Tokenize ``text`` (no added special tokens) and mark tokens starting inside ``spans``."""
+    """Tokenize ``text`` (no added special tokens) and mark tokens overlapping ``spans``."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("response masks need a fast tokenizer (offset mapping); this one is slow")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    mask = [any(start < e and end > s for s, e in spans) for start, end in enc["offset_mapping"]]
     return Sample(list(enc["input_ids"]), mask)
 
 
