@@ -77,6 +77,8 @@ class RewardConfig:
             raise ValueError("nothing to score with: give --ref_pretrain, --reward_pretrain, --reward_func or --remote_rm_url")
         if self.normalize_reward and not self.reward_pretrain:
             raise ValueError("--normalize_reward applies to a reward model: give --reward_pretrain")
+        if self.rm_from_text and not (self.tokenizer or self.ref_pretrain):
+            raise ValueError("--rm_from_text re-tokenises text decoded with the policy's tokenizer: give --tokenizer")
         for u in self.urls():
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"--remote_rm_url entry {u!r} is neither an http(s) URL nor a .py file")

@@ -58,6 +58,9 @@ def from_request(req: ScoreRequest) -> ScoringInput:
             raise BadRequest(f"ScoreRequest.{name} has {len(got)} entries for {n} samples")
     prompt_tokens = None
     if sb.prompt_token_ids is not None:
+        for i, p in enumerate(sb.prompt_token_ids):
+            if not p:
+                raise BadRequest(f"samples.prompt_token_ids[{i}] is empty (prompt id {sb.prompt_ids[i]})")
         prompt_tokens = [torch.tensor(p, dtype=torch.long) for p in sb.prompt_token_ids]
     return ScoringInput(
         prompt_ids=list(sb.prompt_ids), sample_indices=list(sb.sample_indices),

@@ -51,6 +51,10 @@ class ReferenceScorer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
     @torch.no_grad()
     def logprobs(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> torch.Tensor:
         """Log-probs of every response token, concatenated in input order: ``(L,)`` float32.

@@ -146,6 +146,10 @@ class RewardModelScorer:
     def device(self) -> torch.device:
         return next(self.backbone.parameters()).device
 
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.get_input_embeddings().num_embeddings
+
     @torch.no_grad()
     def rewards(self, seqs: list[torch.Tensor]) -> torch.Tensor:
         """One reward per 1-D token sequence (prompt + response): ``(N,)`` float32."""

@@ -65,6 +65,10 @@ class RMSource:
         self.tokenizer = tokenizer  # the RM's own, when it reads the query text (--rm_from_text)
         self.needs_text = tokenizer is not None
 
+    @property
+    def vocab_size(self) -> int | None:
+        return None if self.tokenizer is not None else self.rm.vocab_size  # text input: its own tokenizer
+
     def score(self, inp: ScoringInput) -> SourceResult:
         if self.tokenizer is not None:
             seqs = [torch.tensor(self.tokenizer(q, add_special_tokens=False)["input_ids"]) for q in inp.queries]
@@ -176,7 +180,7 @@ class Scorer:
                                            attn_implementation=cfg.attn_implementation,
                                            micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
             tokenizer = None
-            if cfg.tokenizer_path():
+            if cfg.tokenizer_path() and any(s.needs_text for s in sources):
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path())
@@ -200,6 +204,7 @@ class Scorer:
         n = len(inp)
         if self.ref is not None and inp.prompt_tokens is None:
             raise BadRequest("reference log-probs need samples.prompt_token_ids (the prompt tokens)")
+        self._check_token_ids(inp)
         if any(s.needs_text for s in self.sources):
             with_text(inp, self.tokenizer)
         futs = {id(s): self._pool.submit(s.score, inp) for s in self.sources if s.background}
@@ -211,6 +216,23 @@ class Scorer:
         self.counters["requests"] += 1
         self.counters["samples"] += n
         return scored
+
+    def _check_token_ids(self, inp: ScoringInput) -> None:
+        """An id outside a model's vocabulary would raise deep in its embedding (an "internal"
+        error, counted towards fatal): it is the request's fault, so say so up front."""
+        vocabs = [(self.ref.vocab_size, "reference model")] if self.ref is not None else []
+        vocabs += [(v, s.name) for s in self.sources if (v := getattr(s, "vocab_size", None))]
+        if not vocabs or not len(inp):
+            return
+        toks = inp.response_tokens + (inp.prompt_tokens or [])
+        flat = torch.cat([t.reshape(-1).long() for t in toks])
+        if not flat.numel():
+            return
+        lo, hi = int(flat.min()), int(flat.max())
+        for v, what in vocabs:
+            if lo < 0 or hi >= v:
+                raise BadRequest(f"token ids span [{lo}, {hi}], outside the {what}'s vocabulary of {v}: "
+                                 "is this service loaded with the policy's model family?")
 
     def _combine(self, inp: ScoringInput, results: list[tuple[RewardSource, SourceResult]],
                  ref_logprobs: torch.Tensor | None) -> ScoredBatch:

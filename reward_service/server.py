@@ -108,8 +108,9 @@ class RewardServer:
     # ------------------------------------------------------------------ main thread
     def run(self) -> int:
         """Serves until Shutdown, a fatal fault or a signal; returns the exit code."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # in-process tests run it in a thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._wake_addr)
         ep = self._ep = Endpoint.connect(self.controller, name=self.name)

@@ -150,3 +150,12 @@ def test_scorer_combines_ref_and_rm_columnar(tiny_model_dir, rm_dir, policy):
     no_prompts = SampleBatch(prompt_ids=[0], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5]))
     with pytest.raises(BadRequest, match="prompt_token_ids"):
         scorer.score(ScoreRequest(samples=no_prompts))
+    # Requests that would crash a forward are the request's fault: BadRequest, not an exception.
+    too_big = SampleBatch(prompt_ids=[0], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5000]),
+                          prompt_token_ids=[[5]])
+    with pytest.raises(BadRequest, match=r"token ids span \[5, 5000\], outside the reference model's vocabulary"):
+        scorer.score(ScoreRequest(samples=too_big))
+    empty = SampleBatch(prompt_ids=[3], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5]),
+                        prompt_token_ids=[[]])
+    with pytest.raises(BadRequest, match=r"prompt_token_ids\[0\] is empty \(prompt id 3\)"):
+        scorer.score(ScoreRequest(samples=empty))

@@ -170,3 +170,51 @@ def test_bad_reward_file_fails_start_up_naming_it(ctrl, tmp_path, content, expec
     assert proc.wait(60) == 2
     text = log.read_text()
     assert str(path) in text and expect in text, text
+
+
+def test_model_errors_answer_internal_then_turn_fatal():
+    """In-process server: a scorer whose forward keeps raising answers Error(internal) with
+    the prompt ids, and after FATAL_AFTER in a row announces Error(fatal) and stops."""
+    import threading
+
+    from common.transport import Endpoint
+    from reward_service.server import FATAL_AFTER, RewardServer
+
+    class Broken:
+        def score(self, req):
+            raise RuntimeError("CUDA error: device-side assert")
+
+        def capabilities(self):
+            return {"sources": ["rm"]}
+
+        def stats(self):
+            return {}
+
+        def close(self):
+            pass
+
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    srv = RewardServer(Broken(), controller=ep.address, name="rw-broken", heartbeat_s=0.2)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t.start()
+    try:
+        ident, hello = ep.recv(timeout=10)
+        ep.reply(hello, P.Welcome(peer_id="rw-broken"), to=ident)
+        sb = P.SampleBatch(prompt_ids=[4], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([1]))
+        for i in range(FATAL_AFTER):
+            with pytest.raises(RemoteError, match="internal: rw-broken: RuntimeError: CUDA error") as e:
+                ep.call(P.ScoreRequest(samples=sb), to=ident, timeout=10)
+            assert e.value.error.prompt_ids == [4]
+        deadline = time.monotonic() + 10
+        while True:
+            got = ep.recv(timeout=max(0.0, deadline - time.monotonic()))
+            assert got is not None, "no fatal notice"
+            if isinstance(got[1], P.Error) and got[1].code == "fatal":
+                break
+        assert f"{FATAL_AFTER} scoring calls in a row failed" in got[1].message and got[1].call_id == 0
+        t.join(10)
+        assert result["rc"] == 1
+    finally:
+        t.join(10)
+        ep.close(0)
