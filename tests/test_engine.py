@@ -42,6 +42,25 @@ def run_worker(args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict
     return json.loads(results[-1])
 
 
+def run_module(module: str, args: list[str], *, nproc: int = 1, timeout: float = 600) -> str:
+    """``python -m module args`` (or under torchrun with ``nproc`` ranks); returns the output,
+    raising with its tail when the run fails. Used by the trainer tests."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{module} failed ({proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def read_log(save_path) -> list[dict]:
+    """The records a trainer wrote to SAVE_PATH/train_log.jsonl."""
+    return [json.loads(line) for line in (Path(save_path) / "train_log.jsonl").read_text().splitlines()]
+
+
 # --------------------------------------------------------------------------- fast tests
 
 def test_grad_accum_is_derived_and_must_divide():
