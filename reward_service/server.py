@@ -63,7 +63,8 @@ class RewardServer:
         self._consecutive_internal = 0
         self._fatal: str | None = None  # set by the scoring thread: the main loop announces it
         self._signal: str | None = None
-        self.counters = {"bad_requests": 0, "internal_errors": 0, "overloaded": 0}
+        # bad_requests / internal_errors: written by the scoring thread only; the others by the main thread.
+        self.counters = {"bad_requests": 0, "internal_errors": 0, "overloaded": 0, "unhandled_messages": 0}
         self._ctx = zmq.Context.instance()
         self._wake_addr = f"inproc://reward-wake-{id(self)}"
         self._ep: Endpoint | None = None
@@ -77,7 +78,10 @@ class RewardServer:
                 req = self._todo.get()
                 if req is None:
                     return
-                self._done.put(self._answer(req))
+                reply, fatal = self._answer(req)
+                self._done.put(reply)
+                if fatal:  # after the reply is queued: the main loop sends it before the notice
+                    self._fatal = fatal
                 wake.send(b"", zmq.NOBLOCK)
         except Exception as e:  # noqa: BLE001 - a bug here must take the service down loudly
             log.exception("scoring thread crashed")
@@ -86,7 +90,9 @@ class RewardServer:
         finally:
             wake.close(0)
 
-    def _answer(self, req: ScoreRequest) -> Message:
+    def _answer(self, req: ScoreRequest) -> tuple[Message, str | None]:
+        """The reply to ``req``, and a reason to go down if this failure makes the service fatal."""
+        fatal = None
         try:
             out = self.scorer.score(req)
             self._consecutive_internal = 0
@@ -101,9 +107,9 @@ class RewardServer:
             out = Error(code="internal", message=f"{self.name}: {type(e).__name__}: {e}",
                         prompt_ids=list(req.samples.prompt_ids))
             if self._consecutive_internal >= FATAL_AFTER:
-                self._fatal = f"{FATAL_AFTER} scoring calls in a row failed; last: {type(e).__name__}: {e}"
+                fatal = f"{FATAL_AFTER} scoring calls in a row failed; last: {type(e).__name__}: {e}"
         out.call_id = req.call_id
-        return out
+        return out, fatal
 
     # ------------------------------------------------------------------ main thread
     def run(self) -> int:
@@ -208,7 +214,7 @@ class RewardServer:
                 return "exit"
             log.warning("controller sent error %s: %s", msg.code, msg.message)
         else:
-            self.counters["bad_requests"] += 1
+            self.counters["unhandled_messages"] += 1
             ep.reply(msg, Error(code="bad_request", message=f"{self.name} (a reward service) does not handle "
                                 f"{type(msg).__name__}"))
         return None

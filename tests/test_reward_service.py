@@ -116,7 +116,7 @@ def test_garbage_and_bad_requests_are_answered_and_service_keeps_serving(ctrl, s
     ok = call(ctrl, "rw-main", token_request(tok, ["Q\n"], ["Answer: 4"], ["4"]))
     assert ok.rewards.tolist() == [1.0]
     hb = ctrl.recv_until(lambda m: isinstance(m, P.Heartbeat) and m.stats.get("rejected", 0) >= 2, timeout=10)
-    assert hb.stats["bad_requests"] >= 2
+    assert hb.stats["bad_requests"] >= 1 and hb.stats["unhandled_messages"] >= 1
 
 
 def test_ref_and_reward_model_through_the_process(ctrl, tiny_model_dir, tmp_path, tok):
