@@ -340,3 +340,110 @@ class Codec:
             raise WireError(f"bad {cls.__name__}: {e}") from None
         finally:
             self._bufs = []
+
+
+# --------------------------------------------------------------------------- rollout control
+# Tags 30-49. Every one of these is a call: the server answers with the same call_id, an Ack
+# (or the named reply) on success, an Error on failure, and stays up either way. The weight
+# steps mirror vLLM's weight-transfer API (init / start / update / finish); the tensors
+# themselves never cross ZMQ, they go over the group WeightSyncInit forms
+# (common/weight_sync.py, docs/rollout.md).
+
+
+@register
+class WeightSyncInit(Message):
+    # controller (learner rank 0) -> rollout server. Join a weight-transfer group with the
+    # learner: the learner is rank 0 and hosts the TCPStore named in init_info; this server's
+    # vLLM workers take ranks 1..k. Replaces any group the server already had. Reply:
+    # Ack(info={"workers": k}) once every rank has joined.
+    TAG: ClassVar[int] = 30
+    backend: str  # "gloo" (CPU) | "nccl" (GPU); must equal the server's --weight_transfer_backend
+    # vLLM's init_info for that backend: master_address, master_port, world_size, rank_offset,
+    # packed_buffer_size_bytes, ... (passed to AsyncLLM.init_weight_transfer_engine as is).
+    init_info: dict[str, Any] = {}
+    timeout_s: float = 120.0  # how long the server waits for the group to form
+
+
+@register
+class WeightUpdateStart(Message):
+    # controller -> rollout server. Pause generation keeping in-flight requests, and open an
+    # update (vLLM start_weight_update). New prompts wait until WeightUpdateFinish. Reply: Ack.
+    TAG: ClassVar[int] = 31
+    policy_version: int  # the version being pushed (for logs and errors)
+
+
+@register
+class WeightUpdate(Message):
+    # controller -> rollout server. Receive the weights described here over the group, in this
+    # order, then load them (vLLM update_weights). Reply: Ack(info={"seconds": s}) once loaded.
+    TAG: ClassVar[int] = 32
+    names: list[str]  # checkpoint (HF) parameter names, tied aliases included
+    dtype_names: list[str]  # torch dtype names ("float32", "bfloat16"), the engine's dtype
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        _check_len("dtype_names", self.dtype_names, len(self.names), "one per name")
+        _check_len("shapes", self.shapes, len(self.names), "one per name")
+
+
+@register
+class WeightUpdateFinish(Message):
+    # controller -> rollout server. Close the update (vLLM finish_weight_update), reset the
+    # prefix cache, set the server's policy version, resume generation. Samples started
+    # before keep their old version. Reply: Ack(info={"policy_version": v}).
+    TAG: ClassVar[int] = 33
+    policy_version: int
+
+
+@register
+class WeightSyncClose(Message):
+    # controller -> rollout server. Leave the weight-transfer group (the learner is dropping
+    # this server or re-forming the group). Reply: Ack.
+    TAG: ClassVar[int] = 34
+
+
+@register
+class Pause(Message):
+    # controller -> rollout server. Stop scheduling; in-flight requests are kept and continue
+    # on Resume. Reply: Ack.
+    TAG: ClassVar[int] = 35
+
+
+@register
+class Resume(Message):
+    # controller -> rollout server. Reply: Ack.
+    TAG: ClassVar[int] = 36
+
+
+@register
+class Sleep(Message):
+    # controller -> rollout server. Free accelerator memory (vLLM sleep mode; level 1 keeps
+    # weights in host memory, 2 drops them). In-flight requests are aborted (finish "abort").
+    # Reply: Ack, or Error(code="not_supported") where the platform has no sleep mode (CPU) or
+    # the server was started without --enable_sleep.
+    TAG: ClassVar[int] = 37
+    level: int = 1
+
+
+@register
+class WakeUp(Message):
+    # controller -> rollout server. Reply: Ack (or Error(code="not_supported"), as Sleep).
+    TAG: ClassVar[int] = 38
+    tags: list[str] | None = None  # None: everything; or e.g. ["weights"] then ["kv_cache"]
+
+
+@register
+class GetHealth(Message):
+    # controller -> rollout server. Reply: Health.
+    TAG: ClassVar[int] = 39
+
+
+@register
+class Health(Message):
+    # rollout server -> controller, the answer to GetHealth.
+    TAG: ClassVar[int] = 40
+    name: str
+    state: str  # "serving" | "paused" | "updating" | "update_failed" | "sleeping"
+    policy_version: int = 0
+    # e.g. {"in_flight": 12, "waiting": 3, "tokens_per_s": 930.0, "generated_tokens": 1e5}
+    stats: dict[str, float] = {}

@@ -1,0 +1,249 @@
+"""A gloo backend for vLLM's weight-transfer API, so CPU runs take the same path as NCCL.
+
+vLLM 0.32 moves trainer weights into a running engine through
+``vllm.distributed.weight_transfer``: each worker owns a ``WeightTransferEngine`` chosen by
+name from ``WeightTransferEngineFactory`` (``--weight-transfer-config '{"backend": ...}'``), and
+the engine exposes init / start / update / finish as collective RPCs. The built-in ``nccl``
+backend needs CUDA. This module registers ``gloo`` with the same interface and the same wire
+layout as ``nccl`` in packed mode:
+
+- one process group per (learner, rollout server): the learner is rank 0 and hosts the
+  ``TCPStore``; the server's vLLM workers are ranks 1..k. A plain ``ProcessGroupGloo`` on its
+  own store, never the default process group, so it coexists with vLLM's own groups and
+  DeepSpeed's, and a group can be formed or dropped while everything else keeps running;
+- tensors travel in the engine's dtype, packed into uint8 buckets of about
+  ``packed_buffer_size_bytes``, cut by the same rule vLLM's packed NCCL consumer uses
+  (``common/weight_transfer_wire.py``), so one learner-side sender serves both backends;
+- on the worker, buckets are loaded through the model's ``load_weights`` inside vLLM's layerwise
+  reload (``start`` / ``finish``), exactly like the NCCL engine; the next bucket is already being
+  received while the current one loads;
+- every collective carries a timeout: a learner that dies or stalls turns into an error naming
+  it, never a hang.
+
+Registration must happen inside vLLM's worker processes, before the model loads. The rollout
+server does it by naming ``rollout_service.worker_ext.RolloutWorkerExtension`` as vLLM's
+``worker_extension_cls``: vLLM imports that class in every worker before ``load_model``, and
+importing this module is what registers the backend (``register()``). The learner side calls
+``register()`` too, for the trainer engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, GlooGroup, bucket_plan, dtype_name,
+                                         send_packed, unpack, wait_work)
+
+log = logging.getLogger(__name__)
+
+BACKEND = "gloo"
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass(kw_only=True)
+class GlooWeightTransferInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join the learner's group: the learner's store, the group size,
+    where this server's workers start, and the must-agree wire parameters."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
+    """Per-round metadata, the same fields as vLLM's ``NCCLWeightTransferUpdateInfo``."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names/dtype_names/shapes differ in length: "
+                             f"{len(self.names)}/{len(self.dtype_names)}/{len(self.shapes)}")
+        for d in self.dtype_names:
+            if not isinstance(getattr(torch, d, None), torch.dtype):
+                raise ValueError(f"unknown dtype name {d!r}")
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+    """Worker side: receives packed buckets over gloo and loads them with layerwise reload."""
+
+    init_info_cls = GlooWeightTransferInitInfo
+    update_info_cls = GlooWeightTransferUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group: GlooGroup | None = None
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        if self.group is not None:
+            self.shutdown()  # a learner re-forming the group (after a failure) replaces it
+        pc = self.parallel_config
+        # Same rank layout as vLLM's NCCL backend: data-parallel replicas, then TP x PP ranks.
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.bucket_bytes = init_info.packed_buffer_size_bytes
+        self.group = GlooGroup.open(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                                    timeout_s=init_info.timeout_s,
+                                    label=f"learner@{init_info.master_address}:{init_info.master_port}")
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a host
+        # without an accelerator; gloo work is complete once wait() returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: init_weight_transfer_engine first")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes)]
+        plan = bucket_plan(sizes, self.bucket_bytes)
+        group = self.group
+
+        def post(b: int):
+            buf = torch.empty(sum(sizes[i] for i in plan[b]), dtype=torch.uint8)
+            return buf, group.broadcast(buf, src=0)
+
+        with disable_mtp_completeness_check():
+            pending = post(0) if plan else None
+            for b, idx in enumerate(plan):
+                buf, work = pending
+                wait_work(work, f"receiving bucket {b + 1}/{len(plan)} from {group.label}")
+                # Receive the next bucket while this one loads (gloo runs it on its own thread).
+                pending = post(b + 1) if b + 1 < len(plan) else None
+                self.model.load_weights(unpack(buf, [update_info.names[i] for i in idx],
+                                                      [update_info.shapes[i] for i in idx],
+                                                      [dtypes[i] for i in idx], [sizes[i] for i in idx]))
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+# --------------------------------------------------------------------------- trainer side
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer-side init info for vLLM's ``WeightTransferTrainerFactory`` (backend "gloo")."""
+
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str
+    world_size: int
+    master_port: int = 0  # 0: any free port, chosen by the store
+    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """vLLM's trainer-engine interface over ``GlooGroup``, for callers that drive one engine
+    through a ``VLLMWeightSyncClient`` (vLLM's own RLHF examples do). The rayless learner uses
+    ``common.weight_sync.WeightPublisher`` instead, which fans one pass over the weights out to
+    many servers; both produce the same bytes on the wire."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.bucket_bytes = bucket_bytes
+        self.group: GlooGroup | None = None
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
+                     source: WeightSource | None = None) -> Self:
+        if source is None:
+            raise ValueError("gloo trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
+                     bucket_bytes=init_info.packed_buffer_size_bytes)
+        if not engine.is_sender:
+            return engine
+        store = GlooGroup.host_store(init_info.master_address, init_info.world_size, init_info.timeout_s,
+                                     init_info.master_port)
+        worker_info = GlooWeightTransferInitInfo(
+            master_address=init_info.master_address, master_port=store.port, world_size=init_info.world_size,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s)
+        from concurrent.futures import ThreadPoolExecutor
+
+        # The workers block in init until everyone has joined, so the RPC runs beside us.
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
+            engine.group = GlooGroup.open(init_info.master_address, store.port, 0, init_info.world_size,
+                                          timeout_s=init_info.timeout_s, label="inference workers", store=store)
+            fut.result(timeout=init_info.timeout_s)
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # stay in the trainer-side gather collectives
+                pass
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client.start_weight_update()
+        info = {"names": [m.name for m in meta], "dtype_names": [dtype_name(m.dtype) for m in meta],
+                "shapes": [list(m.shape) for m in meta]}
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            fut = exe.submit(self.client.update_weights, info)
+            failed = send_packed(iter(self.source), {"workers": self.group}, self.bucket_bytes)
+            if failed:
+                raise RuntimeError(failed["workers"])
+            fut.result()
+        finally:
+            exe.shutdown(wait=False)  # never join an RPC thread stuck on a dead peer
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def register() -> None:
+    """Adds "gloo" to vLLM's worker and trainer registries (idempotent)."""
+    for factory, module, cls in ((WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, __name__, "GlooTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(BACKEND, module, cls)
+        except ValueError:
+            pass  # already registered in this process
+
+
+register()

@@ -1,0 +1,185 @@
+"""The bytes of a weight push: bucket layout, gloo groups, and the fan-out sender.
+
+Shared by the learner (``common/weight_sync.py``) and the gloo backend that runs inside vLLM's
+workers (``common/weight_transfer_gloo.py``). No vLLM import here: a learner process that only
+sends weights should not pay for loading vLLM.
+
+Layout: tensors in update-metadata order, each as its raw bytes in the engine dtype, packed
+back to back into uint8 buckets of a little over ``bucket_bytes`` (``bucket_plan``). It is
+vLLM's packed NCCL layout, so the same sender feeds vLLM's ``nccl`` workers and our ``gloo``
+ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroupGloo, TCPStore
+
+# Smaller than vLLM's 1 GiB NCCL default: on CPU a bucket is a host copy, and two of them are
+# alive at once on each side (one on the wire, one being packed or loaded).
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """Name / wire dtype / full shape of one tensor (the fields of vLLM's ``ParamMeta``)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- wire layout
+
+
+def bucket_plan(sizes: Iterable[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of the tensors in each bucket, given their sizes in bytes.
+
+    The rule of vLLM's ``pack_tensors`` and ``packed_nccl_broadcast_consumer``: add tensors in
+    order until the running total exceeds ``bucket_bytes``; the tensor that crosses the line
+    closes its bucket. Both sides compute this from the update metadata alone, so only the
+    packed bytes travel. ``tests/test_weight_sync.py`` checks both against vLLM's ``pack_tensors``.
+    """
+    plan: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        cur.append(i)
+        total += size
+        if total > bucket_bytes:
+            plan.append(cur)
+            cur, total = [], 0
+    if cur:
+        plan.append(cur)
+    return plan
+
+
+def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[torch.Tensor]:
+    """The sender's half of ``bucket_plan``: one contiguous uint8 tensor per bucket, the bytes
+    of its tensors back to back (vLLM's ``pack_tensors`` layout)."""
+    cur: list[torch.Tensor] = []
+    total = 0
+    for _name, t in pairs:
+        flat = t.contiguous().view(-1).view(torch.uint8)
+        cur.append(flat)
+        total += flat.numel()
+        if total > bucket_bytes:
+            # A lone tensor is sent from its own memory: no copy for the big ones.
+            yield cur[0] if len(cur) == 1 else torch.cat(cur)
+            cur, total = [], 0
+    if cur:
+        yield cur[0] if len(cur) == 1 else torch.cat(cur)
+
+
+def unpack(buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype],
+           sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """The receiver's half: views of ``buf`` as the named tensors."""
+    return [(n, part.view(dt).view(shape)) for n, shape, dt, part in zip(names, shapes, dtypes, buf.split(sizes))]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- groups
+
+
+class GlooGroup:
+    """A gloo group of one learner (rank 0) and one rollout server's workers, with its store.
+
+    ``broadcast`` is asynchronous (returns the work handle): the learner fans one bucket out to
+    several servers' groups at once and waits on all of them.
+    """
+
+    def __init__(self, store: TCPStore, pg: ProcessGroupGloo, rank: int, world_size: int, label: str) -> None:
+        self.store, self.pg, self.rank, self.world_size, self.label = store, pg, rank, world_size, label
+
+    @classmethod
+    def open(cls, host: str, port: int, rank: int, world_size: int, *, timeout_s: float, label: str,
+             store: TCPStore | None = None) -> "GlooGroup":
+        """Joins (rank > 0) or hosts (rank 0, ``store`` already listening) the group. Blocks until
+        every rank has connected, at most ``timeout_s``."""
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            if store is None:
+                store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+            pg = ProcessGroupGloo(store, rank, world_size, timeout)
+        except Exception as e:  # noqa: BLE001 - re-raised with who and where
+            raise RuntimeError(f"weight-transfer group {label} (tcp://{host}:{port}, rank {rank} of "
+                               f"{world_size}) could not form within {timeout_s:.0f} s: {e}") from e
+        return cls(store, pg, rank, world_size, label)
+
+    @staticmethod
+    def host_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> TCPStore:
+        """The learner's store, listening before any worker is told where it is (port 0: any)."""
+        return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                        wait_for_workers=False)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast([tensor], opts)
+
+    def close(self) -> None:
+        # Dropping the references closes the sockets; gloo has no explicit destroy that is
+        # safe to call while a peer may be gone.
+        self.pg = None
+        self.store = None
+
+
+def wait_work(work, what: str) -> None:
+    """``work.wait()`` with gloo's own timeout (set when the group was formed), re-raised with
+    ``what`` named: which group, which bucket."""
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses for everything
+        raise RuntimeError(f"{what} failed: {e}") from e
+
+
+
+
+def send_packed(pairs: Iterator[tuple[str, torch.Tensor]], groups: dict[str, Any], bucket_bytes: int,
+                on_error=None) -> dict[str, str]:
+    """Broadcasts ``pairs`` (in update-metadata order) bucket by bucket into every group of
+    ``groups`` (name -> group with an async ``broadcast``) and returns {name: error} for groups
+    that failed. A failed group is dropped and the rest carry on. The next bucket is packed
+    while the current one is on the wire. (For NCCL, ``broadcast`` only enqueues.)"""
+    live = dict(groups)
+    failed: dict[str, str] = {}
+    inflight: list[tuple[str, Any, str]] = []
+
+    def drain() -> None:
+        for name, work, what in inflight:
+            if name not in live or work is None:
+                continue
+            try:
+                wait_work(work, what)
+            except RuntimeError as e:
+                failed[name] = str(e)
+                live.pop(name, None)
+                if on_error is not None:
+                    on_error(name, e)
+        inflight.clear()
+
+    keep = None  # the bucket on the wire must stay alive until its works complete
+    for b, bucket in enumerate(iter_packed(pairs, bucket_bytes)):
+        drain()
+        keep = bucket
+        for name, group in list(live.items()):
+            try:
+                inflight.append((name, group.broadcast(bucket, src=0), f"sending bucket {b + 1} to {name}"))
+            except RuntimeError as e:
+                failed[name] = f"sending bucket {b + 1} to {name} failed: {e}"
+                live.pop(name)
+    drain()
+    del keep
+    return failed
+
+
