@@ -1,0 +1,407 @@
+"""``RolloutCore``: one vLLM ``AsyncLLM`` turning prompt tokens into samples. No sockets.
+
+The process wrapper (``rollout_service/server.py``) feeds it PromptBatches from the controller;
+tests drive it in-process. Token in, token out: prompts arrive as token ids and samples leave
+as token ids with the log-prob vLLM sampled each token with (``logprobs_mode=
+"processed_logprobs"``: after temperature and top-k/top-p, which is what an importance-sampling
+correction must compare against), a finish reason and the policy version of the weights that
+produced the first token.
+
+Admission and versions. A prompt is admitted (handed to vLLM) only when nothing holds the gate
+(a pause, a weight update, sleep, a failed update) and the server's weights are at least the
+version the controller asked for; until then it waits here, not in vLLM. vLLM labels every
+output token with the weight version that sampled it (``finish_weight_update(weight_version)``),
+and a sample's ``policy_version`` is the label of its first token. Requests in flight when an
+update starts are kept (vLLM pause mode "keep") and continue on the new weights afterwards;
+their version says they started on the old ones.
+
+Stale KV. After every update the prefix cache is reset. vLLM refuses that reset while kept
+requests still hold KV blocks, so prompts are also salted with the version
+(``cache_salt="rayless-v{N}"``): a block computed under one version can never be a prefix hit
+for a request admitted under another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from common import protocol as P
+from rollout_service.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class NotSupported(RuntimeError):
+    """The request is valid but this server cannot do it (e.g. sleep mode on CPU)."""
+
+
+class BadRequest(ValueError):
+    """The request is malformed or contradicts this server's configuration."""
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length" | "abort"
+    policy_version: int  # version of the weights that sampled the first token
+
+
+@dataclass
+class PromptResult:
+    prompt_id: int
+    prompt_token_ids: list[int]
+    samples: list[Sample]  # sampling.n of them, by sample index
+
+
+@dataclass
+class _Meter:
+    """Generated tokens over a sliding window, for tokens/s."""
+
+    window_s: float = 10.0
+    total: int = 0
+    events: deque = field(default_factory=deque)
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        self.total += n
+        self.events.append((now, n))
+        while self.events and now - self.events[0][0] > self.window_s:
+            self.events.popleft()
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        while self.events and now - self.events[0][0] > self.window_s:
+            self.events.popleft()
+        if not self.events:
+            return 0.0
+        span = max(now - self.events[0][0], 1.0)
+        return sum(n for _, n in self.events) / span
+
+
+def resolve_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class RolloutCore:
+    def __init__(self, cfg: RolloutConfig) -> None:
+        self.cfg = cfg
+        self.backend = resolve_backend(cfg.weight_transfer_backend)
+        self.llm = None
+        self.version = 0
+        # No prompt starts on weights older than this (the controller's version at Welcome).
+        self.version_floor = 0
+        self.workers = cfg.tensor_parallel_size  # vLLM worker processes = ranks in a weight group
+        self.engine_dtype = ""
+        self._holds: set[str] = set()  # reasons the gate is closed: pause, update, sleep, update_failed
+        self._changed = asyncio.Condition()  # gate or version changed
+        self._update_lock = asyncio.Lock()  # one weight-update step at a time
+        self._admission = asyncio.Lock()  # orders adds against pauses (see generate)
+        self._update_open = False
+        self._ids = itertools.count()
+        self._in_flight: dict[str, int] = {}  # vLLM request id -> prompt id
+        self._waiting = 0
+        self._meter = _Meter()
+        self.counters = {"prompts": 0, "samples": 0, "aborted": 0, "updates": 0, "failed_updates": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        c = self.cfg
+        kwargs: dict[str, Any] = dict(
+            model=c.model, tensor_parallel_size=c.tensor_parallel_size, dtype=c.dtype, seed=c.seed,
+            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, enforce_eager=c.enforce_eager,
+            gpu_memory_utilization=c.gpu_memory_utilization, enable_prefix_caching=c.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="rollout_service.worker_ext.RolloutWorkerExtension",
+            weight_transfer_config={"backend": self.backend},
+        )
+        if c.enable_sleep:
+            kwargs["enable_sleep_mode"] = True
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        import common.weight_transfer_gloo  # noqa: F401  (registers "gloo" before vLLM validates the config)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        for attempt in range(1, self.cfg.engine_start_attempts + 1):
+            try:
+                self.llm = AsyncLLM.from_engine_args(self.engine_args())
+                break
+            except RuntimeError as e:
+                # vLLM 0.32's EngineCore asserts if its input thread is not ready within 10 s,
+                # which happens on an overloaded host (seen on a busy 2-core CI box): retry.
+                if "initialization failed" not in str(e) or attempt == self.cfg.engine_start_attempts:
+                    raise
+                log.warning("vLLM engine failed to start (attempt %d of %d): %s; retrying", attempt,
+                            self.cfg.engine_start_attempts, e)
+        engines = await self.llm.collective_rpc("rayless_weight_transfer_engine")
+        if not all(engines):
+            raise RuntimeError(f"vLLM workers have no weight-transfer engine for backend {self.backend!r}: {engines}")
+        self.workers = len(engines)
+        self.engine_dtype = str(self.llm.model_config.dtype).removeprefix("torch.")
+        await self.llm.update_weight_version(str(self.version))
+        log.info("engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s)", self.cfg.model, self.workers,
+                 self.engine_dtype, self.backend, engines[0])
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            await asyncio.to_thread(llm.shutdown)
+
+    def capabilities(self) -> dict[str, Any]:
+        import torch
+
+        return {"capacity": self.cfg.max_num_seqs, "model": self.cfg.model, "tp": self.cfg.tensor_parallel_size,
+                "workers": self.workers, "dtype": self.engine_dtype, "weight_transfer_backend": self.backend,
+                "sleep": self.sleep_supported(), "policy_version": self.version,
+                "platform": "cuda" if torch.cuda.is_available() else "cpu"}
+
+    # ------------------------------------------------------------------ generation
+    def _vllm_params(self, sp: P.SamplingParams):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(n=sp.n, temperature=sp.temperature, top_p=sp.top_p,
+                              top_k=0 if sp.top_k in (-1, 0) else sp.top_k, max_tokens=sp.max_new_tokens,
+                              stop_token_ids=list(sp.stop_token_ids), seed=sp.seed,
+                              logprobs=0 if sp.logprobs else None, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def validate(self, token_ids: list[int], sp: P.SamplingParams) -> None:
+        """Raises BadRequest for a prompt this engine cannot serve (checked before queueing, so
+        the controller hears about it at once and not after the prompt reaches vLLM)."""
+        vocab = self.llm.model_config.get_vocab_size() if self.llm is not None else None
+        if not token_ids:
+            raise BadRequest("empty prompt")
+        if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
+            raise BadRequest(f"prompt token ids outside the vocabulary [0, {vocab})")
+        if len(token_ids) + sp.max_new_tokens > self.cfg.max_model_len:
+            raise BadRequest(f"prompt ({len(token_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                             f"--max_model_len {self.cfg.max_model_len}")
+
+    async def _admit(self, min_version: int) -> None:
+        min_version = max(min_version, self.version_floor)
+        async with self._changed:
+            self._waiting += 1
+            try:
+                await self._changed.wait_for(lambda: not self._holds and self.version >= min_version)
+            finally:
+                self._waiting -= 1
+
+    async def generate(self, prompt_id: int, token_ids: list[int], sampling: P.SamplingParams,
+                       min_version: int = 0) -> PromptResult:
+        """All ``sampling.n`` samples of one prompt, once the last of them finishes."""
+        from vllm import TokensPrompt
+
+        self.validate(token_ids, sampling)
+        params = self._vllm_params(sampling)
+        req_id = f"p{prompt_id}-{next(self._ids)}"
+        while True:
+            await self._admit(min_version)
+            # The add is sent to the engine under the admission lock, and a pause takes the same
+            # lock before it is sent: vLLM sees every add either before a pause or after the
+            # resume, never a request admitted under one version and prefilled under another.
+            async with self._admission:
+                if self._holds or self.version < max(min_version, self.version_floor):
+                    continue  # the gate closed while we queued for the lock
+                admitted = self.version
+                prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+                if self.cfg.enable_prefix_caching:
+                    prompt["cache_salt"] = f"rayless-v{admitted}"
+                q = await self.llm.add_request(req_id, prompt, params)
+                break
+        self._in_flight[req_id] = prompt_id
+        try:
+            while True:
+                out = q.get_nowait() or await q.get()
+                if out.finished:
+                    break
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.llm.abort(req_id)
+            raise
+        finally:
+            q.close()
+            self._in_flight.pop(req_id, None)
+        samples = [self._sample(o, admitted, sampling.logprobs) for o in sorted(out.outputs, key=lambda o: o.index)]
+        self.counters["prompts"] += 1
+        self.counters["samples"] += len(samples)
+        self.counters["aborted"] += sum(s.finish_reason == "abort" for s in samples)
+        self._meter.add(sum(len(s.token_ids) for s in samples))
+        return PromptResult(prompt_id, list(token_ids), samples)
+
+    @staticmethod
+    def _sample(o, admitted: int, want_logprobs: bool) -> Sample:
+        toks = list(o.token_ids)
+        lps = None
+        if want_logprobs:
+            lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs or [])]
+            if len(lps) != len(toks):
+                raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
+        spans = getattr(o, "weight_versions", None)
+        version = int(spans[0].version) if spans else admitted
+        reason = o.finish_reason if o.finish_reason in FINISH_REASONS else "abort"
+        return Sample(toks, lps, reason, version)
+
+    async def stream(self, batch: P.PromptBatch) -> AsyncIterator[PromptResult]:
+        """Results of a batch as each prompt finishes (continuous batching inside vLLM)."""
+        tasks = [asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version))
+                 for pid, toks in zip(batch.prompt_ids, batch.token_ids)]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                yield await fut
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------------ gate
+    async def _hold(self, reason: str) -> None:
+        async with self._admission:
+            first = not self._holds
+            self._holds.add(reason)
+            if first:
+                # "keep": in-flight requests stay in vLLM and continue on resume.
+                await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def _release(self, reason: str) -> None:
+        if reason not in self._holds:
+            return
+        self._holds.discard(reason)
+        if not self._holds:
+            await self.llm.resume_generation()
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def pause(self) -> None:
+        await self._hold("pause")
+
+    async def resume(self) -> None:
+        await self._release("pause")
+
+    def sleep_supported(self) -> bool:
+        import torch
+
+        return bool(self.cfg.enable_sleep and torch.cuda.is_available())
+
+    def _check_sleep(self) -> None:
+        if not self.sleep_supported():
+            why = ("this server was started without --enable_sleep" if self.cfg.enable_sleep is False
+                   else "vLLM sleep mode needs a GPU; the CPU worker ignores it")
+            raise NotSupported(f"sleep/wake not supported: {why}")
+
+    async def sleep(self, level: int = 1) -> None:
+        self._check_sleep()
+        await self._hold("sleep")
+        await self.llm.sleep(level, mode="abort")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_sleep()
+        if await self.llm.wake_up(tags):
+            await self.llm.reset_prefix_cache()
+            await self._release("sleep")
+
+    # ------------------------------------------------------------------ weights
+    async def init_weight_transfer(self, backend: str, init_info: dict[str, Any], timeout_s: float) -> int:
+        """Joins the learner's group; returns how many ranks this server contributes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if backend != self.backend:
+            raise BadRequest(f"learner pushes weights over {backend!r}, this server was started with "
+                             f"--weight_transfer_backend {self.backend!r}")
+        async with self._update_lock:
+            if self._update_open:
+                raise BadRequest("a weight update is open; finish it before re-forming the group")
+            # The group's own timeouts (in init_info) end a stuck rendezvous; this is a backstop.
+            await asyncio.wait_for(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)),
+                                   timeout_s + 10)
+        return self.workers
+
+    async def close_weight_transfer(self) -> None:
+        async with self._update_lock:
+            await self.llm.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self, version: int) -> None:
+        async with self._update_lock:
+            if self._update_open:
+                raise BadRequest(f"weight update to v{version}: an update is already open")
+            await self._hold("update")
+            try:
+                await self.llm.start_weight_update()
+            except BaseException:
+                await self._fail_update()
+                raise
+            self._update_open = True
+
+    async def update_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> float:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        async with self._update_lock:
+            if not self._update_open:
+                raise BadRequest("WeightUpdate without WeightUpdateStart")
+            t0 = time.perf_counter()
+            try:
+                await self.llm.update_weights(WeightTransferUpdateRequest(
+                    update_info={"names": names, "dtype_names": dtype_names, "shapes": shapes}))
+            except BaseException:
+                await self._fail_update()
+                raise
+            return time.perf_counter() - t0
+
+    async def finish_weight_update(self, version: int) -> bool:
+        """Returns whether the prefix cache could be reset outright (False: kept requests still
+        hold blocks; the version salt keeps them apart)."""
+        async with self._update_lock:
+            if not self._update_open:
+                raise BadRequest("WeightUpdateFinish without WeightUpdateStart")
+            try:
+                await self.llm.finish_weight_update(weight_version=str(version))
+            except BaseException:
+                await self._fail_update()
+                raise
+            self._update_open = False
+            reset = await self.llm.reset_prefix_cache()
+            self.version = version
+            self.counters["updates"] += 1
+            self._holds.discard("update_failed")
+            await self._release("update")
+            log.info("weights now at policy version %d (prefix cache reset: %s)", version, reset)
+            return reset
+
+    async def _fail_update(self) -> None:
+        # Weights may be half-loaded: serve nothing until a complete update lands.
+        self._update_open = False
+        self.counters["failed_updates"] += 1
+        self._holds.add("update_failed")
+        self._holds.discard("update")
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def state(self) -> str:
+        for reason, name in (("update_failed", "update_failed"), ("sleep", "sleeping"), ("update", "updating"),
+                             ("pause", "paused")):
+            if reason in self._holds:
+                return name
+        return "serving"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def metrics(self) -> dict[str, float]:
+        return {"in_flight": float(len(self._in_flight)), "waiting": float(self._waiting),
+                "tokens_per_s": round(self._meter.rate(), 2), "generated_tokens": float(self._meter.total),
+                "policy_version": float(self.version), **{k: float(v) for k, v in self.counters.items()}}

@@ -1,0 +1,280 @@
+"""The rollout server process: ``RolloutCore`` behind a DEALER socket to the controller.
+
+One asyncio loop owns the socket (``AsyncEndpoint``; sends from many coroutines are serialised
+by its lock). After the handshake (Hello with capacity, model, TP, dtype, weight backend;
+Welcome) three things run side by side:
+
+- the receive loop: a PromptBatch becomes one task per prompt; each finished prompt goes back
+  as a SampleBatch at once (or, with ``--coalesce_ms``, gathered with others finishing within
+  that window). Control calls (weight-update steps, pause, resume, sleep, health, shutdown)
+  run as tasks and are answered with the request's ``call_id``;
+- heartbeats every ``--heartbeat_s`` with the policy version and metrics;
+- nothing else: vLLM's own engine process does the work.
+
+Errors: a bad request (a prompt outside the vocabulary, a weight step out of order, a message
+a rollout server does not take) is answered with ``Error`` for that request, naming the prompt
+ids it concerns, and the server carries on. A dead engine, SIGTERM or an unexpected crash
+sends ``Error(code="fatal")`` first, so the controller re-issues this server's prompts at
+once instead of waiting for the heartbeat deadline, then the process exits non-zero.
+
+The controller's policy version from Welcome is a floor: no prompt is started on weights
+older than it, so a server that joins mid-run serves nothing until the learner has pushed it
+the current weights (the controller also holds work back until then; this is the backstop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from common import protocol as P
+from common.transport import AsyncEndpoint, TransportError, ahandshake, default_name
+from rollout_service.config import RolloutConfig
+from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
+
+log = logging.getLogger(__name__)
+
+
+def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
+    """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample)."""
+    pids, idx, lens, toks, lps, reasons, versions = [], [], [], [], [], [], []
+    with_lp = all(s.logprobs is not None for r in results for s in r.samples)
+    for r in results:
+        for i, s in enumerate(r.samples):
+            pids.append(r.prompt_id)
+            idx.append(i)
+            lens.append(len(s.token_ids))
+            toks.extend(s.token_ids)
+            if with_lp:
+                lps.extend(s.logprobs)
+            reasons.append(s.finish_reason)
+            versions.append(s.policy_version)
+    return P.SampleBatch(prompt_ids=pids, sample_indices=idx, response_lengths=lens,
+                         response_ids=np.asarray(toks, dtype=np.int32),
+                         logprobs=np.asarray(lps, dtype=np.float32) if with_lp else None,
+                         finish_reasons=reasons, policy_versions=versions, server=server)
+
+
+class RolloutServer:
+    def __init__(self, cfg: RolloutConfig, core: RolloutCore, ep: AsyncEndpoint) -> None:
+        self.cfg, self.core, self.ep = cfg, core, ep
+        self.name = ep.name
+        self._stop = asyncio.Event()
+        self._exit_code = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
+        self._flush_task: asyncio.Task | None = None
+        self._rehello = 0  # call id of a Hello sent again, until its Welcome
+        self._rehello_at = 0.0
+        self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
+            P.WeightSyncInit: self._on_sync_init, P.WeightUpdateStart: self._on_update_start,
+            P.WeightUpdate: self._on_update, P.WeightUpdateFinish: self._on_update_finish,
+            P.WeightSyncClose: self._on_sync_close, P.Pause: self._on_pause, P.Resume: self._on_resume,
+            P.Sleep: self._on_sleep, P.WakeUp: self._on_wake_up, P.GetHealth: self._on_health,
+            P.Shutdown: self._on_shutdown,
+        }
+
+    # ------------------------------------------------------------------ main
+    async def serve(self) -> int:
+        welcome = await ahandshake(self.ep, "rollout", self.core.capabilities(), self.cfg.connect_timeout_s)
+        self.core.version_floor = welcome.policy_version
+        log.info("%s welcomed by the controller (its policy version %d, ours %d)", self.name,
+                 welcome.policy_version, self.core.version)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: self._spawn(self._fatal(f"received {signal.Signals(s).name}")))
+        workers = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+        await self._stop.wait()
+        for t in workers + list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
+        return self._exit_code
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _recv_loop(self) -> None:
+        while not self._stop.is_set():
+            msg = await self.ep.recv(timeout=0.5)
+            if msg is None:
+                continue
+            if isinstance(msg, P.PromptBatch):
+                for pid, toks in zip(msg.prompt_ids, msg.token_ids):
+                    self._spawn(self._serve_prompt(pid, toks, msg.sampling, msg.policy_version))
+            elif type(msg) in self._handlers:
+                self._spawn(self._call(msg))
+            elif isinstance(msg, P.Error) and msg.code == "unknown_peer":
+                await self._hello_again()
+            elif isinstance(msg, P.Welcome) and msg.call_id == self._rehello:
+                self._rehello = 0
+                self.core.version_floor = msg.policy_version
+                log.info("welcomed again (controller policy version %d)", msg.policy_version)
+            elif isinstance(msg, P.Error):
+                log.error("controller reported an error: %s: %s", msg.code, msg.message)
+            else:
+                await self._send(P.Error(code="bad_request", call_id=msg.call_id,
+                                         message=f"a rollout server does not take {type(msg).__name__}"))
+
+    async def _hello_again(self) -> None:
+        """The controller declared us dead (we were silent too long, or a weight push to us
+        failed) and re-issued our prompts. Introduce ourselves again: it treats us as a joiner
+        (new weight group, current weights) before giving us work."""
+        if self._rehello and time.monotonic() - self._rehello_at < 10.0:
+            return  # one Hello at a time (again after 10 s if its Welcome never came)
+        log.warning("the controller no longer knows this server; saying Hello again")
+        hello = P.Hello(role="rollout", name=self.name, capabilities=self.core.capabilities(),
+                        call_id=self.ep.core.new_call_id())
+        self._rehello, self._rehello_at = hello.call_id, time.monotonic()
+        await self._send(hello)
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            if self.core.llm is not None and self.core.llm.errored:
+                await self._fatal("vLLM engine died (see its log above)")
+                return
+            await self._send(P.Heartbeat(name=self.name, seq=seq, policy_version=self.core.version,
+                                         stats=self.core.metrics()))
+            seq += 1
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    async def _send(self, msg: P.Message) -> None:
+        try:
+            await self.ep.send(msg)
+        except TransportError as e:
+            # The controller is gone or not reading; what we could not deliver it re-issues.
+            log.error("could not send %s: %s", type(msg).__name__, e)
+
+    async def _fatal(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        log.error("fatal: %s; telling the controller and exiting", why)
+        await self._send(P.Error(code="fatal", message=f"{self.name}: {why}"))
+        self._exit_code = 1
+        self._stop.set()
+
+    # ------------------------------------------------------------------ work
+    async def _serve_prompt(self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int) -> None:
+        try:
+            result = await self.core.generate(pid, toks, sampling, min_version)
+        except asyncio.CancelledError:
+            raise
+        except BadRequest as e:
+            await self._send(P.Error(code="bad_request", message=f"prompt {pid}: {e}", prompt_ids=[pid]))
+            return
+        except Exception as e:  # noqa: BLE001 - reported, then decided fatal or not
+            if self.core.llm is not None and self.core.llm.errored:
+                await self._fatal(f"vLLM engine died while generating prompt {pid}: {e!r}")
+            else:
+                log.exception("prompt %d failed", pid)
+                await self._send(P.Error(code="internal", message=f"prompt {pid}: {e!r}", prompt_ids=[pid]))
+            return
+        if self.cfg.coalesce_ms <= 0:
+            await self._send(sample_batch([result], self.name))
+            return
+        self._pending.append(result)
+        if self._flush_task is None:
+            self._flush_task = self._spawn(self._flush_later())
+
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(self.cfg.coalesce_ms / 1000)
+        batch, self._pending, self._flush_task = self._pending, [], None
+        await self._send(sample_batch(batch, self.name))
+
+    # ------------------------------------------------------------------ control calls
+    async def _call(self, msg: P.Message) -> None:
+        try:
+            reply = await self._handlers[type(msg)](msg)
+        except asyncio.CancelledError:
+            raise
+        except BadRequest as e:
+            reply = P.Error(code="bad_request", message=str(e))
+        except NotSupported as e:
+            reply = P.Error(code="not_supported", message=str(e))
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            reply = P.Error(code="timeout", message=f"{type(msg).__name__} timed out: {e}")
+        except Exception as e:  # noqa: BLE001 - answered; the server lives on unless the engine died
+            log.exception("%s failed", type(msg).__name__)
+            reply = P.Error(code="internal", message=f"{type(msg).__name__} failed: {e!r}")
+        reply.call_id = msg.call_id
+        await self._send(reply)
+        if self.core.llm is not None and self.core.llm.errored:
+            await self._fatal(f"vLLM engine died during {type(msg).__name__}")
+
+    async def _on_sync_init(self, m: P.WeightSyncInit) -> P.Message:
+        workers = await self.core.init_weight_transfer(m.backend, m.init_info, m.timeout_s)
+        return P.Ack(info={"workers": workers})
+
+    async def _on_update_start(self, m: P.WeightUpdateStart) -> P.Message:
+        await self.core.start_weight_update(m.policy_version)
+        return P.Ack()
+
+    async def _on_update(self, m: P.WeightUpdate) -> P.Message:
+        return P.Ack(info={"seconds": await self.core.update_weights(m.names, m.dtype_names, m.shapes)})
+
+    async def _on_update_finish(self, m: P.WeightUpdateFinish) -> P.Message:
+        reset = await self.core.finish_weight_update(m.policy_version)
+        return P.Ack(info={"policy_version": self.core.version, "prefix_cache_reset": reset})
+
+    async def _on_sync_close(self, m: P.WeightSyncClose) -> P.Message:
+        await self.core.close_weight_transfer()
+        return P.Ack()
+
+    async def _on_pause(self, m: P.Pause) -> P.Message:
+        await self.core.pause()
+        return P.Ack()
+
+    async def _on_resume(self, m: P.Resume) -> P.Message:
+        await self.core.resume()
+        return P.Ack()
+
+    async def _on_sleep(self, m: P.Sleep) -> P.Message:
+        await self.core.sleep(m.level)
+        return P.Ack()
+
+    async def _on_wake_up(self, m: P.WakeUp) -> P.Message:
+        await self.core.wake_up(m.tags)
+        return P.Ack()
+
+    async def _on_health(self, m: P.GetHealth) -> P.Message:
+        return P.Health(name=self.name, state=self.core.state, policy_version=self.core.version,
+                        stats=self.core.metrics())
+
+    async def _on_shutdown(self, m: P.Shutdown) -> P.Message:
+        log.info("shutdown requested by the controller: %s", m.reason or "(no reason given)")
+        # Answer first, then stop: in-flight prompts are dropped (the controller asked).
+        asyncio.get_running_loop().call_soon(self._stop.set)
+        return P.Ack(info={"dropped_prompts": self.core.in_flight})
+
+
+async def amain(cfg: RolloutConfig) -> int:
+    name = cfg.name or default_name("rollout")
+    core = RolloutCore(cfg)
+    t0 = time.monotonic()
+    await core.start()
+    log.info("%s: engine ready in %.1f s", name, time.monotonic() - t0)
+    ep = AsyncEndpoint(cfg.controller, name=name)
+    try:
+        return await RolloutServer(cfg, core, ep).serve()
+    except TransportError as e:
+        log.error("%s", e)
+        return 2
+    finally:
+        ep.close()
+        await core.shutdown()
+
+
+def run(cfg: RolloutConfig) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(amain(cfg))
+    return uvloop.run(amain(cfg))
