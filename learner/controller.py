@@ -11,8 +11,11 @@ Dead or silent peers give their work back (``pool.reap``), late work is re-issue
 (``ledger.expire``), late answers are dropped as duplicates. The schedule (lockstep here:
 collect, train, push) lives in ``learner.train_ppo``; this class is the data path only.
 
-Weight pushes are not done here: the caller passes ``sync_joiner`` — how to bring a newly
-joined rollout server to the current weights — and decides when to push to everybody.
+The rollout side goes through ``RolloutClient`` (``learner/rollout_client.py``), which reads
+the socket, answers the pool, keeps weight groups, and spreads prompts by free capacity. A
+rollout server that joins mid-run gets the current weights before its first prompt: here at
+once when ``sync_joiners_in_pump`` (rank 0 can push alone), otherwise at the next weight push
+(ZeRO-3 on several ranks: a push is a collective of all learner ranks).
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from common.protocol import Error, PromptBatch, SampleBatch, SamplingParams, ScoredBatch, ScoreRequest, Shutdown
+from common.protocol import Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
 from common.transport import Endpoint
 from learner.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.experience import Rollout, Sample
 from learner.ledger import Entry, PromptLedger
-from learner.pool import Peer, ServicePool
+from learner.pool import ServicePool
+from learner.reward_client import build_score_request
+from learner.rollout_client import RolloutClient
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +57,15 @@ class ServicesMissing(RuntimeError):
 
 
 class Controller:
-    def __init__(self, endpoint: Endpoint, pool: ServicePool, ledger: PromptLedger, *,
-                 sampling: SamplingParams, max_prompts_per_request: int = 16,
-                 sync_joiner: Callable[[Peer], None] | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
-        self.endpoint = endpoint
-        self.pool = pool
+    def __init__(self, rollout: RolloutClient, ledger: PromptLedger, *, sampling: SamplingParams,
+                 max_prompts_per_request: int = 16, sync_joiners_in_pump: bool = True) -> None:
+        self.rollout = rollout
+        self.endpoint: Endpoint = rollout.endpoint
+        self.pool: ServicePool = rollout.pool
         self.ledger = ledger
         self.sampling = sampling
         self.max_prompts_per_request = max_prompts_per_request
-        self.sync_joiner = sync_joiner
-        self.progress = progress
+        self.sync_joiners_in_pump = sync_joiners_in_pump
         self.policy_version = 0
         self._next_id = 0
         self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
@@ -92,32 +95,28 @@ class Controller:
     # ------------------------------------------------------------------ the loop
     def pump(self, timeout: float = 0.05) -> None:
         """One turn: receive and route messages, handle deaths and deadlines, dispatch work."""
-        got = self.endpoint.recv(timeout=timeout)
-        while got is not None:
-            self._route(*got)
-            got = self.endpoint.recv(timeout=0)
-        for lost in self.pool.reap():
+        for identity, msg in self.rollout.poll(timeout):
+            self._route(identity, msg)
+        for lost in self.rollout.reap():
             back = self.ledger.lost(lost.keys, f"{lost.peer.name} {lost.reason}")
             if back:
                 log.warning("re-issuing %d prompt(s) held by %s", len(back), lost.peer.name)
         for pid in self.ledger.expire():
             log.warning("prompt %d passed its deadline; re-issuing", pid)
-        for peer in self.pool.take_joined():
-            if peer.role == "rollout" and not peer.ready and self.sync_joiner is not None:
-                self.sync_joiner(peer)
+        if self.sync_joiners_in_pump:
+            self.rollout.sync_joiners(push=True)
         self._dispatch_generation()
         self._dispatch_scoring()
 
     def _route(self, identity: bytes, msg: Any) -> None:
-        msg = self.pool.handle(identity, msg)
-        if msg is None:
+        """A message the RolloutClient passed on (the pool has seen it already)."""
+        peer = self.pool.peers.get(identity)
+        if peer is None:
             return
-        peer = self.pool.peers[identity]
-        if isinstance(msg, SampleBatch):
+        if isinstance(msg, SampleBatch):  # RolloutClient has released these prompts at the pool
             for pid, sub in split_by_prompt(msg).items():
                 if sub.policy_versions and min(sub.policy_versions) < self.policy_version:
                     self.counters["stale_samples"] += len(sub)
-                self.pool.complete(identity, [pid])
                 self.ledger.generated(pid, sub, peer.name)
         elif isinstance(msg, ScoredBatch):
             entries = self.ledger.entries
@@ -139,17 +138,17 @@ class Controller:
 
     def _dispatch_generation(self) -> None:
         queued = self.ledger.queued()
-        while queued:
-            peer = self.pool.pick("rollout")
-            if peer is None:
+        if not queued or self.pool.pick("rollout") is None:
+            return
+        for start in range(0, len(queued), self.max_prompts_per_request):
+            chunk = queued[start:start + self.max_prompts_per_request]
+            unplaced = set(self.rollout.submit([e.prompt_id for e in chunk], [e.payload.tokens for e in chunk],
+                                               self.sampling, policy_version=self.policy_version))
+            for e in chunk:
+                if e.prompt_id not in unplaced:
+                    self.ledger.start_generation([e.prompt_id], self.pool.holder(e.prompt_id).name)
+            if unplaced:
                 return
-            room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
-            chunk, queued = queued[:room], queued[room:]
-            ids = [e.prompt_id for e in chunk]
-            msg = PromptBatch(prompt_ids=ids, token_ids=[e.payload.tokens for e in chunk],
-                              sampling=self.sampling, policy_version=self.policy_version)
-            if self.pool.send_work(peer, msg, ids):
-                self.ledger.start_generation(ids, peer.name)
 
     def _dispatch_scoring(self) -> None:
         waiting = self.ledger.awaiting_scoring()
@@ -162,8 +161,8 @@ class Controller:
             ids = [e.prompt_id for e in chunk]
             samples = concat_samples([e.samples for e in chunk])
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
-            req = ScoreRequest(samples=samples, prompts=[e.payload.text for e in per_sample],
-                               labels=[e.payload.label for e in per_sample])
+            req = build_score_request(samples, [e.payload.tokens for e in per_sample],
+                                      [e.payload.text for e in per_sample], [e.payload.label for e in per_sample])
             if self.pool.send_work(peer, req, ids):
                 self.ledger.start_scoring(ids, peer.name)
 

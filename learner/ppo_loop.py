@@ -200,9 +200,10 @@ def _make_controller(cfg: PPOConfig, sampling: SamplingParams, weights: Any):
     from learner.pool import ServicePool
 
     endpoint = Endpoint.bind(cfg.controller_bind)
-    pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s, welcome_config=weights.welcome_config)
+    pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
     ledger = PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s)
-    return Controller(endpoint, pool, ledger, sampling=sampling, sync_joiner=weights.sync_joiner)
+    return Controller(weights.rollout_client(endpoint, pool), ledger, sampling=sampling,
+                      sync_joiners_in_pump=weights.rank0_can_push_alone)
 
 
 def _evaluate(controller, items, greedy: SamplingParams, cfg: PPOConfig) -> float:

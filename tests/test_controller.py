@@ -15,6 +15,7 @@ from common.transport import Endpoint, handshake
 from learner.controller import Controller, PromptItem
 from learner.ledger import PromptLedger
 from learner.pool import ServicePool
+from learner.rollout_client import RolloutClient
 
 
 class FakeService(threading.Thread):
@@ -71,7 +72,8 @@ def ctrl():
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
     ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
-    c = Controller(ep, pool, ledger, sampling=P.SamplingParams(n=2, max_new_tokens=4), max_prompts_per_request=2)
+    c = Controller(RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(n=2, max_new_tokens=4),
+                   max_prompts_per_request=2)
     services = []
     yield c, services
     for s in services:
