@@ -266,8 +266,11 @@ class WeightPublisher:
             if self.backend == "gloo":
                 store = GlooGroup.host_store(self.host, world, self.timeout_s)
                 port = store.port
+                # Workers wait twice as long as we do: when one server stalls, we wait timeout_s on
+                # it before dropping it, and the healthy servers, waiting for their next bucket
+                # meanwhile, must not time out first.
                 init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
-                             "packed_buffer_size_bytes": self.bucket_bytes, "timeout_s": self.timeout_s}
+                             "packed_buffer_size_bytes": self.bucket_bytes, "timeout_s": 2 * self.timeout_s}
             else:
                 port = free_port(self.host)
                 init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
@@ -329,7 +332,14 @@ class WeightPublisher:
         t1 = time.monotonic()
         if pending:
             groups = {s: self.links[s].group for s in pending}
-            failed = send_packed(_checked(self.source, meta), groups, self.bucket_bytes)
+            try:
+                failed = send_packed(_checked(self.source, meta), groups, self.bucket_bytes)
+            except BaseException:
+                # Our side broke mid-transfer (e.g. the weights changed shape): every group in
+                # this push is out of step now.
+                for s in pending:
+                    self.disconnect(s, notify=False)
+                raise
             failures.update(failed)
             pending = {s: p for s, p in pending.items() if s not in failed}
         else:

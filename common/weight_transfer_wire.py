@@ -80,8 +80,14 @@ def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) ->
 
 def unpack(buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype],
            sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """The receiver's half: views of ``buf`` as the named tensors."""
-    return [(n, part.view(dt).view(shape)) for n, shape, dt, part in zip(names, shapes, dtypes, buf.split(sizes))]
+    """The receiver's half: views of ``buf`` as the named tensors (a copy only for a tensor whose
+    bytes start unaligned for its dtype, which only mixed-dtype pushes produce)."""
+    out = []
+    for n, shape, dt, part in zip(names, shapes, dtypes, buf.split(sizes)):
+        if part.storage_offset() % dt.itemsize:
+            part = part.clone()
+        out.append((n, part.view(dt).view(shape)))
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
