@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ def parse_config(argv: list[str] | None = None) -> RewardConfig:
     p = build_parser()
     args = p.parse_args(argv)
     cfg = RewardConfig(**vars(args))
+    cfg.name = cfg.name or f"reward-{socket.gethostname()}-{os.getpid()}"  # as common.transport.default_name
     for path_flag in ("reward_func",):
         v = getattr(cfg, path_flag)
         if v:

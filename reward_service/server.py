@@ -71,8 +71,19 @@ class RewardServer:
 
     # ------------------------------------------------------------------ scoring thread
     def _score_loop(self) -> None:
+        # inproc PAIR to the main thread: an empty message per finished request, only to wake
+        # its poll; the replies themselves go through self._done. Sent NOBLOCK: if the pipe
+        # is full (default HWM 1000) the main thread has wake-ups pending anyway, so a dropped
+        # one loses nothing. Linger 0: nothing in it is worth waiting for at exit.
         wake = self._ctx.socket(zmq.PAIR)
         wake.connect(self._wake_addr)
+
+        def poke() -> None:
+            try:
+                wake.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
         try:
             while True:
                 req = self._todo.get()
@@ -82,11 +93,11 @@ class RewardServer:
                 self._done.put(reply)
                 if fatal:  # after the reply is queued: the main loop sends it before the notice
                     self._fatal = fatal
-                wake.send(b"", zmq.NOBLOCK)
+                poke()
         except Exception as e:  # noqa: BLE001 - a bug here must take the service down loudly
             log.exception("scoring thread crashed")
             self._fatal = f"scoring thread crashed: {type(e).__name__}: {e}"
-            wake.send(b"", zmq.NOBLOCK)
+            poke()
         finally:
             wake.close(0)
 
