@@ -38,7 +38,7 @@ class DemoConfig:
 
 PRESETS = {
     # Measured on 2 cores: see README "The demo".
-    "tiny": dict(sft_epochs=6, sft_lr=3e-3, grpo_steps=40, lr=5e-4, n=8, prompts=16, train_batch=64,
+    "tiny": dict(sft_epochs=12, sft_lr=3e-3, grpo_steps=60, lr=5e-4, n=8, prompts=16, train_batch=64,
                  max_new=4, temperature=1.0),
     "smollm2": dict(sft_epochs=1, sft_lr=2e-5, grpo_steps=20, lr=1e-6, n=4, prompts=8, train_batch=32,
                     max_new=6, temperature=1.0),
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[3/4] SFT warm start ({preset['sft_epochs']} epoch(s)) -> {sft}", flush=True)
     if not (sft / "config.json").exists():
         _run([py, "-m", "learner.train_sft", "--pretrain", str(base), "--dataset", str(data / "train.jsonl"),
-              "--input_key", "input", "--output_key", "label", "--save_path", str(sft),
+              "--input_key", "input", "--output_key", "label", "--input_template", "{}", "--save_path", str(sft),
               "--max_epochs", str(preset["sft_epochs"]), "--learning_rate", str(preset["sft_lr"]),
               "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_len", "32",
               "--zero_stage", "0", "--seed", str(cfg.seed), "--logging_steps", "10"], run / "logs" / "sft.log")

@@ -50,6 +50,7 @@ class Role:
     log: Path
     proc: subprocess.Popen | None = None
     essential: bool = True  # its death stops the run
+    finished: bool = False  # exited 0 (e.g. a service told to shut down): not a death
 
 
 def _free_port() -> int:
@@ -92,6 +93,7 @@ class Supervisor:
         self.cfg = cfg
         self.metrics = Path(cfg.run_dir) / "metrics.jsonl"
         self._metrics_pos = 0
+        self._shown = -1
         self.last: dict = {}
 
     def start(self) -> None:
@@ -122,6 +124,11 @@ class Supervisor:
                         print(f"\nthe learner exited with code {code}; see its log: {r.log}\n{_tail(r.log)}",
                               file=sys.stderr)
                     return code
+                if code == 0:
+                    if not r.finished:
+                        print(f"\n{r.name} exited (code 0); log: {r.log}", flush=True)
+                        r.finished = True
+                    continue
                 if r.essential:
                     print(f"\n{r.name} died (exit code {code}) during the run; see its log: {r.log}\n{_tail(r.log)}",
                           file=sys.stderr)
@@ -157,8 +164,9 @@ class Supervisor:
                         self.last.update(json.loads(line))
                     except json.JSONDecodeError:
                         pass
-        if self.cfg.quiet or "step" not in self.last:
+        if self.cfg.quiet or "step" not in self.last or (self.last["step"] == self._shown and not final):
             return
+        self._shown = self.last["step"]
         m = self.last
         total = int(m.get("time/total_steps", 0)) or "?"
         line = (f"step {m['step']}/{total}  reward {m.get('rollout/reward', float('nan')):.3f}  "

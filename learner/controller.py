@@ -58,7 +58,8 @@ class ServicesMissing(RuntimeError):
 
 class Controller:
     def __init__(self, rollout: RolloutClient, ledger: PromptLedger, *, sampling: SamplingParams,
-                 max_prompts_per_request: int = 16, sync_joiners_in_pump: bool = True) -> None:
+                 max_prompts_per_request: int = 16, sync_joiners_in_pump: bool = True,
+                 detokenize: Callable[[list[list[int]]], list[str]] | None = None) -> None:
         self.rollout = rollout
         self.endpoint: Endpoint = rollout.endpoint
         self.pool: ServicePool = rollout.pool
@@ -66,6 +67,9 @@ class Controller:
         self.sampling = sampling
         self.max_prompts_per_request = max_prompts_per_request
         self.sync_joiners_in_pump = sync_joiners_in_pump
+        # Function rewards read text (OpenRLHF's `queries` = prompt + response); the controller
+        # has the policy's tokenizer, so it decodes here once instead of in every reward service.
+        self.detokenize = detokenize
         self.policy_version = 0
         self._next_id = 0
         self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
@@ -161,8 +165,13 @@ class Controller:
             ids = [e.prompt_id for e in chunk]
             samples = concat_samples([e.samples for e in chunk])
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
-            req = build_score_request(samples, [e.payload.tokens for e in per_sample],
-                                      [e.payload.text for e in per_sample], [e.payload.label for e in per_sample])
+            prompts = [e.payload.text for e in per_sample]
+            queries = ()
+            if self.detokenize is not None:
+                responses = self.detokenize([r.tolist() for r in samples.split_responses()])
+                queries = [p + r for p, r in zip(prompts, responses)]
+            req = build_score_request(samples, [e.payload.tokens for e in per_sample], prompts,
+                                      [e.payload.label for e in per_sample], queries)
             if self.pool.send_work(peer, req, ids):
                 self.ledger.start_scoring(ids, peer.name)
 

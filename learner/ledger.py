@@ -36,6 +36,7 @@ class Entry:
     holder: str = ""  # name of the peer holding it
     deadline: float = float("inf")
     attempts: int = 0  # times handed out for generation
+    score_attempts: int = 0  # times sent for scoring
     samples: Any = None  # SampleBatch (one prompt's n samples) once generated
     scores: Any = None  # ScoredBatch once scored
     history: list[str] = field(default_factory=list)  # "generating@r0", "lost: ..." — for errors
@@ -99,6 +100,10 @@ class PromptLedger:
         deadline = self.clock() + self.score_timeout_s
         for pid in prompt_ids:
             e = self._get(pid, State.SCORING, "start scoring")
+            if e.score_attempts >= self.max_attempts:
+                raise LedgerError(f"prompt {pid} was sent for scoring {e.score_attempts} times and never scored "
+                                  f"(history: {', '.join(e.history)}); giving up rather than looping")
+            e.score_attempts += 1
             e.holder, e.deadline = peer, deadline
             e.history.append(f"scoring@{peer}")
 

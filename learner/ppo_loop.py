@@ -125,7 +125,7 @@ def run(cfg: PPOConfig) -> int:
     code = 0
     try:
         if rank0:
-            controller = _make_controller(cfg, sampling, weights)
+            controller = _make_controller(cfg, sampling, weights, tokenizer)
             sink = MetricsSink(cfg)
             log.info("controller listening on %s; waiting for %d rollout server(s) and %d reward service(s)",
                      controller.endpoint.address, cfg.min_rollout_servers, cfg.min_reward_services)
@@ -193,7 +193,7 @@ def _stop_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _make_controller(cfg: PPOConfig, sampling: SamplingParams, weights: Any):
+def _make_controller(cfg: PPOConfig, sampling: SamplingParams, weights: Any, tokenizer: Any):
     from common.transport import Endpoint
     from learner.controller import Controller
     from learner.ledger import PromptLedger
@@ -203,7 +203,8 @@ def _make_controller(cfg: PPOConfig, sampling: SamplingParams, weights: Any):
     pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
     ledger = PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s)
     return Controller(weights.rollout_client(endpoint, pool), ledger, sampling=sampling,
-                      sync_joiners_in_pump=weights.rank0_can_push_alone)
+                      sync_joiners_in_pump=weights.rank0_can_push_alone,
+                      detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True))
 
 
 def _evaluate(controller, items, greedy: SamplingParams, cfg: PPOConfig) -> float:

@@ -24,7 +24,7 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str) -> list[PromptI
         max_samples=cfg.max_samples, seed=cfg.seed, apply_chat_template=cfg.apply_chat_template,
         input_template=cfg.input_template or None, prompt_max_len=cfg.prompt_max_len,
         skip_bad_rows=cfg.skip_bad_rows)
-    if skipped.total():
+    if skipped.total:
         log.warning("%s: %s", spec, skipped.report("prompts"))
     log.info("%s: %d prompts", spec, len(rows))
     return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label) for r in rows]

@@ -80,6 +80,17 @@ def test_gives_up_after_max_attempts_with_history():
         led.start_generation([0], "r2")
 
 
+def test_gives_up_scoring_after_max_attempts():
+    led, _ = make(1, max_attempts=2)
+    led.start_generation([0], "r0")
+    led.generated(0, "s", "r0")
+    for peer in ("rw0", "rw1"):
+        led.start_scoring([0], peer)
+        led.lost([0], f"{peer} answered bad_request: no text")
+    with pytest.raises(LedgerError, match=r"sent for scoring 2 times.*rw1 answered bad_request: no text"):
+        led.start_scoring([0], "rw2")
+
+
 def test_wrong_transitions_are_errors_not_silent():
     led, _ = make(1)
     with pytest.raises(LedgerError, match="it is queued, not scoring"):
