@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 from pathlib import Path
@@ -271,9 +270,3 @@ def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int
 
 def reduce_sums(sums: Dict[str, float]) -> Dict[str, float]:
     return E.all_reduce_sum(sums)
-
-
-def finite_or_raise(value: float, what: str) -> float:
-    if not math.isfinite(value):
-        raise FloatingPointError(f"{what} is {value}")
-    return value
