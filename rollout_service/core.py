@@ -115,7 +115,8 @@ class RolloutCore:
         self._in_flight: dict[str, int] = {}  # vLLM request id -> prompt id
         self._waiting = 0
         self._meter = _Meter()
-        self.counters = {"prompts": 0, "samples": 0, "aborted": 0, "updates": 0, "failed_updates": 0}
+        self.counters = {"prompts": 0, "samples": 0, "aborted": 0, "updates": 0, "failed_updates": 0,
+                         "samples_across_updates": 0}  # kept in flight through an update: tokens of 2+ versions
 
     # ------------------------------------------------------------------ lifecycle
     def engine_args(self):
@@ -244,15 +245,17 @@ class RolloutCore:
         self._meter.add(sum(len(s.token_ids) for s in samples))
         return PromptResult(prompt_id, list(token_ids), samples)
 
-    @staticmethod
-    def _sample(o, admitted: int, want_logprobs: bool) -> Sample:
+    def _sample(self, o, admitted: int, want_logprobs: bool) -> Sample:
         toks = list(o.token_ids)
         lps = None
         if want_logprobs:
             lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs or [])]
             if len(lps) != len(toks):
                 raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
-        spans = getattr(o, "weight_versions", None)
+        # vLLM's per-token weight-version spans: the first says which weights sampled token 0.
+        spans = getattr(o, "weight_versions", None) or []
+        if len({span.version for span in spans}) > 1:
+            self.counters["samples_across_updates"] += 1
         version = int(spans[0].version) if spans else admitted
         reason = o.finish_reason if o.finish_reason in FINISH_REASONS else "abort"
         return Sample(toks, lps, reason, version)

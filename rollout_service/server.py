@@ -2,7 +2,7 @@
 
 One asyncio loop owns the socket (``AsyncEndpoint``; sends from many coroutines are serialised
 by its lock). After the handshake (Hello with capacity, model, TP, dtype, weight backend;
-Welcome) three things run side by side:
+Welcome) two loops run side by side:
 
 - the receive loop: a PromptBatch becomes one task per prompt; each finished prompt goes back
   as a SampleBatch at once (or, with ``--coalesce_ms``, gathered with others finishing within
@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from common import protocol as P
-from common.transport import AsyncEndpoint, TransportError, ahandshake, default_name
+from common.transport import AsyncEndpoint, CallTimeout, PeerUnavailable, TransportError, ahandshake, default_name
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
 
@@ -81,7 +81,7 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ main
     async def serve(self) -> int:
-        welcome = await ahandshake(self.ep, "rollout", self.core.capabilities(), self.cfg.connect_timeout_s)
+        welcome = await self._handshake()
         self.core.version_floor = welcome.policy_version
         log.info("%s welcomed by the controller (its policy version %d, ours %d)", self.name,
                  welcome.policy_version, self.core.version)
@@ -94,6 +94,20 @@ class RolloutServer:
             t.cancel()
         await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
         return self._exit_code
+
+    async def _handshake(self) -> P.Welcome:
+        """Hello until Welcome, for up to --connect_timeout_s. The controller may not be up yet
+        (a send to an unconnected DEALER fails after its send timeout), so try again until then."""
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await ahandshake(self.ep, "rollout", self.core.capabilities(), max(1.0, min(left, 30.0)))
+            except (PeerUnavailable, CallTimeout) as e:
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"{self.name}: no Welcome from the controller at {self.cfg.controller} "
+                                         f"within {self.cfg.connect_timeout_s:.0f} s: {e}") from None
+                log.info("controller not answering yet (%s); trying again", e)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -117,6 +131,8 @@ class RolloutServer:
                 self._rehello = 0
                 self.core.version_floor = msg.policy_version
                 log.info("welcomed again (controller policy version %d)", msg.policy_version)
+            elif isinstance(msg, P.Welcome):
+                log.debug("ignoring a Welcome to an earlier Hello")
             elif isinstance(msg, P.Error):
                 log.error("controller reported an error: %s: %s", msg.code, msg.message)
             else:

@@ -77,10 +77,10 @@ class Controller:
     """The learner's rank 0, minus training: endpoint, pool, client, publisher."""
 
     def __init__(self, model: torch.nn.Module, *, peer_timeout_s: float = 30.0, weight_timeout_s: float = 60.0,
-                 bucket_bytes: int = 1 << 20) -> None:
+                 bucket_bytes: int = 1 << 20, backend: str = "gloo") -> None:
         self.ep = Endpoint.bind("tcp://127.0.0.1:0")
         self.pool = ServicePool(self.ep, peer_timeout_s=peer_timeout_s)
-        self.publisher = WeightPublisher(model, backend="gloo", timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes)
+        self.publisher = WeightPublisher(model, backend=backend, timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes)
         self.client = RolloutClient(self.ep, self.pool, self.publisher, call_timeout_s=weight_timeout_s)
         self.model = model
         self.servers: list[Server] = []
@@ -158,10 +158,11 @@ def samples_of(batch: P.SampleBatch, prompt_id: int) -> list[dict]:
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, stop: set[int]) -> tuple[list[int], list[float]]:
     """Greedy continuation by full forward passes, and log p(token) of each generated token
     (log-softmax of the logits: what vLLM reports for greedy in processed mode)."""
+    device = next(model.parameters()).device
     ids = list(prompt)
     toks, lps = [], []
     for _ in range(max_new):
-        logits = model(torch.tensor([ids])).logits[0, -1].float()  # (V,)
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()  # (V,)
         logp = torch.log_softmax(logits, -1)
         t = int(logits.argmax())
         toks.append(t)
@@ -175,8 +176,8 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new: int, stop: set
 @torch.no_grad()
 def hf_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> list[float]:
     """log p(response[i] | prompt, response[:i]) under ``model``, one forward pass (the learner's view)."""
-    ids = torch.tensor([list(prompt) + list(response)])
-    logp = torch.log_softmax(model(ids).logits[0].float(), -1)  # (T, V)
+    ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
+    logp = torch.log_softmax(model(ids).logits[0].float(), -1).cpu()  # (T, V)
     pos = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
     return logp[pos, torch.tensor(response)].tolist()
 
@@ -186,4 +187,4 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
     """A new policy: every weight moved by a little noise (as an optimizer step would)."""
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+        p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale * p.std().clamp_min(1e-3))
