@@ -54,10 +54,16 @@ class _Pending:
         deadline = time.monotonic() + timeout
         try:
             while self.call_id not in c._replies:
+                c._lost.extend(c.pool.reap())  # silence past the deadline counts while we wait, too
+                peer = c.peer(self.server)
+                if peer is not None and not peer.alive:
+                    # Declared dead while we waited (a fatal notice, silence): no reply will come.
+                    raise PeerUnavailable(f"{self.server} is gone (declared dead) while waiting for its reply "
+                                          f"to {self.what}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CallTimeout(f"no reply from {self.server} to {self.what} within {timeout:.1f} s")
-                c._pump_one(left)
+                c._pump_one(min(left, 0.5))
         finally:
             c._waiting.discard(self.call_id)  # a reply after this is late and dropped
         reply = c._replies.pop(self.call_id)
@@ -77,6 +83,7 @@ class RolloutClient:
         self._waiting: set[int] = set()
         self._replies: dict[int, P.Message] = {}
         self._inbox: deque[tuple[bytes, P.Message]] = deque()
+        self._lost: list[LostWork] = []  # reaped while a call waited; handed out by reap()
 
     # ------------------------------------------------------------------ socket
     def _pump_one(self, timeout: float) -> bool:
@@ -177,7 +184,7 @@ class RolloutClient:
     def reap(self) -> list[LostWork]:
         """Dead servers (silent past the pool's deadline, announced fatal, unreachable, failed a
         weight push) with the prompt ids each held; their weight groups are dropped."""
-        lost = self.pool.reap()
+        lost, self._lost = self._lost + self.pool.reap(), []
         if self.publisher is not None:
             for lw in lost:
                 self.publisher.disconnect(lw.peer.name, notify=False)

@@ -136,7 +136,6 @@ class RolloutCore:
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
-        import common.weight_transfer_gloo  # noqa: F401  (registers "gloo" before vLLM validates the config)
         from vllm.v1.engine.async_llm import AsyncLLM
 
         for attempt in range(1, self.cfg.engine_start_attempts + 1):
