@@ -3,8 +3,10 @@
 Starts ``rollout_servers`` rollout services, ``reward_services`` reward services and the learner
 (``torchrun`` when ``learner_nproc > 1``), all bound to 127.0.0.1, each writing its own log
 under ``RUN_DIR/logs/``. Shows one progress line (step, reward, tokens/s, time left) read from
-the learner's ``metrics.jsonl``. Stops everything on Ctrl-C, when the learner finishes, or
-when any role dies — naming it and pointing at its log.
+the learner's ``metrics.jsonl``. Stops everything on Ctrl-C, when the learner finishes or
+dies, or when the last process of a service kind dies — naming it and pointing at its log.
+A rollout or reward process that dies while others of its kind run is reported and the run
+goes on: the controller re-issues what it held.
 
 There is no magic here: the same run by hand is one command per role in its own terminal
 (README, "The same run, by hand").
@@ -49,7 +51,7 @@ class Role:
     cmd: list[str]
     log: Path
     proc: subprocess.Popen | None = None
-    essential: bool = True  # its death stops the run
+    kind: str = ""  # "rollout" | "reward" | "learner"
     finished: bool = False  # exited 0 (e.g. a service told to shut down): not a death
 
 
@@ -69,11 +71,11 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     for i in range(cfg.rollout_servers):
         roles.append(Role(f"rollout-{i}", [py, "-m", "rollout_service", "--model", cfg.pretrain,
                                              "--controller", controller, "--name", f"rollout-{i}",
-                                             *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log"))
+                                             *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log", kind="rollout"))
     for i in range(cfg.reward_services):
         roles.append(Role(f"reward-{i}", [py, "-m", "reward_service", "--controller", controller,
                                            "--name", f"reward-{i}", *shlex.split(cfg.reward_args)],
-                          logs / f"reward-{i}.log"))
+                          logs / f"reward-{i}.log", kind="reward"))
     learner_flags = ["--pretrain", cfg.pretrain, "--save_path", str(run / "model"),
                      "--controller_bind", controller, "--min_rollout_servers", str(cfg.rollout_servers),
                      "--min_reward_services", str(cfg.reward_services), "--metrics_file", str(run / "metrics.jsonl"),
@@ -83,7 +85,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                "-m", "learner.train_ppo", *learner_flags]
     else:
         cmd = [py, "-m", "learner.train_ppo", *learner_flags]
-    roles.append(Role("learner", cmd, logs / "learner.log"))
+    roles.append(Role("learner", cmd, logs / "learner.log", kind="learner"))
     return roles
 
 
@@ -110,7 +112,7 @@ class Supervisor:
             print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
 
     def watch(self) -> int:
-        """Returns the run's exit code: the learner's, or 1 if another role died first."""
+        """Returns the run's exit code: the learner's, or 1 if every process of a service kind died."""
         learner = next(r for r in self.roles if r.name == "learner")
         while True:
             self._progress()
@@ -129,10 +131,17 @@ class Supervisor:
                         print(f"\n{r.name} exited (code 0); log: {r.log}", flush=True)
                         r.finished = True
                     continue
-                if r.essential:
-                    print(f"\n{r.name} died (exit code {code}) during the run; see its log: {r.log}\n{_tail(r.log)}",
-                          file=sys.stderr)
+                if r.finished:
+                    continue
+                r.finished = True
+                # A service's death is survivable while others of its kind serve: the
+                # controller re-issues what it held. The last one of a kind ends the run.
+                left = [o for o in self.roles if o.kind == r.kind and o.proc.poll() is None]
+                print(f"\n{r.name} died (exit code {code}); see its log: {r.log}\n{_tail(r.log)}", file=sys.stderr)
+                if not left:
+                    print(f"no {r.kind} process is left: stopping the run", file=sys.stderr)
                     return 1
+                print(f"{len(left)} other {r.kind} process(es) carry on; its work is re-issued", file=sys.stderr)
             time.sleep(1.0)
 
     def stop(self) -> None:

@@ -8,13 +8,12 @@ from launch.local import LocalConfig, Role, Supervisor, build_roles
 
 
 def _role(name, code, tmp_path):
-    return Role(name, [sys.executable, "-c", code], tmp_path / "logs" / f"{name}.log")
+    return Role(name, [sys.executable, "-c", code], tmp_path / "logs" / f"{name}.log", kind=name.split("-")[0])
 
 
-def test_role_death_stops_everything_and_names_it(tmp_path, capsys):
+def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
     roles = [
-        _role("rollout-0", "import time; time.sleep(120)", tmp_path),
         # ignores SIGTERM: must be killed after the deadline
         _role("reward-0", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
               tmp_path),
@@ -32,8 +31,24 @@ def test_role_death_stops_everything_and_names_it(tmp_path, capsys):
     assert time.monotonic() - t0 < 30
     err = capsys.readouterr().err
     assert "rollout-1 died (exit code 3)" in err and "rollout-1.log" in err and "boom: CUDA error" in err
+    assert "no rollout process is left" in err
     for r in roles:
         assert r.proc.poll() is not None, f"{r.name} still running"
+
+
+def test_one_of_two_rollout_servers_dying_is_survived(tmp_path, capsys):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [_role("rollout-0", "import sys, time; time.sleep(0.3); sys.exit(9)", tmp_path),
+             _role("rollout-1", "import time; time.sleep(120)", tmp_path),
+             _role("learner", "import time; time.sleep(3)", tmp_path)]
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    try:
+        assert sup.watch() == 0  # the learner's code: the run went on
+    finally:
+        sup.stop()
+    err = capsys.readouterr().err
+    assert "rollout-0 died (exit code 9)" in err and "1 other rollout process(es) carry on" in err
 
 
 def test_learner_exit_code_is_the_runs(tmp_path):
