@@ -37,6 +37,7 @@ class Server:
                 "--name", name, "--dtype", "float32", "--enforce_eager", "--max_model_len", "256",
                 "--max_num_seqs", "8", "--heartbeat_s", "0.5", "--gpu_memory_utilization", "0.05", *extra]
         self._log = open(self.log_path, "w")
+        self.killed = False
         # Own process group: a kill takes vLLM's EngineCore and workers with it.
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **ENV}, start_new_session=True)
@@ -46,11 +47,12 @@ class Server:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def check_alive(self) -> None:
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None and not self.killed:
             raise RuntimeError(f"rollout server {self.name} exited with {self.proc.returncode}; "
                                f"its log ({self.log_path}):\n{self.log_tail()}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.killed = True  # on purpose: check_alive no longer complains
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -136,6 +138,8 @@ class Controller:
             self.pump(0.1, allow_dead)
 
     def close(self) -> None:
+        for s in self.servers:  # all at once: each vLLM takes seconds to wind down
+            s.kill(signal.SIGTERM)
         for s in self.servers:
             s.stop()
         self.publisher.close()

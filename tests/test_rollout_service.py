@@ -1,0 +1,221 @@
+"""Rollout servers end to end: real ``python -m rollout_service`` processes on the tiny model, a
+real controller side (ServicePool + RolloutClient + WeightPublisher), weights over gloo.
+
+Engines are expensive to start on a busy 2-core box (30-140 s each), so one module-scoped set of
+three servers serves every test, in file order: ``ra`` and ``rb`` join at once; ``rc`` is started
+alongside them but pointed at an address the controller only binds late in the run, so it joins
+*after* weight updates, holding the initial checkpoint, as a server started mid-run does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common import protocol as P
+from common.tiny import ENDOFTEXT_ID, IM_END_ID
+from common.transport import RemoteError, free_port
+from helpers.rollout_harness import REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
+
+pytestmark = pytest.mark.slow
+
+STOP = {IM_END_ID, ENDOFTEXT_ID}  # generation_config.eos_token_id: vLLM stops on these too
+GREEDY = P.SamplingParams(temperature=0.0, max_new_tokens=16)
+# Prompts of 150+ tokens sharing a 140-token prefix: longer than a KV block, so the prefix
+# cache holds full blocks that a later request (and a later *version*) could hit.
+PREFIX = [1] + [(7 * i) % 700 + 3 for i in range(139)]
+PROMPTS = [PREFIX + [10 + k, 20 + k, 30 + k, 40 + k, 50 + k, 60 + k, 70 + k, 80 + k, 90 + k, 100 + k]
+           for k in range(4)]
+
+
+def test_help_answers_fast_without_importing_torch():
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "rollout_service", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0 and "--weight_transfer_backend" in out.stdout
+    assert time.monotonic() - t0 < 2.0  # ~0.1 s idle; generous for a loaded box
+    probe = ("import sys; from common.config import build_parser; from rollout_service.config import RolloutConfig; "
+             "build_parser(RolloutConfig); import rollout_service.__main__; "
+             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ctrl = Controller(model, peer_timeout_s=6.0, weight_timeout_s=60.0)
+    logs = tmp_path_factory.mktemp("rollout-logs")
+    try:
+        ctrl.late_port = free_port()
+        ctrl.start("ra", logs)
+        ctrl.start("rb", logs)
+        ctrl.servers.append(Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs,
+                                   "--connect_timeout_s", "1200"))
+        ctrl.wait_joined(["ra", "rb"], timeout=600)
+        yield ctrl
+    finally:
+        ctrl.close()
+
+
+def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180):
+    """Prompts through the controller (or straight to one server); {prompt id: samples}."""
+    ids = list(range(first_id, first_id + len(prompts)))
+    if to is None:
+        assert not stack.client.submit(ids, prompts, sampling, policy_version=version)
+    else:
+        stack.ep.send(P.PromptBatch(prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=version),
+                      to=to.encode())
+    stack.wait_results(ids, timeout=timeout)
+    return {pid: samples_of(stack.results[pid], pid) for pid in ids}
+
+
+def _assert_parity(model, prompts, got, version):
+    for prompt, samples in zip(prompts, got.values()):
+        (s,) = samples
+        want_toks, want_lps = hf_greedy(model, prompt, GREEDY.max_new_tokens, STOP)
+        assert s["tokens"] == want_toks, f"v{version}: greedy tokens differ from transformers"
+        assert s["version"] == version
+        assert s["finish"] == ("stop" if want_toks[-1] in STOP else "length")
+        # The sampling log-probs vLLM reports = the learner's log-probs of the same tokens.
+        lp = torch.tensor(s["logprobs"])
+        assert torch.allclose(lp, torch.tensor(want_lps), atol=1e-4), (lp, want_lps)
+        assert torch.allclose(lp, torch.tensor(hf_logprobs(model, prompt, s["tokens"])), atol=1e-4)
+
+
+def test_parity_with_transformers_after_two_successive_updates(stack):
+    """Weights perturbed and pushed twice; each time the service's greedy tokens and log-probs
+    equal transformers' for the new weights. The same prompts (and their cached prefix) are
+    served under v1 and then v2: stale KV from v1 would show up as a v2 mismatch."""
+    for version in (1, 2):
+        perturb(stack.model, seed=version)
+        report = stack.client.push_weights(version)
+        assert sorted(report.updated) == ["ra", "rb"] and not report.failed
+        got = _run(stack, PROMPTS, GREEDY, first_id=version * 100, version=version)
+        _assert_parity(stack.model, PROMPTS, got, version)
+        # Twice under the same version: now from the prefix cache, still the same answer.
+        again = _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 50, version=version)
+        assert [s[0]["tokens"] for s in again.values()] == [s[0]["tokens"] for s in got.values()]
+    for name in ("ra", "rb"):
+        health = stack.client.health(name)
+        assert health.policy_version == 2 and health.state == "serving"
+
+
+def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack):
+    """An update lands while samples are being generated: they are kept (not aborted), finish on
+    the new weights (vLLM's per-token versions show both), and carry the version that sampled
+    their first token."""
+    v = stack.client.version
+    sampling = P.SamplingParams(temperature=1.0, max_new_tokens=240, seed=3)
+    ids = list(range(300, 308))
+    prompts = [[1, 40 + i, 41, 42] for i in range(len(ids))]
+
+    def in_flight() -> float:
+        return sum(stack.client.health(n).stats["in_flight"] for n in ("ra", "rb"))
+
+    across_before = sum(stack.client.health(n).stats["samples_across_updates"] for n in ("ra", "rb"))
+    assert not stack.client.submit(ids, prompts, sampling, policy_version=v)
+    stack.wait_until(lambda: in_flight() > 0, "prompts in flight")
+    t = time.monotonic() + 0.3
+    while time.monotonic() < t:  # let them sample their first tokens
+        stack.pump(0.05)
+    assert in_flight() > 0, "every sample finished within 0.3 s: lengthen them for this machine"
+    perturb(stack.model, seed=v + 1)
+    stack.client.push_weights(v + 1)
+    stack.wait_results(ids, timeout=300)
+    versions = {}
+    for pid in ids:
+        (s,) = samples_of(stack.results[pid], pid)
+        assert s["finish"] in ("stop", "length"), "kept across the update, not aborted"
+        versions[pid] = s["version"]
+    assert set(versions.values()) <= {v, v + 1} and v in versions.values()
+    across = sum(stack.client.health(n).stats["samples_across_updates"] for n in ("ra", "rb"))
+    assert across > across_before, "no sample was generating when the update landed"
+    (s,) = _run(stack, [[1, 40, 41, 42]], sampling, first_id=320, version=v + 1)[320]
+    assert s["version"] == v + 1
+
+
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(stack):
+    stack.errors.clear()
+    ra = b"ra"
+    stack.ep.sock.send_multipart([ra, b"\x99", b"junk"], copy=True)  # not a message at all
+    vocab = stack.model.config.vocab_size
+    stack.ep.send(P.PromptBatch(prompt_ids=[9001, 9002], token_ids=[[1, vocab + 5], [1, 2, 3]], sampling=GREEDY),
+                  to=ra)
+    stack.ep.send(P.PromptBatch(prompt_ids=[9003], token_ids=[[5] * 250], sampling=GREEDY), to=ra)  # > max_model_len
+    stack.wait_until(lambda: {9001, 9003} <= {p for e in stack.errors for p in e.prompt_ids}, "errors for bad prompts")
+    assert any(e.code == "bad_request" and not e.prompt_ids for e in stack.errors), "garbage frames answered"
+    for e in stack.errors:
+        if e.prompt_ids:
+            assert e.code == "bad_request" and ("vocabulary" in e.message or "max_model_len" in e.message)
+    stack.wait_results([9002])  # the good prompt of the same batch was served
+    for msg, code in ((P.Hello(role="rollout", name="x"), "bad_request"),
+                      (P.WeightUpdate(names=["a"], dtype_names=["float32"], shapes=[[1]]), "bad_request"),
+                      (P.WeightSyncInit(backend="nccl"), "bad_request")):
+        with pytest.raises(RemoteError) as err:
+            stack.client.call("ra", msg, timeout=30)
+        assert err.value.error.code == code, err.value
+    got = _run(stack, PROMPTS[:1], GREEDY, first_id=9100, version=stack.client.version, to="ra")
+    _assert_parity(stack.model, PROMPTS[:1], got, stack.client.version)
+    assert stack.client.health("ra").state == "serving"
+
+
+def test_pause_resume_health_and_sleep_not_supported_on_cpu(stack):
+    stack.client.pause("ra")
+    assert stack.client.health("ra").state == "paused"
+    stack.ep.send(P.PromptBatch(prompt_ids=[9200], token_ids=[[1, 2, 3]], sampling=GREEDY), to=b"ra")
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        stack.pump(0.1)
+    assert 9200 not in stack.results
+    assert stack.client.health("ra").stats["waiting"] == 1
+    stack.client.resume("ra")
+    stack.wait_results([9200])
+    with pytest.raises(RemoteError, match="not supported") as err:
+        stack.client.call("ra", P.Sleep(level=1))
+    assert err.value.error.code == "not_supported"
+
+
+def test_work_spreads_and_a_killed_server_loses_exactly_its_prompts(stack):
+    v = stack.client.version
+    sampling = P.SamplingParams(temperature=1.0, max_new_tokens=150, seed=7)
+    ids = list(range(400, 412))
+    prompts = [[1, 60 + i, 61, 62] for i in range(len(ids))]
+    assert not stack.client.submit(ids, prompts, sampling, policy_version=v)
+    held = {n: set(stack.client.peer(n).in_flight) for n in ("ra", "rb")}
+    assert held["ra"] and held["rb"], f"work not spread: {held}"
+    rb = next(s for s in stack.servers if s.name == "rb")
+    rb.kill()  # SIGKILL: no goodbye; the pool notices by heartbeat silence
+    t0 = time.monotonic()
+    lost = []
+    while not lost:
+        assert time.monotonic() - t0 < 60, "the controller never declared rb dead"
+        stack.pump(0.1, allow_dead=("rb",))
+        lost = [lw for lw in stack.client.reap() if lw.peer.name == "rb"]
+    keys = set(lost[0].keys)
+    returned_by_rb = {pid for pid in held["rb"] if pid in stack.results and stack.results[pid].server == "rb"}
+    assert keys == held["rb"] - returned_by_rb and keys, (keys, held, returned_by_rb)
+    assert stack.client.servers() == ["ra"]
+    # ra kept serving its share, and takes rb's lost prompts when they are re-issued.
+    retry = sorted(keys)
+    assert not stack.client.submit(retry, [prompts[ids.index(p)] for p in retry], sampling, policy_version=v)
+    stack.wait_results(ids, allow_dead=("rb",), timeout=300)
+    assert all(stack.results[p].server == "ra" for p in retry)
+    assert all(stack.results[p].server == "ra" for p in held["ra"])
+
+
+def test_a_server_joining_after_updates_gets_the_current_weights_before_work(stack):
+    v = stack.client.version
+    assert v >= 1
+    stack.ep.sock.bind(f"tcp://127.0.0.1:{stack.late_port}")  # rc can reach the controller now
+    stack.wait_joined(["rc"], timeout=600)
+    health = stack.client.health("rc")
+    assert health.policy_version == v and health.stats["prompts"] == 0  # synced, and nothing served before
+    got = _run(stack, PROMPTS, GREEDY, first_id=500, version=v, to="rc")
+    _assert_parity(stack.model, PROMPTS, got, v)  # the current weights, not the checkpoint it loaded
