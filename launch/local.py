@@ -38,7 +38,8 @@ class LocalConfig:
     reward_services: int = flag(1, "how many reward_service processes")
     reward_args: str = flag("", "extra flags for each reward_service (e.g. --reward_func FILE)")
     learner_nproc: int = flag(1, "learner ranks (torchrun --nproc_per_node when > 1)")
-    learner_args: str = flag("", "flags for learner.train_ppo (--prompt_data etc.)")
+    learner_args: str = flag("", "flags for learner.train_ppo (--prompt_data etc.); its --reward_pretrain, "
+                                 "--ref_pretrain and --normalize_reward also configure the reward services")
     port: int = flag(0, "controller port on 127.0.0.1 (0: pick a free one)")
     threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
@@ -72,9 +73,10 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         roles.append(Role(f"rollout-{i}", [py, "-m", "rollout_service", "--model", cfg.pretrain,
                                              "--controller", controller, "--name", f"rollout-{i}",
                                              *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log", kind="rollout"))
+    reward_extra = _reward_flags_from_learner(shlex.split(cfg.learner_args), cfg.pretrain)
     for i in range(cfg.reward_services):
         roles.append(Role(f"reward-{i}", [py, "-m", "reward_service", "--controller", controller,
-                                           "--name", f"reward-{i}", *shlex.split(cfg.reward_args)],
+                                           "--name", f"reward-{i}", *reward_extra, *shlex.split(cfg.reward_args)],
                           logs / f"reward-{i}.log", kind="reward"))
     learner_flags = ["--pretrain", cfg.pretrain, "--save_path", str(run / "model"),
                      "--controller_bind", controller, "--min_rollout_servers", str(cfg.rollout_servers),
@@ -87,6 +89,25 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         cmd = [py, "-m", "learner.train_ppo", *learner_flags]
     roles.append(Role("learner", cmd, logs / "learner.log", kind="learner"))
     return roles
+
+
+def _reward_flags_from_learner(args: list[str], pretrain: str) -> list[str]:
+    """OpenRLHF puts reward/reference model flags on the trainer; here a reward service serves
+    them, so the learner's flags are passed on to it (one place to say it, as users expect)."""
+    def value(name: str) -> str | None:
+        return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+    out = []
+    if value("--reward_pretrain"):
+        out += ["--reward_pretrain", value("--reward_pretrain")]
+    kl = "--use_kl_loss" in args or float(value("--init_kl_coef") or 0.01) > 0  # train_ppo's default is 0.01
+    if value("--ref_pretrain") or kl:
+        out += ["--ref_pretrain", value("--ref_pretrain") or pretrain]
+    if "--normalize_reward" in args:
+        out.append("--normalize_reward")
+    if value("--temperature") and "--ref_pretrain" in out:
+        out += ["--temperature", value("--temperature")]  # reference log-probs at the sampling temperature
+    return out
 
 
 class Supervisor:

@@ -21,8 +21,10 @@ RAY_PLACEMENT_FLAGS = ("ref_num_nodes", "ref_num_gpus_per_node", "actor_num_node
 class PPOConfig:
     # ---- models and data
     pretrain: str = flag("", "policy model: HF hub name or local path", required=True, group="model")
-    reward_pretrain: str = flag("", "reward model path (served by reward_service; launch.local starts it)", group="model")
-    ref_pretrain: str = flag("", "reference model for KL (default: --pretrain); served by reward_service", group="model")
+    reward_pretrain: str = flag("", "reward model: served by reward_service (launch.local passes it on); the "
+                                    "learner checks a connected reward service scores with a reward model", group="model")
+    ref_pretrain: str = flag("", "reference model for KL: served by reward_service --ref_pretrain (launch.local "
+                                 "passes it on, default --pretrain when KL is on)", group="model")
     save_path: str = flag("./ckpt/ppo", "where the final HF-format policy is written", group="model")
     prompt_data: str = flag("", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name",
                             required=True, group="data")
@@ -87,10 +89,9 @@ class PPOConfig:
                                     group="algorithm")
     gamma: float = flag(1.0, "discount", group="algorithm")
     lambd: float = flag(1.0, "GAE lambda", group="algorithm")
-    normalize_reward: bool = flag(False, "reward service normalises RM scores with the RM's saved mean/std",
-                                  group="algorithm")
+    normalize_reward: bool = flag(False, "reward service normalises RM scores with the RM's saved mean/std "
+                                         "(launch.local passes it on)", group="algorithm")
     reward_clip_range: list[float] = flag([-10.0, 10.0], "clip rewards to [low, high]", group="algorithm")
-    dynamic_filtering: bool = flag(False, "DAPO: drop groups whose rewards are all equal", group="algorithm")
     overlong_buffer_len: int = flag(0, "DAPO overlong penalty window (tokens before the max length)",
                                     group="algorithm")
     overlong_penalty_factor: float = flag(1.0, "DAPO overlong penalty at the max length", group="algorithm")
@@ -162,6 +163,10 @@ class PPOConfig:
         if self.advantage_estimator == "gae":
             raise ValueError("--advantage_estimator gae needs a critic, which is not wired into train_ppo yet; "
                              "use group_norm, dr_grpo, rloo, reinforce or reinforce_baseline")
+
+    @property
+    def kl_needed(self) -> bool:
+        return self.use_kl_loss or self.init_kl_coef > 0
 
     @property
     def clip_low_high(self) -> tuple[float, float]:

@@ -130,6 +130,7 @@ def run(cfg: PPOConfig) -> int:
             log.info("controller listening on %s; waiting for %d rollout server(s) and %d reward service(s)",
                      controller.endpoint.address, cfg.min_rollout_servers, cfg.min_reward_services)
             controller.wait_for_services(cfg.min_rollout_servers, cfg.min_reward_services, cfg.wait_for_services_s)
+            check_reward_sources(cfg, controller.pool.alive("reward"))
         weights.push(0, controller)  # servers may have loaded other weights: everyone starts equal
         if rank0 and eval_items:
             acc = _evaluate(controller, eval_items, greedy, cfg)
@@ -186,6 +187,21 @@ def run(cfg: PPOConfig) -> int:
             sink.close()
         weights.close()
     return code
+
+
+def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
+    """The learner's flags promise sources (KL needs reference log-probs, --reward_pretrain a
+    reward model); fail at start-up, naming the services, if none of them provides one."""
+    sources = {p.name: set(p.capabilities.get("sources", [])) for p in peers}
+    want = []
+    if cfg.kl_needed:
+        want.append(("ref", "KL (--init_kl_coef > 0 or --use_kl_loss) needs reference log-probs: start a reward "
+                            "service with --ref_pretrain"))
+    if cfg.reward_pretrain:
+        want.append(("rm", "--reward_pretrain is set: start a reward service with --reward_pretrain"))
+    for source, why in want:
+        if not any(source in s for s in sources.values()):
+            raise SystemExit(f"{why} (connected reward services and their sources: {sources})")
 
 
 def _stop_ids(tokenizer) -> list[int]:

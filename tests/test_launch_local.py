@@ -73,3 +73,14 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
     learner = roles["learner"].cmd
     assert "torch.distributed.run" in learner and "--nproc_per_node=2" in learner
     assert learner[learner.index("--min_rollout_servers") + 1] == "2" and learner[-2:] == ["--max_steps", "3"]
+    # KL is on by default (init_kl_coef 0.01): the reward services serve the reference model.
+    ref = roles["reward-0"].cmd
+    assert ref[ref.index("--ref_pretrain") + 1] == "/m"
+
+
+def test_learner_reward_flags_reach_the_reward_services(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m",
+                      learner_args="--reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7")
+    cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
+    assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
+    assert "--ref_pretrain" not in cmd and "--temperature" not in cmd
