@@ -41,7 +41,8 @@ import torch
 
 from common import protocol as P
 from common.transport import TransportError, free_port
-from common.weight_transfer_wire import DEFAULT_BUCKET_BYTES, GlooGroup, ParamMeta, dtype_name, send_packed
+from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_SEGMENT_BYTES, Buffers, GlooGroup, ParamMeta,
+                                         dtype_name, send_packed)
 
 log = logging.getLogger(__name__)
 
@@ -232,9 +233,13 @@ class WeightPublisher:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.control, self.rank, self.backend = control, rank, backend
         self.bucket_bytes, self.timeout_s, self.host = bucket_bytes, timeout_s, host
+        # gloo only (vLLM's NCCL consumer takes one broadcast per bucket): tensors this large go
+        # out from their own memory instead of being copied into the bucket first.
+        self.segment_bytes = DEFAULT_SEGMENT_BYTES
         self.source = ModelWeights(model, _dtype(dtype), keep=rank == 0)
         self.links: dict[str, _Link] = {}
         self.version: int | None = None  # last version pushed by this publisher
+        self._buffers: Buffers | None = None  # 2 x bucket, on the weights' device, kept between pushes
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -270,7 +275,8 @@ class WeightPublisher:
                 # it before dropping it, and the healthy servers, waiting for their next bucket
                 # meanwhile, must not time out first.
                 init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
-                             "packed_buffer_size_bytes": self.bucket_bytes, "timeout_s": 2 * self.timeout_s}
+                             "packed_buffer_size_bytes": self.bucket_bytes, "segment_bytes": self.segment_bytes,
+                             "timeout_s": 2 * self.timeout_s}
             else:
                 port = free_port(self.host)
                 init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
@@ -332,8 +338,11 @@ class WeightPublisher:
         t1 = time.monotonic()
         if pending:
             groups = {s: self.links[s].group for s in pending}
+            if self._buffers is None:
+                self._buffers = Buffers(next(self.source.module.parameters()).device)
             try:
-                failed = send_packed(_checked(self.source, meta), groups, self.bucket_bytes)
+                failed = send_packed(_checked(self.source, meta), groups, self.bucket_bytes, buffers=self._buffers,
+                                     segment_bytes=self.segment_bytes if self.backend == "gloo" else float("inf"))
             except BaseException:
                 # Our side broke mid-transfer (e.g. the weights changed shape): every group in
                 # this push is out of step now.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Self
 
@@ -46,10 +47,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT_S, GlooGroup, bucket_plan, dtype_name,
-                                         send_packed, unpack, wait_work)
+from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT_S, GlooGroup,
+                                         bucket_plan, dtype_name, segment_plan, send_packed, unpack, wait_work)
 
-log = logging.getLogger(__name__)
+# Under "vllm." so that, inside vLLM's workers, it goes through vLLM's log handler.
+log = logging.getLogger("vllm.rayless.weight_transfer_gloo")
 
 BACKEND = "gloo"
 
@@ -67,6 +69,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # must equal the sender's (common/weight_transfer_wire.py)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
@@ -97,6 +100,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.group: GlooGroup | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.segment_bytes = DEFAULT_SEGMENT_BYTES
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         if self.group is not None:
@@ -105,6 +109,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # Same rank layout as vLLM's NCCL backend: data-parallel replicas, then TP x PP ranks.
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.packed_buffer_size_bytes
+        self.segment_bytes = init_info.segment_bytes
         self.group = GlooGroup.open(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                     timeout_s=init_info.timeout_s,
                                     label=f"learner@{init_info.master_address}:{init_info.master_port}")
@@ -135,19 +140,37 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         group = self.group
 
         def post(b: int):
-            buf = torch.empty(sum(sizes[i] for i in plan[b]), dtype=torch.uint8)
-            return buf, group.broadcast(buf, src=0)
+            # A fresh buffer per bucket, never a reused one: vLLM's layerwise reload keeps the
+            # loaded tensors (views of this buffer) until every weight of their layer has
+            # arrived, which may be buckets later. Each segment lands in its slice of it.
+            bsizes = [sizes[i] for i in plan[b]]
+            buf = torch.empty(sum(bsizes), dtype=torch.uint8)
+            works, off = [], 0
+            for run in segment_plan(bsizes, self.segment_bytes):
+                n = sum(bsizes[j] for j in run)
+                if n:
+                    works.append(group.broadcast(buf[off:off + n], src=0))
+                off += n
+            return buf, works
 
+        t0 = time.perf_counter()
+        waited = 0.0
         with disable_mtp_completeness_check():
             pending = post(0) if plan else None
             for b, idx in enumerate(plan):
-                buf, work = pending
-                wait_work(work, f"receiving bucket {b + 1}/{len(plan)} from {group.label}")
+                buf, works = pending
+                t = time.perf_counter()
+                for work in works:
+                    wait_work(work, f"receiving bucket {b + 1}/{len(plan)} from {group.label}")
+                waited += time.perf_counter() - t
                 # Receive the next bucket while this one loads (gloo runs it on its own thread).
                 pending = post(b + 1) if b + 1 < len(plan) else None
                 self.model.load_weights(unpack(buf, [update_info.names[i] for i in idx],
-                                                      [update_info.shapes[i] for i in idx],
-                                                      [dtypes[i] for i in idx], [sizes[i] for i in idx]))
+                                               [update_info.shapes[i] for i in idx],
+                                               [dtypes[i] for i in idx], [sizes[i] for i in idx]))
+        total = time.perf_counter() - t0
+        log.info("received %d tensors in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading",
+                 len(sizes), len(plan), sum(sizes) / 1e6, total, waited, total - waited)
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -168,6 +191,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
     master_port: int = 0  # 0: any free port, chosen by the store
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
@@ -179,9 +203,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.segment_bytes = bucket_bytes, segment_bytes
         self.group: GlooGroup | None = None
 
     @classmethod
@@ -190,14 +215,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if source is None:
             raise ValueError("gloo trainer weight transfer requires a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     bucket_bytes=init_info.packed_buffer_size_bytes)
+                     bucket_bytes=init_info.packed_buffer_size_bytes, segment_bytes=init_info.segment_bytes)
         if not engine.is_sender:
             return engine
         store = GlooGroup.host_store(init_info.master_address, init_info.world_size, init_info.timeout_s,
                                      init_info.master_port)
         worker_info = GlooWeightTransferInitInfo(
             master_address=init_info.master_address, master_port=store.port, world_size=init_info.world_size,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s)
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, segment_bytes=init_info.segment_bytes,
+            timeout_s=init_info.timeout_s)
         from concurrent.futures import ThreadPoolExecutor
 
         # The workers block in init until everyone has joined, so the RPC runs beside us.
@@ -222,7 +248,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             fut = exe.submit(self.client.update_weights, info)
-            failed = send_packed(iter(self.source), {"workers": self.group}, self.bucket_bytes)
+            failed = send_packed(iter(self.source), {"workers": self.group}, self.bucket_bytes,
+                                 segment_bytes=self.segment_bytes)
             if failed:
                 raise RuntimeError(failed["workers"])
             fut.result()

@@ -25,6 +25,8 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 # alive at once on each side (one on the wire, one being packed or loaded).
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 120.0
+# gloo: a tensor this large is broadcast from its own memory rather than copied into a bucket.
+DEFAULT_SEGMENT_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,78 @@ def bucket_plan(sizes: Iterable[int], bucket_bytes: int) -> list[list[int]]:
     return plan
 
 
-def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[torch.Tensor]:
-    """The sender's half of ``bucket_plan``: one contiguous uint8 tensor per bucket, the bytes
-    of its tensors back to back (vLLM's ``pack_tensors`` layout)."""
+class Buffers:
+    """The sender's two reusable bucket buffers: bucket ``b`` is packed into buffer ``b % 2``
+    while bucket ``b - 1`` is on the wire. Kept across pushes: a fresh large host allocation
+    pays a page fault per 4 KiB on first touch, every time. (Receivers must not reuse theirs:
+    vLLM's layerwise reload holds views of a bucket until the rest of their layer arrives.)"""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._bufs: list[torch.Tensor | None] = [None, None]
+
+    def get(self, b: int, nbytes: int) -> torch.Tensor:
+        buf = self._bufs[b % 2]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[b % 2] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+
+def segment_plan(sizes: list[int], segment_bytes: float) -> list[list[int]]:
+    """How one bucket goes on the wire: runs of its tensors (positions within the bucket), one
+    broadcast each. A tensor of at least ``segment_bytes`` is a run of its own and is sent from
+    its own memory; smaller neighbours are packed into one run. The bucket's bytes are the same
+    either way; only the number of collectives changes. NCCL (vLLM's consumer) wants one
+    broadcast per bucket: ``segment_bytes=inf``. gloo sends big tensors without the packing copy."""
+    runs: list[list[int]] = []
+    for i, size in enumerate(sizes):
+        if size >= segment_bytes:
+            runs.append([i])
+            runs.append([])
+        else:
+            if not runs:
+                runs.append([])
+            runs[-1].append(i)
+    return [r for r in runs if r]
+
+
+def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, buffers: Buffers | None = None,
+                segment_bytes: float = float("inf")) -> Iterator[list[torch.Tensor]]:
+    """The sender's half of ``bucket_plan``: per bucket, the uint8 tensors to broadcast in order
+    (``segment_plan``), together the bytes of its tensors back to back (vLLM's ``pack_tensors``
+    layout). With ``buffers``, bucket ``b`` packs into buffer ``b % 2``: the caller must be done
+    sending bucket ``b - 2`` by then."""
     cur: list[torch.Tensor] = []
     total = 0
+    b = 0
+
+    def pack() -> list[torch.Tensor]:
+        out = []
+        buf = buffers.get(b, total) if buffers is not None and len(cur) > 1 else None
+        off = 0
+        for run in segment_plan([t.numel() for t in cur], segment_bytes):
+            parts = [cur[i] for i in run]
+            n = sum(t.numel() for t in parts)
+            if n == 0:
+                continue  # nothing to send (empty tensors); the receiver skips it too
+            if len(parts) == 1:
+                out.append(parts[0])  # sent from its own memory: no copy
+            elif buf is None:
+                out.append(torch.cat(parts))
+            else:
+                out.append(torch.cat(parts, out=buf[off:off + n]))
+            off += n
+        return out
+
     for _name, t in pairs:
         flat = t.contiguous().view(-1).view(torch.uint8)
         cur.append(flat)
         total += flat.numel()
         if total > bucket_bytes:
-            # A lone tensor is sent from its own memory: no copy for the big ones.
-            yield cur[0] if len(cur) == 1 else torch.cat(cur)
-            cur, total = [], 0
+            yield pack()
+            cur, total, b = [], 0, b + 1
     if cur:
-        yield cur[0] if len(cur) == 1 else torch.cat(cur)
+        yield pack()
 
 
 def unpack(buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype],
@@ -152,7 +211,7 @@ def wait_work(work, what: str) -> None:
 
 
 def send_packed(pairs: Iterator[tuple[str, torch.Tensor]], groups: dict[str, Any], bucket_bytes: int,
-                on_error=None) -> dict[str, str]:
+                on_error=None, buffers: Buffers | None = None, segment_bytes: float = float("inf")) -> dict[str, str]:
     """Broadcasts ``pairs`` (in update-metadata order) bucket by bucket into every group of
     ``groups`` (name -> group with an async ``broadcast``) and returns {name: error} for groups
     that failed. A failed group is dropped and the rest carry on. The next bucket is packed
@@ -175,17 +234,18 @@ def send_packed(pairs: Iterator[tuple[str, torch.Tensor]], groups: dict[str, Any
         inflight.clear()
 
     keep = None  # the bucket on the wire must stay alive until its works complete
-    for b, bucket in enumerate(iter_packed(pairs, bucket_bytes)):
+    # Packing bucket b (inside the generator) overlaps sending b - 1; b - 2 was drained before
+    # b - 1 went out, so its buffer is free to pack into.
+    for b, segments in enumerate(iter_packed(pairs, bucket_bytes, buffers, segment_bytes)):
         drain()
-        keep = bucket
+        keep = segments
         for name, group in list(live.items()):
             try:
-                inflight.append((name, group.broadcast(bucket, src=0), f"sending bucket {b + 1} to {name}"))
+                for seg in segments:
+                    inflight.append((name, group.broadcast(seg, src=0), f"sending bucket {b + 1} to {name}"))
             except RuntimeError as e:
                 failed[name] = f"sending bucket {b + 1} to {name} failed: {e}"
                 live.pop(name)
     drain()
     del keep
     return failed
-
-

@@ -89,11 +89,19 @@ class RolloutServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: self._spawn(self._fatal(f"received {signal.Signals(s).name}")))
         workers = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+        for w in workers:
+            w.add_done_callback(self._loop_ended)
         await self._stop.wait()
         for t in workers + list(self._tasks):
             t.cancel()
         await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
         return self._exit_code
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        # A bug in a loop must not leave a zombie that heartbeats nothing and serves nothing.
+        if not task.cancelled() and task.exception() is not None and not self._stop.is_set():
+            log.error("internal error", exc_info=task.exception())
+            self._spawn(self._fatal(f"internal error: {task.exception()!r}"))
 
     async def _handshake(self) -> P.Welcome:
         """Hello until Welcome, for up to --connect_timeout_s. The controller may not be up yet

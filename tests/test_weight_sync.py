@@ -53,8 +53,10 @@ def test_bucket_plan_matches_vllm_pack_tensors():
             vllm_chunks.append(chunk.names)
         plan = bucket_plan([t.numel() * 4 for _, t in tensors], bucket)
         assert [[tensors[i][0] for i in b] for b in plan] == vllm_chunks, trial
-        ours = list(iter_packed(tensors, bucket))
-        assert [b.numel() for b in ours] == [sum(tensors[i][1].numel() * 4 for i in b) for b in plan]
+        want = [sum(tensors[i][1].numel() * 4 for i in b) for b in plan]
+        for segment_bytes in (float("inf"), 100):  # one broadcast per bucket, or big tensors alone
+            ours = list(iter_packed(tensors, bucket, segment_bytes=segment_bytes))
+            assert [sum(s.numel() for s in segs) for segs in ours] == want
 
 
 def test_pack_unpack_round_trip_dtypes_views_and_empty():
@@ -62,7 +64,7 @@ def test_pack_unpack_round_trip_dtypes_views_and_empty():
     tensors = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("noncontig", base.t()), ("empty", torch.zeros(0, 4)),
                ("scalar", torch.tensor(3.5)), ("int", torch.arange(7, dtype=torch.int64))]
     sizes = [t.numel() * t.element_size() for _, t in tensors]
-    (buf,) = list(iter_packed(tensors, 1 << 20))
+    ((buf,),) = list(iter_packed(tensors, 1 << 20))
     got = unpack(buf, [n for n, _ in tensors], [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors],
                  sizes)
     for (name, want), (gname, have) in zip(tensors, got):
@@ -169,18 +171,21 @@ class FakeControl:
         return _Reply(self.servers[server].handle(msg), server, type(msg).__name__)
 
 
-def _publisher(model, servers, timeout_s=10.0, bucket_bytes=4096):
+def _publisher(model, servers, timeout_s=10.0, bucket_bytes=4096, segment_bytes=None):
     pub = WeightPublisher(model, control=FakeControl(servers), backend="gloo", timeout_s=timeout_s,
                           bucket_bytes=bucket_bytes)
+    if segment_bytes is not None:
+        pub.segment_bytes = segment_bytes
     for s in servers:
         pub.connect(s.name, workers=1, dtype="float32")
     return pub
 
 
-def test_push_fans_out_one_pass_to_every_server():
+@pytest.mark.parametrize("segment_bytes", [None, 512])
+def test_push_fans_out_one_pass_to_every_server(segment_bytes):
     model = TinyLM()
     servers = [FakeServer("a"), FakeServer("b")]
-    pub = _publisher(model, servers)
+    pub = _publisher(model, servers, segment_bytes=segment_bytes)  # 512: bigger tensors go out alone
     passes = []
     pub.source = _Counting(pub.source, passes)
     report = pub.push(7)

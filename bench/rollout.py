@@ -1,0 +1,233 @@
+"""Rollout service overheads, measured against the bare parts in the same run.
+
+1. Generation: tokens/s of prompts sent through a rollout server (controller -> ZMQ ->
+   ``RolloutCore`` -> vLLM ``AsyncLLM`` -> ZMQ -> controller, timed at the controller) vs bare
+   ``vllm.LLM.generate`` in this process, on the same prompts, sampling parameters and engine
+   settings. Per-request seeds make both sample the same tokens. The two run in alternating
+   rounds, so load from elsewhere on the machine hits both alike. Goal: ratio >= 0.95.
+2. Weight update: one full push (start / update / finish: pause, gloo transfer in buckets,
+   load into vLLM, prefix-cache reset, resume) vs one raw gloo broadcast of the same number of
+   bytes to a bare receiver process. On the tiny model (2.4 MB) fixed costs dominate; the
+   ``--sync_mb`` model (a random Qwen2 of about that size, built here) shows the transfer-bound
+   case. Goal: ratio <= 1.3.
+
+Run: ``python bench/rollout.py [--rounds 3] [--prompts 64] [--max_new_tokens 128] [--sync_mb 400]``
+(needs vllm; prints a JSON summary line last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+for k, v in {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
+             "HF_HUB_OFFLINE": "1"}.items():
+    os.environ.setdefault(k, v)
+
+ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=64, seed=0,
+              enable_prefix_caching=True, logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05)
+
+
+def build_model(out: Path, tiny: Path, target_mb: float) -> Path:
+    """A random Qwen2 of about ``target_mb`` MB (fp32) sharing the tiny model's tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = json.loads((tiny / "config.json").read_text())
+    hidden = 1024
+    per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden  # q,k,v,o (no GQA saving) + MLP, roughly
+    layers = max(1, round(target_mb * 1e6 / 4 / per_layer))
+    config = Qwen2Config(vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                         max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _raw_receiver(port: int, nbytes: int, rounds: int) -> None:
+    import torch
+
+    from common.weight_transfer_wire import GlooGroup
+
+    group = GlooGroup.open("127.0.0.1", port, 1, 2, timeout_s=120, label="bench")
+    for _ in range(rounds):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        group.broadcast(buf).wait()
+
+
+class RawPeer:
+    """A bare receiver process in its own gloo group: the floor a weight push is measured against.
+    Like a vLLM worker it allocates its receive buffer each time; it does nothing with the bytes."""
+
+    def __init__(self, nbytes: int, rounds: int) -> None:
+        import torch
+
+        from common.weight_transfer_wire import GlooGroup
+
+        store = GlooGroup.host_store("127.0.0.1", 2, 120)
+        self.proc = mp.get_context("spawn").Process(target=_raw_receiver, args=(store.port, nbytes, rounds + 1))
+        self.proc.start()
+        self.group = GlooGroup.open("127.0.0.1", store.port, 0, 2, timeout_s=120, label="bench", store=store)
+        self.data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.group.broadcast(self.data).wait()  # warm-up: connections, first touch
+
+    def time_one(self) -> float:
+        t0 = time.perf_counter()
+        self.group.broadcast(self.data).wait()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.proc.join(60)
+
+
+def sync_bench(ctrl, rounds: int) -> dict:
+    """Full pushes and raw broadcasts of the same byte count, alternating (medians reported)."""
+    nbytes = ctrl.publisher.source.nbytes()
+    raw = RawPeer(nbytes, rounds)
+    ctrl.client.push_weights(1)  # warm-up
+    pushes, raws, phases = [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        report = ctrl.client.push_weights(r + 2)
+        pushes.append(time.perf_counter() - t0)
+        phases.append(report.seconds)
+        raws.append(raw.time_one())
+    raw.close()
+    med = statistics.median
+    return {"mb": round(nbytes / 1e6, 2), "push_s": round(med(pushes), 4), "raw_s": round(med(raws), 4),
+            "ratio_of_medians": round(med(pushes) / med(raws), 2),
+            "ratios": [round(p / r, 2) for p, r in zip(pushes, raws)],
+            "push_phases_median_s": {k: round(med(ph[k] for ph in phases), 4) for k in phases[0]}}
+
+
+def make_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randrange(16, 48))] for _ in range(n)]
+
+
+def service_tokens_per_s(ctrl, prompts, max_new: int, first_id: int) -> tuple[float, int]:
+    from common import protocol as P
+
+    ids = list(range(first_id, first_id + len(prompts)))
+    ctrl.results.clear()
+    t0 = time.perf_counter()
+    # One PromptBatch per request seed would be unfair to the service; a shared seed is not
+    # what an RL run does. Seeds go per prompt: one batch per prompt (64 small messages).
+    for pid, prompt in zip(ids, prompts):
+        sampling = P.SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=pid)
+        assert not ctrl.client.submit([pid], [prompt], sampling)
+    ctrl.wait_results(ids, timeout=1800)
+    dt = time.perf_counter() - t0
+    tokens = sum(sum(b.response_lengths[i] for i, p in enumerate(b.prompt_ids) if p == pid)
+                 for pid, b in ((pid, ctrl.results[pid]) for pid in ids))
+    return tokens / dt, tokens
+
+
+def bare_tokens_per_s(llm, prompts, max_new: int, first_id: int) -> tuple[float, int]:
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = [SamplingParams(temperature=1.0, max_tokens=max_new, seed=first_id + i, logprobs=0, detokenize=False,
+                             output_kind=RequestOutputKind.FINAL_ONLY) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / dt, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5, help="alternating service/bare rounds (median reported)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--sync_rounds", type=int, default=7)
+    ap.add_argument("--skip_generation", action="store_true", help="only the weight-sync part (big model)")
+    ap.add_argument("--sync_mb", type=float, default=400, help="size of the weight-sync model (0: skip)")
+    ap.add_argument("--out", default="", help="also write the JSON summary here")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM
+
+    from common.tiny import build_tiny_model
+    from helpers.rollout_harness import Controller
+
+    work = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    tiny = build_tiny_model(work / "tiny")
+    summary: dict = {"host_cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg()[0]}
+    serve_args = ("--max_model_len", str(ENGINE["max_model_len"]), "--max_num_seqs", str(ENGINE["max_num_seqs"]))
+
+    # ---------------------------------------------------------------- generation
+    if not args.skip_generation:
+        model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+        ctrl = Controller(model, peer_timeout_s=120, weight_timeout_s=120)
+        try:
+            ctrl.start("bench-r0", work, *serve_args)
+            llm = LLM(model=str(tiny), **ENGINE)
+            ctrl.wait_joined(["bench-r0"], timeout=900)
+            vocab = model.config.vocab_size
+            warm = make_prompts(8, 999, vocab)
+            service_tokens_per_s(ctrl, warm, 16, 10_000_000)
+            bare_tokens_per_s(llm, warm, 16, 10_000_000)
+            svc, bare = [], []
+            for r in range(args.rounds):
+                prompts = make_prompts(args.prompts, r, vocab)
+                first = (r + 1) * 100_000
+                s_rate, s_tok = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
+                b_rate, b_tok = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                svc.append(s_rate)
+                bare.append(b_rate)
+                print(f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "
+                      f"({b_tok} tokens), ratio {s_rate / b_rate:.3f}", flush=True)
+            summary["generation"] = {
+                "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                "service_tok_s": round(statistics.median(svc), 1), "bare_tok_s": round(statistics.median(bare), 1),
+                "ratio_of_medians": round(statistics.median(svc) / statistics.median(bare), 3),
+                "ratios": [round(s / b, 3) for s, b in zip(svc, bare)]}
+            del llm
+
+            summary["weight_sync_tiny"] = sync_bench(ctrl, args.sync_rounds)
+            print("weight sync (tiny):", summary["weight_sync_tiny"], flush=True)
+        finally:
+            ctrl.close()
+
+    # ---------------------------------------------------------------- weight sync, transfer-bound
+    if args.sync_mb > 0:
+        big_dir = build_model(work / "sync-model", tiny, args.sync_mb)
+        big = AutoModelForCausalLM.from_pretrained(big_dir, dtype=torch.float32).eval()
+        ctrl = Controller(big, peer_timeout_s=300, weight_timeout_s=300, bucket_bytes=64 << 20)
+        try:
+            ctrl.start("bench-sync", work, "--max_model_len", "256", "--max_num_seqs", "4")
+            ctrl.wait_joined(["bench-sync"], timeout=900)
+            summary["weight_sync_big"] = sync_bench(ctrl, args.sync_rounds)
+            print("weight sync (big):", summary["weight_sync_big"], flush=True)
+        finally:
+            ctrl.close()
+    shutil.rmtree(work, ignore_errors=True)
+    line = json.dumps(summary)
+    print("SUMMARY " + line, flush=True)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+
+
+if __name__ == "__main__":  # vLLM and the receiver spawn processes that re-import __main__
+    main()
