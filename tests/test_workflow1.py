@@ -80,3 +80,36 @@ def test_rm_loads_in_transformers_and_reward_service_with_its_mean_and_std(workf
     served = scorer.rewards(ids)
     expected = (plain - config["mean"]) / config["std"]
     torch.testing.assert_close(served, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_ppo_hop_with_the_trained_rm_scored_by_the_reward_service(workflow1_models, tmp_path):
+    """The seed's workflow 1, last hop: train_ppo from the SFT model with --reward_pretrain the
+    trained RM. launch.local passes the RM (and the reference model, KL being on) to the reward
+    service; the learner checks at start-up that a service scores with both."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "ppo"
+    learner = ["--prompt_data", workflow1_models["prompts_train"], "--input_key", "input", "--apply_chat_template",
+               "--reward_pretrain", str(workflow1_models["rm"]), "--normalize_reward", "--init_kl_coef", "0.01",
+               "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
+               "--train_batch_size", "32", "--micro_train_batch_size", "16", "--max_steps", "3",
+               "--generate_max_len", "8", "--actor_learning_rate", "1e-4", "--zero_stage", "2"]
+    cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(workflow1_models["sft"]),
+           "--rollout_args", "--dtype float32 --max_model_len 256 --enforce_eager",
+           "--learner_args", " ".join(learner), "--quiet"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    reward_log = (run / "logs" / "reward-0.log").read_text()
+    assert "--reward_pretrain" in reward_log.splitlines()[0] and "--ref_pretrain" in reward_log.splitlines()[0]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/reward" in r]
+    assert len(steps) == 3
+    # RM scores are real numbers (normalised: around 0), the KL term is live, and the policy
+    # moved away from the reference it started equal to.
+    assert all(r["rollout/reward"] == r["rollout/reward"] for r in steps)
+    assert steps[0]["policy/kl_coef"] == 0.01 and abs(steps[-1]["policy/kl_to_ref"]) > 0
+    assert (run / "model" / "config.json").exists()
