@@ -7,9 +7,12 @@ is which processes you start and where (see README's multi-terminal recipe).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from common.config import flag
+
+log = logging.getLogger("learner")
 
 RAY_PLACEMENT_FLAGS = ("ref_num_nodes", "ref_num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node",
                        "critic_num_nodes", "critic_num_gpus_per_node", "reward_num_nodes",
@@ -23,6 +26,8 @@ class PPOConfig:
     pretrain: str = flag("", "policy model: HF hub name or local path", required=True, group="model")
     reward_pretrain: str = flag("", "reward model: served by reward_service (launch.local passes it on); the "
                                     "learner checks a connected reward service scores with a reward model", group="model")
+    critic_pretrain: str = flag("", "critic (--advantage_estimator gae): default --reward_pretrain if set, else "
+                                    "--pretrain; a causal LM gets a fresh value head", group="model")
     ref_pretrain: str = flag("", "reference model for KL: served by reward_service --ref_pretrain (launch.local "
                                  "passes it on, default --pretrain when KL is on)", group="model")
     save_path: str = flag("./ckpt/ppo", "where the final HF-format policy is written", group="model")
@@ -54,6 +59,7 @@ class PPOConfig:
 
     # ---- optimisation
     actor_learning_rate: float = flag(1e-6, "policy learning rate", group="optim")
+    critic_learning_rate: float = flag(9e-6, "critic learning rate (--advantage_estimator gae)", group="optim")
     lr_warmup_ratio: float = flag(0.0, "fraction of steps of linear warm-up", group="optim")
     l2: float = flag(0.0, "weight decay", group="optim")
     max_norm: float = flag(1.0, "gradient clipping norm", group="optim")
@@ -87,6 +93,10 @@ class PPOConfig:
     kl_estimator: str = flag("k1", "KL estimator", choices=("k1", "k2", "k3"), group="algorithm")
     entropy_loss_coef: float = flag(0.0, "entropy bonus coefficient (entropy is logged regardless)",
                                     group="algorithm")
+    value_clip: float = flag(0.5, "critic value clipping around the old values (<= 0: off; gae)",
+                             group="algorithm")
+    freezing_actor_steps: int = flag(0, "critic-only warm-up: the policy is not updated for this many rollout "
+                                        "steps (gae)", group="algorithm")
     gamma: float = flag(1.0, "discount", group="algorithm")
     lambd: float = flag(1.0, "GAE lambda", group="algorithm")
     normalize_reward: bool = flag(False, "reward service normalises RM scores with the RM's saved mean/std "
@@ -99,7 +109,14 @@ class PPOConfig:
                                              group="algorithm")
     is_correction: str = flag("", "vLLM-vs-learner mismatch correction: tis | icepop | '' (off)",
                               choices=("", "tis", "icepop"), group="algorithm")
-    is_correction_low_high: list[float] = flag([0.0, 2.0], "IS ratio thresholds (low high)", group="algorithm")
+    is_correction_low_high: list[float] = flag([0.0, 2.0], "IS ratio thresholds (low high): tis truncates at "
+                                               "high; icepop keeps ratios in [low, high]", group="algorithm")
+    dynamic_filtering: bool = flag(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
+                                          "collect more prompts to refill the batch", group="algorithm")
+    dynamic_filtering_reward_range: list[float] = flag([], "also drop groups whose mean reward is outside the "
+                                                           "open interval (low high), e.g. 0 1", group="algorithm")
+    dynamic_filtering_max_collects: int = flag(4, "extra collects per step to refill a filtered batch; then "
+                                                  "train on what was kept (a warning)", group="algorithm")
 
     # ---- rollout
     temperature: float = flag(1.0, "sampling temperature", group="rollout")
@@ -158,11 +175,71 @@ class PPOConfig:
         if self.train_batch_size % self.micro_train_batch_size:
             raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of "
                              f"--micro_train_batch_size {self.micro_train_batch_size}")
-        if self.eps_clip_low_high and len(self.eps_clip_low_high) != 2:
-            raise ValueError("--eps_clip_low_high takes two numbers: low high")
+        self._check_algorithm()
+
+    def _check_algorithm(self) -> None:
+        """Flag combinations that would fail deep inside a step, refused at parse time."""
+        if self.eps_clip_low_high:
+            if len(self.eps_clip_low_high) != 2:
+                raise ValueError(f"--eps_clip_low_high takes two numbers (low high), got {self.eps_clip_low_high}")
+            low, high = self.eps_clip_low_high
+            if not (0 <= low < 1 and high >= 0):
+                raise ValueError(f"--eps_clip_low_high: need 0 <= low < 1 and high >= 0, got {low} {high}")
+        if not 0 <= self.eps_clip < 1:
+            raise ValueError(f"--eps_clip must be in [0, 1), got {self.eps_clip}")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError(f"--dual_clip must be > 1 (or 0: off), got {self.dual_clip}")
+        if self.policy_loss_type == "gspo" and self.loss_agg_mode != "seq_mean_token_mean":
+            # GSPO's ratio is per sequence, so its loss is a mean over sequences. The default
+            # token_mean is switched (the user did not ask for anything else); an explicit
+            # other sequence mode is a contradiction and refused.
+            if self.loss_agg_mode != "token_mean":
+                raise ValueError(f"--policy_loss_type gspo needs --loss_agg_mode seq_mean_token_mean, "
+                                 f"got {self.loss_agg_mode}")
+            log.warning("--policy_loss_type gspo: using --loss_agg_mode seq_mean_token_mean (GSPO's loss is a "
+                        "mean over sequences)")
+            self.loss_agg_mode = "seq_mean_token_mean"
+        if self.is_correction:
+            if len(self.is_correction_low_high) != 2:
+                raise ValueError(f"--is_correction_low_high takes two numbers (low high), "
+                                 f"got {self.is_correction_low_high}")
+            low, high = self.is_correction_low_high
+            if not (0 <= low < 1 < high):
+                raise ValueError(f"--is_correction {self.is_correction}: thresholds must satisfy "
+                                 f"0 <= low < 1 < high (a ratio of 1 must pass), got {low} {high}")
+        if self.reward_clip_range and (len(self.reward_clip_range) != 2
+                                       or self.reward_clip_range[0] >= self.reward_clip_range[1]):
+            raise ValueError(f"--reward_clip_range takes two numbers low < high, got {self.reward_clip_range}")
+        if self.dynamic_filtering:
+            if self.n_samples_per_prompt < 2:
+                raise ValueError("--dynamic_filtering drops groups whose rewards are all equal: needs "
+                                 f"--n_samples_per_prompt >= 2, got {self.n_samples_per_prompt}")
+            r = self.dynamic_filtering_reward_range
+            if r and (len(r) != 2 or r[0] >= r[1]):
+                raise ValueError(f"--dynamic_filtering_reward_range takes two numbers low < high, got {r}")
         if self.advantage_estimator == "gae":
-            raise ValueError("--advantage_estimator gae needs a critic, which is not wired into train_ppo yet; "
-                             "use group_norm, dr_grpo, rloo, reinforce or reinforce_baseline")
+            if self.gamma <= 0 or self.gamma > 1 or self.lambd < 0 or self.lambd > 1:
+                raise ValueError(f"--gamma must be in (0, 1] and --lambd in [0, 1], got {self.gamma} {self.lambd}")
+            if self.critic_learning_rate <= 0:
+                raise ValueError(f"--critic_learning_rate must be > 0, got {self.critic_learning_rate}")
+        elif self.freezing_actor_steps:
+            raise ValueError("--freezing_actor_steps warms up a critic: only with --advantage_estimator gae")
+        elif self.gamma != 1.0 and self.advantage_estimator != "reinforce":
+            raise ValueError(f"--advantage_estimator {self.advantage_estimator} uses a group baseline: "
+                             f"--gamma must be 1, got {self.gamma}")
+
+    @property
+    def critic_path(self) -> str:
+        return self.critic_pretrain or self.reward_pretrain or self.pretrain
+
+    def check_world_size(self, world: int) -> None:
+        """Run-time checks that need the number of learner ranks (called by ppo_loop)."""
+        if self.train_batch_size % (self.micro_train_batch_size * world):
+            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of "
+                             f"--micro_train_batch_size {self.micro_train_batch_size} x {world} learner ranks")
+        if self.rollout_batch_size % world:
+            raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be divisible by the "
+                             f"{world} learner ranks")
 
     @property
     def kl_needed(self) -> bool:

@@ -80,6 +80,10 @@ def run(cfg: PPOConfig) -> int:
 
     info = E.init_distributed()
     setup_logging(info.rank)
+    try:
+        cfg.check_world_size(info.world_size)
+    except ValueError as e:
+        raise SystemExit(f"learner: {e}") from None
     rank0 = info.rank == 0
     if rank0:
         log_config(cfg, log)
