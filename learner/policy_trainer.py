@@ -12,6 +12,10 @@ Runs on every learner rank with the same ``Rollout`` (see ``learner.experience``
    that train batch, and the loss is scaled by ``world x grad_accum`` to undo DeepSpeed's
    averaging, so the update equals the whole-batch update.
 
+With ``--advantage_estimator gae`` a ``learner.critic.Critic`` adds its old values to step 2
+(GAE advantages and returns) and a value-loss update to every micro-batch of step 3; during
+the first ``--freezing_actor_steps`` steps only the critic is updated.
+
 The difference between the learner's old log-probs and vLLM's sampling log-probs is logged
 as ``rollout/logprob_diff``: the health metric of the weight sync and of numerics.
 """
@@ -27,6 +31,7 @@ import torch.distributed as dist
 
 from learner.advantages import compute_advantages
 from learner.experience import Rollout, collate
+from learner.critic import Critic, token_mean_spec
 from learner.kl import AdaptiveKLController, FixedKLController, compute_kl
 from learner.losses import AggSpec, entropy_bonus, entropy_from_logits, kl_loss, log_probs_from_logits, masked_mean, policy_loss
 from learner.ppo_config import PPOConfig
@@ -52,8 +57,13 @@ def response_logprobs(model: Any, batch: dict[str, Any], temperature: float,
 
 
 class PolicyTrainer:
-    def __init__(self, engine: Any, cfg: PPOConfig, pad_id: int, device: torch.device) -> None:
+    def __init__(self, engine: Any, cfg: PPOConfig, pad_id: int, device: torch.device,
+                 critic: Critic | None = None) -> None:
+        if (cfg.advantage_estimator == "gae") != (critic is not None):
+            raise ValueError("a critic is needed exactly when --advantage_estimator is gae")
         self.engine = engine
+        self.critic = critic
+        self.steps_done = 0
         self.cfg = cfg
         self.pad_id = pad_id
         self.device = device
@@ -120,10 +130,13 @@ class PolicyTrainer:
         kl = compute_kl(old_lp, ref_lp, mask, estimator=cfg.kl_estimator)  # (N, T)
         rewards = self.shaped_rewards(rollout)
         kl_coef = self.kl_ctl.value
+        old_values = self.critic.values(rollout) if self.critic is not None else None  # (N, T)
         advantages, returns = compute_advantages(
-            cfg.advantage_estimator, rewards, mask, group_size=rollout.group_size,
+            cfg.advantage_estimator, rewards, mask, group_size=rollout.group_size, values=old_values,
             kl=None if cfg.use_kl_loss or not have_ref else kl, kl_coef=kl_coef,
             gamma=cfg.gamma, lambd=cfg.lambd, std_norm=not cfg.no_advantage_std_norm)
+        update_actor = self.steps_done >= cfg.freezing_actor_steps
+        self.steps_done += 1
 
         metrics: dict[str, list[float]] = defaultdict(list)
         n = len(rollout)
@@ -136,6 +149,7 @@ class PolicyTrainer:
             for start in range(0, n - tbs + 1, tbs):
                 global_idx = perm[start:start + tbs]
                 agg = AggSpec.from_masks([mask[global_idx]], cfg.loss_agg_mode, max_len=cfg.generate_max_len)
+                value_agg = token_mean_spec(mask[global_idx]) if self.critic is not None else None
                 local = global_idx[rank::world]
                 for m in range(0, len(local), cfg.micro_train_batch_size):
                     idx = local[m:m + cfg.micro_train_batch_size]
@@ -143,6 +157,12 @@ class PolicyTrainer:
                     T = batch["response"].shape[1]
                     sl = lambda t: t[idx, :T].to(self.device)  # noqa: E731 - stored (N, T) -> this micro-batch
                     mmask = batch["action_mask"]
+                    if self.critic is not None:
+                        for k, v in self.critic.train_micro_batch(batch, sl(old_values), sl(returns), value_agg,
+                                                                  world).items():
+                            metrics[f"critic/{k}"].append(v)
+                    if not update_actor:
+                        continue
                     lp, ent = response_logprobs(self.engine, batch, cfg.temperature,
                                                 with_entropy=True)
                     loss, pm = policy_loss(
@@ -177,5 +197,6 @@ class PolicyTrainer:
             "policy/kl_coef": kl_coef,
             "policy/advantage_abs": float(masked_mean(advantages.abs(), mask)),
             "policy/return_mean": float(masked_mean(returns, mask)),
+            "policy/actor_updated": float(update_actor),
         })
         return out

@@ -8,6 +8,7 @@ stops every rank with its error instead of leaving them waiting.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -119,7 +120,9 @@ def run(cfg: PPOConfig) -> int:
                            num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
                            betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
                            lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
-    trainer = PolicyTrainer(engine, cfg, pad_id, info.device)
+    critic = _make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) \
+        if cfg.advantage_estimator == "gae" else None
+    trainer = PolicyTrainer(engine, cfg, pad_id, info.device, critic=critic)
     sampling = SamplingParams(n=cfg.n_samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k, max_new_tokens=cfg.generate_max_len,
                               stop_token_ids=_stop_ids(tokenizer), seed=None)
@@ -149,13 +152,21 @@ def run(cfg: PPOConfig) -> int:
                 batch = train_items[offset:offset + cfg.rollout_batch_size]
                 res = controller.collect(len(batch), batch, timeout_s=cfg.generate_timeout_s + cfg.score_timeout_s)
                 rollout = res.rollout
+                if cfg.dynamic_filtering:
+                    # Refills draw the prompts that follow this step's batch, cycling.
+                    following = itertools.islice(itertools.cycle(train_items), offset + len(batch), None)
+                    more = lambda k, it=following: list(itertools.islice(it, k))  # noqa: E731
+
+                    rollout, filter_stats = filter_and_refill(controller, cfg, rollout, more)
                 go = 1 if len(rollout) >= cfg.train_batch_size else 2
             else:
                 go = 0
             go = _flag(go)
-            if go == 2:  # everything failed scoring: skip the update, keep the run going
+            if go == 2:  # everything failed scoring (or was filtered): skip the update, keep the run going
                 if rank0:
                     log.warning("step %d: too few scored samples to train (%d); skipping", step, len(rollout))
+                    if cfg.dynamic_filtering:
+                        sink.write(step, {**filter_stats, "step_skipped": 1})
                 continue
             t_gen = time.time() - t0
             rollout = broadcast_rollout(rollout, cfg.n_samples_per_prompt, device=info.device)
@@ -166,11 +177,15 @@ def run(cfg: PPOConfig) -> int:
             if rank0:
                 metrics.update(_run_metrics(controller, res, len(rollout), t_gen, t_train, time.time() - t0,
                                             step, total_steps, t_start))
+                if cfg.dynamic_filtering:
+                    metrics.update(filter_stats)
                 if step % cfg.logging_steps == 0 or step == total_steps:
                     sink.write(step, metrics)
-                    log.info("step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs", step,
+                    log.info("step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs%s", step,
                              total_steps, metrics["rollout/reward"], metrics["rollout/logprob_diff"],
-                             metrics["policy/kl_to_ref"], t_gen, t_train)
+                             metrics["policy/kl_to_ref"], t_gen, t_train,
+                             f" value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics
+                             else "")
             if cfg.save_steps and step % cfg.save_steps == 0:
                 E.save_hf(engine, tokenizer, Path(cfg.save_path) / f"step_{step}")
         if rank0 and eval_items:
@@ -191,6 +206,69 @@ def run(cfg: PPOConfig) -> int:
             sink.close()
         weights.close()
     return code
+
+
+def filter_and_refill(controller: Any, cfg: PPOConfig, rollout: Any, more_items: Any) -> tuple[Any, dict]:
+    """DAPO dynamic sampling on rank 0, before the broadcast: drop groups whose rewards are
+    all equal (``learner.shaping.dynamic_filter_mask``, on the raw rewards) and collect more
+    prompts, a ``--rollout_batch_size`` at a time (``more_items(k)`` gives the next k), until
+    that many groups are kept or ``--dynamic_filtering_max_collects`` extra collects are spent.
+    Kept groups beyond the batch are dropped. Giving up is a warning: the step trains on what
+    was kept (ppo_loop truncates it to a multiple of --train_batch_size, or skips the step
+    when that is less than one train batch)."""
+    from learner.experience import Rollout
+    from learner.shaping import dynamic_filter_mask
+
+    G, want = cfg.n_samples_per_prompt, cfg.rollout_batch_size
+    reward_range = tuple(cfg.dynamic_filtering_reward_range) or None
+    kept: list = []
+    seen = filtered = extra = 0
+
+    def absorb(ro) -> None:
+        nonlocal seen, filtered
+        if not ro.samples:
+            return
+        keep = dynamic_filter_mask(ro.rewards(), G, reward_range).tolist()  # (groups,)
+        seen += len(keep)
+        filtered += keep.count(False)
+        for g, k in enumerate(keep):
+            if k:
+                kept.extend(ro.samples[g * G:(g + 1) * G])
+
+    absorb(rollout)
+    while len(kept) < want * G and extra < cfg.dynamic_filtering_max_collects:
+        items = more_items(want)
+        extra += 1
+        res = controller.collect(len(items), items, timeout_s=cfg.generate_timeout_s + cfg.score_timeout_s)
+        absorb(res.rollout)
+    if len(kept) < want * G:
+        log.warning("dynamic filtering: %d of %d groups kept after %d extra collect(s) "
+                    "(--dynamic_filtering_max_collects); training on fewer", len(kept) // G, want, extra)
+    kept = kept[:want * G]
+    stats = {"filter/groups_seen": seen, "filter/groups_filtered": filtered, "filter/groups_kept": len(kept) // G,
+             "filter/extra_collects": extra, "filter/kept_frac": (seen - filtered) / max(1, seen)}
+    log.info("dynamic filtering: %d of %d groups filtered (all rewards equal%s), %d extra collect(s)", filtered,
+             seen, f" or mean outside {reward_range}" if reward_range else "", extra)
+    return Rollout(kept, G), stats
+
+
+def _make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int):
+    """The critic's own DeepSpeed engine: same ZeRO stage and batch sizes as the policy."""
+    from learner import engine as E
+    from learner.critic import Critic, load_critic
+
+    path = cfg.critic_path
+    log.info("critic: value model from %s (lr %g, value_clip %g, actor frozen for %d step(s))", path,
+             cfg.critic_learning_rate, cfg.value_clip, cfg.freezing_actor_steps)
+    model = load_critic(path, tokenizer=tokenizer, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
+                        gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    engine = E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16, train_batch_size=cfg.train_batch_size,
+                           micro_train_batch_size=cfg.micro_train_batch_size, learning_rate=cfg.critic_learning_rate,
+                           num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
+                           betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
+                           lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
+    return Critic(engine, pad_id=pad_id, device=device, micro_rollout_batch_size=cfg.micro_rollout_batch_size,
+                  value_clip=cfg.value_clip)
 
 
 def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
