@@ -190,9 +190,11 @@ class RolloutCore:
             raise BadRequest("empty prompt")
         if vocab is not None and any(not 0 <= t < vocab for t in token_ids):
             raise BadRequest(f"prompt token ids outside the vocabulary [0, {vocab})")
-        if len(token_ids) + sp.max_new_tokens > self.cfg.max_model_len:
-            raise BadRequest(f"prompt ({len(token_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
-                             f"--max_model_len {self.cfg.max_model_len}")
+        # As vLLM: the prompt must leave room for one token; a response that reaches the limit
+        # ends early with finish reason "length" (max_new_tokens is an upper bound, not a promise).
+        if len(token_ids) >= self.cfg.max_model_len:
+            raise BadRequest(f"prompt of {len(token_ids)} tokens leaves no room under --max_model_len "
+                             f"{self.cfg.max_model_len}")
 
     async def _admit(self, min_version: int) -> None:
         min_version = max(min_version, self.version_floor)

@@ -194,7 +194,7 @@ def test_bad_requests_are_refused_before_reaching_the_engine(core):
         with pytest.raises(BadRequest, match="vocabulary"):
             await core.generate(1, [1, VOCAB], SP)
         with pytest.raises(BadRequest, match="max_model_len"):
-            await core.generate(2, [1] * 50, SP)
+            await core.generate(2, [1] * 64, SP)
         with pytest.raises(BadRequest, match="without WeightUpdateStart"):
             await core.update_weights(["w"], ["float32"], [[1]])
         with pytest.raises(BadRequest, match="without WeightUpdateStart"):

@@ -148,7 +148,7 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(stack):
     vocab = stack.model.config.vocab_size
     stack.ep.send(P.PromptBatch(prompt_ids=[9001, 9002], token_ids=[[1, vocab + 5], [1, 2, 3]], sampling=GREEDY),
                   to=ra)
-    stack.ep.send(P.PromptBatch(prompt_ids=[9003], token_ids=[[5] * 250], sampling=GREEDY), to=ra)  # > max_model_len
+    stack.ep.send(P.PromptBatch(prompt_ids=[9003], token_ids=[[5] * 256], sampling=GREEDY), to=ra)  # = max_model_len
     stack.wait_until(lambda: {9001, 9003} <= {p for e in stack.errors for p in e.prompt_ids}, "errors for bad prompts")
     assert any(e.code == "bad_request" and not e.prompt_ids for e in stack.errors), "garbage frames answered"
     for e in stack.errors:
