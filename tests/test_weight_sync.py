@@ -9,18 +9,16 @@ real vLLM engine is in ``tests/test_rollout_service.py``.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from concurrent.futures import Future
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common import protocol as P
-from common.transport import CallTimeout, RemoteError
 from common.weight_sync import ModelWeights, WeightPublisher, WeightSyncError, _layer_runs
 from common.weight_transfer_wire import ParamMeta, bucket_plan, iter_packed, unpack
+from helpers.rollout_fakes import FakeControl, FakeServer
 
 
 class TinyLM(torch.nn.Module):
@@ -90,85 +88,6 @@ def test_model_weights_lists_tied_names_in_engine_dtype():
 
 
 # --------------------------------------------------------------------------- fake servers
-
-
-class _Reply:
-    def __init__(self, fut: Future, server: str, what: str) -> None:
-        self.fut, self.server, self.what = fut, server, what
-
-    def result(self, timeout: float) -> P.Message:
-        try:
-            reply = self.fut.result(timeout)
-        except TimeoutError:
-            raise CallTimeout(f"no reply from {self.server} to {self.what} within {timeout:.1f} s") from None
-        if isinstance(reply, P.Error):
-            raise RemoteError(self.server, reply)
-        return reply
-
-
-class RecordingModel:
-    def __init__(self):
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def load_weights(self, weights):
-        for name, t in weights:
-            self.loaded[name] = t.clone()
-
-
-class FakeServer:
-    """One rollout server's worker, driven by the control messages a real server gets."""
-
-    def __init__(self, name: str, behaviour: str = "ok") -> None:
-        from common.weight_transfer_gloo import GlooWeightTransferEngine
-
-        self.name, self.behaviour = name, behaviour
-        self.model = RecordingModel()
-        cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                              model_config=None)
-        self.engine = GlooWeightTransferEngine(None, cfg, torch.device("cpu"), self.model)
-        self.version = 0
-
-    def handle(self, msg: P.Message) -> Future:
-        fut: Future = Future()
-
-        def run():
-            try:
-                fut.set_result(self._handle(msg))
-            except Exception as e:  # noqa: BLE001 - becomes the Error reply, as in the server
-                fut.set_result(P.Error(code="internal", message=repr(e)))
-
-        threading.Thread(target=run, daemon=True).start()
-        return fut
-
-    def _handle(self, msg):
-        if isinstance(msg, P.WeightSyncInit):
-            self.engine.init_transfer_engine(self.engine.parse_init_info(msg.init_info))
-            return P.Ack(info={"workers": 1})
-        if isinstance(msg, P.WeightUpdateStart):
-            return P.Ack()
-        if isinstance(msg, P.WeightUpdate):
-            if self.behaviour == "stall":
-                time.sleep(3600)  # alive, never receives: the sender must time out, not hang
-            if self.behaviour == "die":
-                self.engine.shutdown()  # gone mid-update: its end of the group closes
-                raise RuntimeError("died")
-            self.engine.update_weights({"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes})
-            return P.Ack()
-        if isinstance(msg, P.WeightUpdateFinish):
-            self.version = msg.policy_version
-            return P.Ack(info={"policy_version": msg.policy_version})
-        if isinstance(msg, P.WeightSyncClose):
-            self.engine.shutdown()
-            return P.Ack()
-        raise ValueError(type(msg).__name__)
-
-
-class FakeControl:
-    def __init__(self, servers):
-        self.servers = {s.name: s for s in servers}
-
-    def request(self, server, msg):
-        return _Reply(self.servers[server].handle(msg), server, type(msg).__name__)
 
 
 def _publisher(model, servers, timeout_s=10.0, bucket_bytes=4096, segment_bytes=None):
@@ -287,3 +206,33 @@ def test_update_metadata_must_match_iteration():
         pub.push(1)
     assert pub.servers == []  # the group is out of step: dropped
     pub.close()
+
+
+@pytest.mark.slow
+def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
+    """Two DeepSpeed ZeRO-3 ranks (partitioned parameters) push once: both gather each layer,
+    rank 0 sends, and the receiver ends up with the full checkpoint, tied lm_head included."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from common.transport import free_port
+
+    script = Path(__file__).parent / "helpers" / "rollout_zero3_push.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "TORCH_EXTENSIONS_DIR": os.environ.get(
+               "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rayless" / "torch_extensions"))}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
+    (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result == {"zero3": True, "partitioned": True, "equal": True, "tensors": 27, "updated": ["r0"]}

@@ -1,0 +1,98 @@
+"""In-process stand-ins for rollout servers, for weight-sync tests without a vLLM engine.
+
+``FakeServer`` answers the weight-sync control messages the way a real server does, with the
+real worker-side receive loop (``GlooWeightTransferEngine``, as inside vLLM's workers) loading
+into a model that records what ``load_weights`` got. ``FakeControl`` is the publisher's control
+channel to a set of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import torch
+
+from common import protocol as P
+from common.transport import CallTimeout, RemoteError
+
+
+class _Reply:
+    def __init__(self, fut: Future, server: str, what: str) -> None:
+        self.fut, self.server, self.what = fut, server, what
+
+    def result(self, timeout: float) -> P.Message:
+        try:
+            reply = self.fut.result(timeout)
+        except TimeoutError:
+            raise CallTimeout(f"no reply from {self.server} to {self.what} within {timeout:.1f} s") from None
+        if isinstance(reply, P.Error):
+            raise RemoteError(self.server, reply)
+        return reply
+
+
+class RecordingModel:
+    def __init__(self):
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            self.loaded[name] = t.clone()
+
+
+class FakeServer:
+    """One rollout server's worker, driven by the control messages a real server gets."""
+
+    def __init__(self, name: str, behaviour: str = "ok") -> None:
+        from common.weight_transfer_gloo import GlooWeightTransferEngine
+
+        self.name, self.behaviour = name, behaviour
+        self.model = RecordingModel()
+        cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+                              model_config=None)
+        self.engine = GlooWeightTransferEngine(None, cfg, torch.device("cpu"), self.model)
+        self.version = 0
+
+    def handle(self, msg: P.Message) -> Future:
+        fut: Future = Future()
+
+        def run():
+            try:
+                fut.set_result(self._handle(msg))
+            except Exception as e:  # noqa: BLE001 - becomes the Error reply, as in the server
+                fut.set_result(P.Error(code="internal", message=repr(e)))
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+    def _handle(self, msg):
+        if isinstance(msg, P.WeightSyncInit):
+            self.engine.init_transfer_engine(self.engine.parse_init_info(msg.init_info))
+            return P.Ack(info={"workers": 1})
+        if isinstance(msg, P.WeightUpdateStart):
+            return P.Ack()
+        if isinstance(msg, P.WeightUpdate):
+            if self.behaviour == "stall":
+                time.sleep(3600)  # alive, never receives: the sender must time out, not hang
+            if self.behaviour == "die":
+                self.engine.shutdown()  # gone mid-update: its end of the group closes
+                raise RuntimeError("died")
+            self.engine.update_weights({"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes})
+            return P.Ack()
+        if isinstance(msg, P.WeightUpdateFinish):
+            self.version = msg.policy_version
+            return P.Ack(info={"policy_version": msg.policy_version})
+        if isinstance(msg, P.WeightSyncClose):
+            self.engine.shutdown()
+            return P.Ack()
+        raise ValueError(type(msg).__name__)
+
+
+class FakeControl:
+    def __init__(self, servers):
+        self.servers = {s.name: s for s in servers}
+
+    def request(self, server, msg):
+        return _Reply(self.servers[server].handle(msg), server, type(msg).__name__)
