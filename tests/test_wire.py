@@ -42,6 +42,18 @@ def sample_batch(dtype=torch.int32):
         P.Error(code="bad_request", message="nope", prompt_ids=[1]),
         P.Shutdown(reason="done"),
         P.Ack(info={"version": 3}),
+        P.WeightSyncInit(backend="gloo", init_info={"master_address": "127.0.0.1", "master_port": 1, "world_size": 2},
+                         timeout_s=5.0),
+        P.WeightUpdateStart(policy_version=4),
+        P.WeightUpdate(names=["lm_head.weight"], dtype_names=["bfloat16"], shapes=[[8, 4]]),
+        P.WeightUpdateFinish(policy_version=4),
+        P.WeightSyncClose(),
+        P.Pause(),
+        P.Resume(),
+        P.Sleep(level=2),
+        P.WakeUp(tags=["weights"]),
+        P.GetHealth(),
+        P.Health(name="r0", state="serving", policy_version=4, stats={"in_flight": 3.0}),
     ],
     ids=lambda m: type(m).__name__,
 )
@@ -110,9 +122,10 @@ def test_non_contiguous_and_empty_and_numpy():
 
 def test_every_registered_type_has_a_roundtrip_here():
     covered = {"Hello", "Welcome", "PromptBatch", "SampleBatch", "ScoreRequest", "ScoredBatch",
-               "Heartbeat", "Error", "Shutdown", "Ack"}
-    core = {c.__name__ for c in P.message_types().values() if c.__module__ == "common.protocol"}
-    assert core <= covered, f"add round-trip tests for {core - covered}"
+               "Heartbeat", "Error", "Shutdown", "Ack", "WeightSyncInit", "WeightUpdateStart", "WeightUpdate",
+               "WeightUpdateFinish", "WeightSyncClose", "Pause", "Resume", "Sleep", "WakeUp", "GetHealth", "Health"}
+    registered = {c.__name__ for c in P.message_types().values()}
+    assert registered <= covered, f"add round-trip tests for {registered - covered}"
 
 
 @pytest.mark.parametrize(
