@@ -95,18 +95,28 @@ def worker(model_dir: str) -> None:
                          "value_loss": metrics.get("critic/value_loss"),
                          "is_weight_mean": metrics.get("policy/is_weight_mean"),
                          "kl_loss": metrics.get("policy/kl_loss")}
+    # Whole-batch equivalence across ranks: the weights after all the steps, summarised.
+    results["_weights"] = {"policy": [float(p.detach().double().sum()) for p in policy.module.parameters()],
+                           "critic": [float(p.detach().double().sum()) for p in critic.engine.module.parameters()]}
     print("RESULT " + json.dumps(results), flush=True)
 
 
-def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir):
+def _run(model_dir, nproc: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, __file__, str(tiny_model_dir)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [sys.executable, __file__, str(model_dir)] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
+         str(model_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln[len("RESULT "):] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    results = json.loads(lines[-1])
+    assert proc.returncode == 0 and len(lines) == nproc, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[0])
+
+
+def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir):
+    results = _run(tiny_model_dir)
+    results.pop("_weights")
     assert set(results) == set(CASES)
     for name, r in results.items():
         assert r["finite"], (name, r)
@@ -118,6 +128,18 @@ def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir
     icepop = results["icepop_klloss_entropy_cliphigher_dualclip"]
     assert 0.9 < icepop["is_weight_mean"] <= 1.1 and 0 < icepop["kl_loss"] < 0.01
     assert results["rloo"]["policy_loss"] != 0
+
+
+
+def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir):
+    """The same nine steps with the batch split over 2 gloo ranks (strided slices, global-count
+    aggregation, loss x world) leave policy and critic where one rank leaves them."""
+    import torch
+
+    one, two = _run(tiny_model_dir)["_weights"], _run(tiny_model_dir, nproc=2)["_weights"]
+    for part in ("policy", "critic"):
+        a, b = torch.tensor(one[part]), torch.tensor(two[part])
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-3), (part, (a - b).abs().max())
 
 
 if __name__ == "__main__":
