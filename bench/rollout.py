@@ -36,8 +36,10 @@ for k, v in {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CP
              "HF_HUB_OFFLINE": "1"}.items():
     os.environ.setdefault(k, v)
 
+# What the rollout server passes to vLLM on CPU (rollout_service/core.py), for the bare engine.
 ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=64, seed=0,
-              enable_prefix_caching=True, logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05)
+              enable_prefix_caching=True, logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
+              enable_chunked_prefill=False)
 
 
 def build_model(out: Path, tiny: Path, target_mb: float) -> Path:

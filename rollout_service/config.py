@@ -28,6 +28,9 @@ class RolloutConfig:
                                group="engine")
     enable_prefix_caching: bool = flag(True, "reuse KV of shared prompt prefixes (reset after each weight update)",
                                        group="engine")
+    enable_chunked_prefill: bool | None = flag(None, "split long prompts across engine steps; default: off on CPU "
+                                                      "(vLLM 0.32 on CPU crashes when a request with a seed is "
+                                                      "chunked), vLLM's default on GPU", group="engine")
     enable_sleep: bool = flag(False, "enable vLLM sleep mode (GPU only) so the server can free memory on request",
                               group="engine")
     engine_start_attempts: int = flag(3, "start the vLLM engine up to this many times (vLLM 0.32 can fail to start "

@@ -133,6 +133,14 @@ class RolloutCore:
         )
         if c.enable_sleep:
             kwargs["enable_sleep_mode"] = True
+        chunked = c.enable_chunked_prefill
+        if chunked is None and self.backend == "gloo":  # a CPU engine
+            # vLLM 0.32 on CPU: a chunked prefill rewinds the request's generator, which a CPU
+            # generator cannot do ("CPU Generator does not use offset"): the engine dies on the
+            # first seeded prompt that gets chunked. Whole-prompt prefills avoid it.
+            chunked = False
+        if chunked is not None:
+            kwargs["enable_chunked_prefill"] = chunked
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
