@@ -199,8 +199,13 @@ def main() -> None:
             for r in range(args.rounds):
                 prompts = make_prompts(args.prompts, r, vocab)
                 first = (r + 1) * 100_000
-                s_rate, s_tok = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
-                b_rate, b_tok = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                # Which goes first alternates, so neither always follows the other's idle engine.
+                if r % 2 == 0:
+                    s_rate, s_tok = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
+                    b_rate, b_tok = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                else:
+                    b_rate, b_tok = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                    s_rate, s_tok = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
                 svc.append(s_rate)
                 bare.append(b_rate)
                 print(f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "

@@ -297,8 +297,10 @@ async def amain(cfg: RolloutConfig) -> int:
 
 
 def run(cfg: RolloutConfig) -> int:
-    try:
+    import os
+
+    if os.environ.get("RAYLESS_EVENT_LOOP", "asyncio") == "uvloop":
         import uvloop
-    except ImportError:
-        return asyncio.run(amain(cfg))
-    return uvloop.run(amain(cfg))
+
+        return uvloop.run(amain(cfg))
+    return asyncio.run(amain(cfg))
