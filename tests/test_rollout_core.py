@@ -226,10 +226,10 @@ def test_sample_batch_is_columnar_over_prompts_and_samples():
     assert no_lp.logprobs is None
 
 
-def test_cpu_engine_prefills_whole_prompts():
+def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
     """vLLM 0.32 on CPU kills the engine when a seeded request is chunk-prefilled (its CPU
     generator cannot rewind); the server keeps chunked prefill off there unless told otherwise."""
-    cfg = dict(model="m", controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
+    cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
     assert RolloutCore(RolloutConfig(**cfg)).engine_args().enable_chunked_prefill is False
     on = RolloutCore(RolloutConfig(**cfg, enable_chunked_prefill=True)).engine_args()
     assert on.enable_chunked_prefill is True
