@@ -30,7 +30,8 @@ ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCA
 
 
 class Server:
-    def __init__(self, name: str, model_dir: str | Path, controller: str, log_dir: Path, *extra: str) -> None:
+    def __init__(self, name: str, model_dir: str | Path, controller: str, log_dir: Path, *extra: str,
+                 env: dict | None = None) -> None:
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
         args = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--controller", controller,
@@ -40,7 +41,7 @@ class Server:
         self.killed = False
         # Own process group: a kill takes vLLM's EngineCore and workers with it.
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **ENV}, start_new_session=True)
+                                     env={**os.environ, **ENV, **(env or {})}, start_new_session=True)
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()
@@ -93,8 +94,8 @@ class Controller:
     def address(self) -> str:
         return self.ep.address
 
-    def start(self, name: str, log_dir: Path, *extra: str) -> Server:
-        s = Server(name, self.model.name_or_path, self.address, log_dir, *extra)
+    def start(self, name: str, log_dir: Path, *extra: str, env: dict | None = None) -> Server:
+        s = Server(name, self.model.name_or_path, self.address, log_dir, *extra, env=env)
         self.servers.append(s)
         return s
 
