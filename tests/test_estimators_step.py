@@ -98,7 +98,8 @@ def worker(model_dir: str) -> None:
     # Whole-batch equivalence across ranks: the weights after all the steps, summarised.
     results["_weights"] = {"policy": [float(p.detach().double().sum()) for p in policy.module.parameters()],
                            "critic": [float(p.detach().double().sum()) for p in critic.engine.module.parameters()]}
-    print("RESULT " + json.dumps(results), flush=True)
+    if info.rank == 0:  # one line: two ranks printing at once can interleave on the shared stdout
+        print("RESULT " + json.dumps(results), flush=True)
 
 
 def _run(model_dir, nproc: int = 1) -> dict:
@@ -110,7 +111,7 @@ def _run(model_dir, nproc: int = 1) -> dict:
          str(model_dir)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln[len("RESULT "):] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(lines) == nproc, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0 and len(lines) == 1, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[0])
 
 
