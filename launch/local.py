@@ -43,6 +43,8 @@ class LocalConfig:
     port: int = flag(0, "controller port on 127.0.0.1 (0: pick a free one)")
     threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
+    connect_timeout_s: float = flag(900.0, "how long services wait for the learner's controller to answer "
+                                           "(it loads its model and DeepSpeed first)")
     quiet: bool = flag(False, "no progress line (logs only)")
 
 
@@ -72,11 +74,13 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     for i in range(cfg.rollout_servers):
         roles.append(Role(f"rollout-{i}", [py, "-m", "rollout_service", "--model", cfg.pretrain,
                                              "--controller", controller, "--name", f"rollout-{i}",
+                                             "--connect_timeout_s", str(cfg.connect_timeout_s),
                                              *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log", kind="rollout"))
     reward_extra = _reward_flags_from_learner(shlex.split(cfg.learner_args), cfg.pretrain)
     for i in range(cfg.reward_services):
         roles.append(Role(f"reward-{i}", [py, "-m", "reward_service", "--controller", controller,
-                                           "--name", f"reward-{i}", *reward_extra, *shlex.split(cfg.reward_args)],
+                                           "--name", f"reward-{i}", "--connect_timeout_s", str(cfg.connect_timeout_s),
+                                           *reward_extra, *shlex.split(cfg.reward_args)],
                           logs / f"reward-{i}.log", kind="reward"))
     learner_flags = ["--pretrain", cfg.pretrain, "--save_path", str(run / "model"),
                      "--controller_bind", controller, "--min_rollout_servers", str(cfg.rollout_servers),
