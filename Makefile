@@ -13,10 +13,12 @@ EXTRA ?= cpu,test
 MODEL ?= tiny
 
 # One process per role on 2 cores: more threads per process only fight each other.
-# DeepSpeed JIT-builds its CPU ops once; keep them in a cache that later runs reuse.
+# DeepSpeed JIT-builds its CPU ops; they are built once at set-up into this checkout's venv.
+# (Not a cache shared between checkouts: ops built against another venv's sources trigger
+# rebuilds, and two checkouts rebuilding one folder wait on each other's lock.)
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/rayless/torch_extensions
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED ?= 1
@@ -31,6 +33,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRA)]'
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -c "import torch, transformers, vllm, deepspeed, zmq, msgspec; print('rayless set-up ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	$(PY) -m learner.engine --build-ops
 	@touch $@
 
 test: setup

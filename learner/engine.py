@@ -72,6 +72,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STALE_LOCK_S = 600.0  # an op build takes ~1 min; a lock this old belongs to a killed build
+
+
+def clear_stale_op_locks(max_age_s: float = STALE_LOCK_S) -> list[str]:
+    """Removes JIT-build locks left by a killed build, naming them.
+
+    torch's extension builder waits forever on ``TORCH_EXTENSIONS_DIR/<op>/lock``; a build
+    killed half-way (Ctrl-C, a test timeout) leaves it behind and every later DeepSpeed
+    start hangs in ``FileBaton.wait`` with no message.
+    """
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    removed = []
+    for lock in root.glob("**/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                removed.append(str(lock))
+                log.warning("removed a stale build lock %s (%.0f s old: a killed build left it)", lock, age)
+        except OSError:
+            pass
+    return removed
+
+
+def build_ops() -> None:
+    """Builds the CPU ops DeepSpeed JIT-compiles on first use, once, at set-up: later runs
+    (and parallel ranks) then load them instead of racing to build them."""
+    clear_stale_op_locks()
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> DistInfo:
     """Join (or, alone, form) the process group; idempotent. Returns rank, world, device.
 
@@ -80,6 +115,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     one on a free local port.
     """
     if not dist.is_initialized():
+        clear_stale_op_locks()
         if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -404,3 +440,12 @@ def all_reduce_mean(value: Union[Number, Mapping[str, Number]]) -> Any:
 def all_reduce_sum(value: Union[Number, Mapping[str, Number]]) -> Any:
     """Sum over ranks; same forms as ``all_reduce_mean``."""
     return _reduce(value, "sum")
+
+
+if __name__ == "__main__":  # `python -m learner.engine --build-ops` (make setup)
+    import sys
+
+    if sys.argv[1:] != ["--build-ops"]:
+        raise SystemExit("usage: python -m learner.engine --build-ops")
+    logging.basicConfig(level=logging.INFO)
+    build_ops()

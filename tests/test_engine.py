@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def worker_env() -> dict:
     """Env for child processes: one thread each (2 shared cores), offline, cached JIT ops."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TORCH_EXTENSIONS_DIR=os.path.expanduser("~/.cache/rayless/torch_extensions"),
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a pytest run under a launcher must not leak its world

@@ -222,8 +222,7 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
 
     script = Path(__file__).parent / "helpers" / "rollout_zero3_push.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2", "TORCH_EXTENSIONS_DIR": os.environ.get(
-               "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rayless" / "torch_extensions"))}
+           "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(2)]
