@@ -16,8 +16,6 @@ import re
 
 import torch
 
-from launch.demo_task import write_jsonl  # noqa: F401  (same writer for the demo driver)
-
 SHOTS = "3+4=7\n10+5=15\n21+6=27\n"
 _INT = re.compile(r"-?\d+")
 

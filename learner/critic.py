@@ -23,13 +23,11 @@ policy-gradient length bias, which a regression target does not have).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from learner.experience import Rollout, collate
+from learner.experience import Rollout, score_all_ranks
 from learner.losses import AggSpec, value_loss
 
 
@@ -78,35 +76,10 @@ class Critic:
         self.micro_rollout_batch_size = micro_rollout_batch_size
         self.value_clip = value_clip if value_clip and value_clip > 0 else None
 
-    @torch.no_grad()
     def values(self, rollout: Rollout) -> torch.Tensor:
         """(N, T) V_old of every sample on every rank (a collective)."""
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        n = len(rollout)
-        T = max(1, max(len(s.response) for s in rollout.samples))
-        mine = list(range(rank, n, world))
-        mb = self.micro_rollout_batch_size
-        out = torch.zeros((len(mine), T), dtype=torch.float32, device=self.device)
-        self.engine.eval()
-        for k in range(math.ceil(math.ceil(n / world) / mb)):  # same count on every rank (ZeRO-3)
-            idx = mine[k * mb:(k + 1) * mb] or mine[:1]
-            batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device)
-            v = response_values(self.engine, batch)
-            if mine[k * mb:(k + 1) * mb]:
-                out[k * mb:k * mb + len(idx), :v.shape[1]] = v
-        self.engine.train()
-        if world == 1:
-            return out.cpu()
-        rows = math.ceil(n / world)
-        padded = torch.zeros((rows, T), dtype=torch.float32, device=self.device)
-        padded[:len(mine)] = out
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded)
-        full = torch.zeros((n, T), dtype=torch.float32)
-        for r in range(world):
-            idx = list(range(r, n, world))
-            full[idx] = gathered[r][:len(idx)].cpu()
-        return full
+        return score_all_ranks(self.engine, rollout, response_values, micro_batch=self.micro_rollout_batch_size,
+                               pad_id=self.pad_id, device=self.device)
 
     def train_micro_batch(self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor,
                           agg: AggSpec, world: int) -> dict[str, float]:

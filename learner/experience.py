@@ -17,6 +17,7 @@ Shape glossary: N samples, P prompt width, T response width (both padded).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,42 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
 
 
 # ------------------------------------------------------------------ across ranks
+
+
+@torch.no_grad()
+def score_all_ranks(engine, rollout: Rollout, forward, *, micro_batch: int, pad_id: int,
+                    device: torch.device | str) -> torch.Tensor:
+    """(N, T) per-token scores (log-probs, values) of every sample, on every rank.
+
+    Each rank runs ``forward(engine, batch) -> (n, T_b)`` over its strided slice of the
+    rollout, then the slices are all-gathered. A collective: every rank runs the same number
+    of forwards (ZeRO-3 forwards are collectives too), padding with a repeated sample.
+    """
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    n = len(rollout)
+    T = max(1, max(len(s.response) for s in rollout.samples))
+    mine = list(range(rank, n, world))
+    out = torch.zeros((len(mine), T), dtype=torch.float32, device=device)
+    engine.eval()
+    for k in range(math.ceil(math.ceil(n / world) / micro_batch)):
+        idx = mine[k * micro_batch:(k + 1) * micro_batch]
+        batch = collate([rollout.samples[i] for i in (idx or mine[:1])], pad_id, device)
+        scores = forward(engine, batch)
+        if idx:
+            out[k * micro_batch:k * micro_batch + len(idx), :scores.shape[1]] = scores.float()
+    engine.train()
+    if world == 1:
+        return out.cpu()
+    rows = math.ceil(n / world)
+    padded = torch.zeros((rows, T), dtype=torch.float32, device=device)
+    padded[:len(mine)] = out
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    full = torch.zeros((n, T), dtype=torch.float32)
+    for r in range(world):
+        idx = list(range(r, n, world))
+        full[idx] = gathered[r][:len(idx)].cpu()
+    return full
 
 _META_COLS = 6  # prompt_len, response_len, prompt_id, sample_index, policy_version, finish code
 

@@ -22,7 +22,6 @@ as ``rollout/logprob_diff``: the health metric of the weight sync and of numeric
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from learner.advantages import compute_advantages
-from learner.experience import Rollout, collate
+from learner.experience import Rollout, collate, score_all_ranks
 from learner.critic import Critic, token_mean_spec
 from learner.kl import AdaptiveKLController, FixedKLController, compute_kl
 from learner.losses import AggSpec, entropy_bonus, entropy_from_logits, kl_loss, log_probs_from_logits, masked_mean, policy_loss
@@ -72,37 +71,12 @@ class PolicyTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
     # ---------------------------------------------------------------- step 1
-    @torch.no_grad()
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """(N, T) learner log-probs of every sample, all ranks together (a collective)."""
-        rank, world = _world()
-        n = len(rollout)
-        T = max(1, max(len(s.response) for s in rollout.samples))
-        mine = list(range(rank, n, world))
-        self.engine.eval()
-        out = torch.zeros((len(mine), T), dtype=torch.float32, device=self.device)
-        mb = self.cfg.micro_rollout_batch_size
-        # Every rank runs the same number of forwards (ZeRO-3 forwards are collectives).
-        steps = math.ceil(math.ceil(n / world) / mb)
-        for k in range(steps):
-            idx = mine[k * mb:(k + 1) * mb] or mine[:1]  # a dummy forward keeps ranks in step
-            batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device)
-            lp, _ = response_logprobs(self.engine, batch, self.cfg.temperature)
-            if mine[k * mb:(k + 1) * mb]:
-                out[k * mb:k * mb + len(idx), :lp.shape[1]] = lp.float()
-        self.engine.train()
-        if world == 1:
-            return out.cpu()
-        rows = math.ceil(n / world)
-        padded = torch.zeros((rows, T), dtype=torch.float32, device=self.device)
-        padded[:len(mine)] = out
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded)
-        full = torch.zeros((n, T), dtype=torch.float32)
-        for r in range(world):
-            idx = list(range(r, n, world))
-            full[idx] = gathered[r][:len(idx)].cpu()
-        return full
+        return score_all_ranks(self.engine, rollout,
+                               lambda engine, batch: response_logprobs(engine, batch, self.cfg.temperature)[0],
+                               micro_batch=self.cfg.micro_rollout_batch_size, pad_id=self.pad_id,
+                               device=self.device)
 
     # ---------------------------------------------------------------- step 2
     def shaped_rewards(self, rollout: Rollout) -> torch.Tensor:

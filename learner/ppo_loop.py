@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
