@@ -1,8 +1,9 @@
 """End to end: GRPO through launch.local with real vLLM, the reward service and DeepSpeed.
 
 Slow (each starts vLLM); run in CI all the same. The reward is one the tiny random model can
-learn in a handful of steps (tests/helpers/reward_first_char_parity.py), so "learning
-happens" is a wide margin, not a coin flip.
+learn in a handful of steps (tests/helpers/reward_first_char_parity.py); learning is checked
+on the exact probability of a rewarded first token before and after, not on sampled rewards
+(two runs' sampled curves differ: vLLM's batching order is not reproducible).
 """
 
 from __future__ import annotations
@@ -63,18 +64,41 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return out
 
 
+def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
+    """Mean over prompts of the exact probability that the first response token is rewarded
+    (its text starts with an even code point), under the model in ``model_dir``. Exact, so
+    the assertion carries no sampling noise of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    texts = [tok.decode([i]) for i in range(model.config.vocab_size)]
+    good = torch.tensor([bool(t) and ord(t[0]) % 2 == 0 for t in texts])
+    total = 0.0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
+            probs = model(ids).logits[0, -1].softmax(-1)
+            total += float(probs[good].sum())
+    return total / len(prompts)
+
+
 def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
-    steps = 8
+    steps = 12
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1)
     out = _finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
     rows = [m for m in _metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
-    rewards = [m["rollout/reward"] for m in rows]
-    # Measured: ~0.5 at the start, > 0.9 by step 8 (lr 3e-3); the margin leaves room for noise.
-    print("rewards per step:", rewards)
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+    print("rewards per step:", [m["rollout/reward"] for m in rows])
+    # Learning, measured without sampling noise: the exact probability of a rewarded first
+    # token under the trained policy vs the initial one, over 50 training prompts.
+    prompts = [json.loads(line)["input"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()[:50]]
+    before, after = _rewarded_mass(tiny_model_dir, prompts), _rewarded_mass(run / "model", prompts)
+    print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
+    assert after > before + 0.1, (before, after)
     # vLLM and the learner agree on log-probs: the weights arrived and numerics match (fp32;
     # measured ~5e-7).
     assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
@@ -83,7 +107,6 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     log = (run / "logs" / "rollout-0.log").read_text()
     versions = {int(v) for v in re.findall(r"policy version (\d+)", log)}
     assert set(range(1, steps + 1)) <= versions, sorted(versions)
-    assert (run / "model" / "config.json").exists()
 
 
 def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny_model_dir):
