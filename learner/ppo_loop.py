@@ -114,11 +114,7 @@ def run(cfg: PPOConfig) -> int:
 
     model = E.load_causal_lm(cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
                              gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
-    engine = E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16, train_batch_size=cfg.train_batch_size,
-                           micro_train_batch_size=cfg.micro_train_batch_size, learning_rate=cfg.actor_learning_rate,
-                           num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
-                           betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
-                           lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
+    engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
     critic = _make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) \
         if cfg.advantage_estimator == "gae" else None
     trainer = PolicyTrainer(engine, cfg, pad_id, info.device, critic=critic)
@@ -253,7 +249,6 @@ def filter_and_refill(controller: Any, cfg: PPOConfig, rollout: Any, more_items:
 
 def _make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int):
     """The critic's own DeepSpeed engine: same ZeRO stage and batch sizes as the policy."""
-    from learner import engine as E
     from learner.critic import Critic, load_critic
 
     path = cfg.critic_path
@@ -261,13 +256,20 @@ def _make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devi
              cfg.critic_learning_rate, cfg.value_clip, cfg.freezing_actor_steps)
     model = load_critic(path, tokenizer=tokenizer, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
                         gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
-    engine = E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16, train_batch_size=cfg.train_batch_size,
-                           micro_train_batch_size=cfg.micro_train_batch_size, learning_rate=cfg.critic_learning_rate,
-                           num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
-                           betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
-                           lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
+    engine = train_engine(cfg, model, cfg.critic_learning_rate, optimizer_steps)
     return Critic(engine, pad_id=pad_id, device=device, micro_rollout_batch_size=cfg.micro_rollout_batch_size,
                   value_clip=cfg.value_clip)
+
+
+def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_steps: int) -> Any:
+    """The DeepSpeed engine of a trained model (policy or critic) with train_ppo's optimizer flags."""
+    from learner import engine as E
+
+    return E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16, train_batch_size=cfg.train_batch_size,
+                         micro_train_batch_size=cfg.micro_train_batch_size, learning_rate=learning_rate,
+                         num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
+                         betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
+                         lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
 
 
 def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
