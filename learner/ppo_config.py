@@ -31,6 +31,8 @@ class PPOConfig:
     ref_pretrain: str = flag("", "reference model for KL: served by reward_service --ref_pretrain (launch.local "
                                  "passes it on, default --pretrain when KL is on)", group="model")
     save_path: str = flag("./ckpt/ppo", "where the final HF-format policy is written", group="model")
+    save_value_network: bool = flag(False, "also write the trained critic (gae) in HF format to SAVE_PATH_critic",
+                                    group="model")
     prompt_data: str = flag("", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name",
                             required=True, group="data")
     prompt_data_probs: str = flag("", "mixing probabilities for comma-separated --prompt_data", group="data")

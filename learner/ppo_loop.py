@@ -190,6 +190,10 @@ def run(cfg: PPOConfig) -> int:
         E.save_hf(engine, tokenizer, cfg.save_path)
         if rank0:
             log.info("saved the policy to %s", cfg.save_path)
+        if critic is not None and cfg.save_value_network:
+            E.save_hf(critic.engine, tokenizer, critic_save_path(cfg))
+            if rank0:
+                log.info("saved the critic to %s", critic_save_path(cfg))
     except BaseException:
         code = 1
         raise
@@ -245,6 +249,11 @@ def filter_and_refill(controller: Any, cfg: PPOConfig, rollout: Any, more_items:
     log.info("dynamic filtering: %d of %d groups filtered (all rewards equal%s), %d extra collect(s)", filtered,
              seen, f" or mean outside {reward_range}" if reward_range else "", extra)
     return Rollout(kept, G), stats
+
+
+def critic_save_path(cfg: PPOConfig) -> str:
+    """Where --save_value_network writes the critic: next to the policy, as OpenRLHF does."""
+    return str(cfg.save_path).rstrip("/") + "_critic"
 
 
 def _make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int):

@@ -61,13 +61,23 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
     steps = 6
     rows = _launch(tmp_path, tiny_model_dir, steps=steps,
                    extra_learner=["--advantage_estimator", "gae", "--critic_learning_rate", "1e-3",
-                                  "--value_clip", "0.5", "--gamma", "1", "--lambd", "0.95"])
+                                  "--value_clip", "0.5", "--gamma", "1", "--lambd", "0.95",
+                                  "--save_value_network"])
     losses = [m["critic/value_loss"] for m in rows]
     # A fresh value head starts near 0 against rewards in {0, 1}; the critic learns the mean
     # and then the policy's rising reward shrinks the variance left to explain.
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2, losses
     assert all(m["policy/actor_updated"] == 1.0 for m in rows)
     assert all(abs(m["critic/values_mean"]) < 10 for m in rows)
+    # --save_value_network: the trained critic is written next to the policy, head included.
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "model_critic", num_labels=1)
+    assert saved.config.architectures[0].endswith("ForSequenceClassification")
+    fresh = torch.randn(saved.score.weight.shape, generator=torch.Generator().manual_seed(0)) \
+        / (saved.config.hidden_size + 1)  # the head the critic started from (learner.models)
+    assert not torch.allclose(saved.score.weight, fresh), "the saved head is the untrained one"
 
 
 @pytest.mark.parametrize("flags", [
