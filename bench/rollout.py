@@ -173,6 +173,31 @@ def load_only_bench(model_dir: Path, rounds: int) -> dict:
     return {k: round(v, 4) for k, v in out.items()}
 
 
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds used so far by this process and everything under it, by process name
+    (vLLM names its processes: VLLM::EngineCore, VLLM::Worker...; the rollout server is
+    ``python -m rollout_service``)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    server_pids = {c.pid for c in me.children() if "rollout_service" in " ".join(c.cmdline())}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            chain = {p.pid, *(a.pid for a in p.parents())}
+            side = "server" if chain & server_pids else "bench"
+            key = f"{side}:{p.name()}"
+            out[key] = out.get(key, 0.0) + t.user + t.system
+        except psutil.Error:
+            continue  # exited in between
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 2) for k in after if after[k] - before.get(k, 0.0) >= 0.01}
+
+
 def make_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
     import random
 
@@ -186,11 +211,9 @@ def service_tokens_per_s(ctrl, prompts, max_new: int, first_id: int) -> tuple[fl
     ids = list(range(first_id, first_id + len(prompts)))
     ctrl.results.clear()
     t0 = time.perf_counter()
-    # One PromptBatch per request seed would be unfair to the service; a shared seed is not
-    # what an RL run does. Seeds go per prompt: one batch per prompt (64 small messages).
-    for pid, prompt in zip(ids, prompts):
-        sampling = P.SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=pid)
-        assert not ctrl.client.submit([pid], [prompt], sampling)
+    # One PromptBatch, as the learner sends them; prompt P is sampled with seed 0 + P.
+    sampling = P.SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
+    assert not ctrl.client.submit(ids, prompts, sampling)
     ctrl.wait_results(ids, timeout=1800)
     dt = time.perf_counter() - t0
     tokens = sum(sum(b.response_lengths[i] for i, p in enumerate(b.prompt_ids) if p == pid)
@@ -249,17 +272,24 @@ def main() -> None:
             service_tokens_per_s(ctrl, warm, 16, 10_000_000)
             bare_tokens_per_s(llm, warm, 16, 10_000_000)
             svc, bare = [], []
+            cpu: dict[str, list] = {"service": [], "bare": []}  # CPU seconds by process, per round
             for r in range(args.rounds):
                 prompts = make_prompts(args.prompts, r, vocab)
                 first = (r + 1) * 100_000
                 # Which goes first alternates, so neither always follows the other's idle engine.
                 def run_service():
                     time.sleep(args.gap_s)
-                    return service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
+                    before = cpu_snapshot()
+                    out = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
+                    cpu["service"].append(cpu_used(before, cpu_snapshot()))
+                    return out
 
                 def run_bare():
                     time.sleep(args.gap_s)
-                    return bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                    before = cpu_snapshot()
+                    out = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
+                    cpu["bare"].append(cpu_used(before, cpu_snapshot()))
+                    return out
 
                 if r % 2 == 0:
                     (s_rate, s_tok), (b_rate, b_tok) = run_service(), run_bare()
@@ -268,7 +298,8 @@ def main() -> None:
                 svc.append(s_rate)
                 bare.append(b_rate)
                 print(f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "
-                      f"({b_tok} tokens), ratio {s_rate / b_rate:.3f}", flush=True)
+                      f"({b_tok} tokens), ratio {s_rate / b_rate:.3f}\n  CPU s, service: {cpu['service'][-1]}"
+                      f"\n  CPU s, bare: {cpu['bare'][-1]}", flush=True)
             summary["generation"] = {
                 "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
                 "service_tok_s": round(statistics.median(svc), 1), "bare_tok_s": round(statistics.median(bare), 1),

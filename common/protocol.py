@@ -93,7 +93,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = -1  # -1: off
     max_new_tokens: int = 128
     stop_token_ids: list[int] = []
-    seed: int | None = None  # None: engine's seed; else per-request seed (reproducible)
+    # None: the engine's own seed. Else prompt P of the batch is sampled with seed + P (its
+    # prompt id): its samples are reproducible whichever server or batch it lands in, and the
+    # prompts of a batch do not share one random stream.
+    seed: int | None = None
     logprobs: bool = True  # return the sampled token's log-prob, per token
 
     def __post_init__(self) -> None:

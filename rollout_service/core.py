@@ -180,13 +180,14 @@ class RolloutCore:
                 "platform": "cuda" if torch.cuda.is_available() else "cpu"}
 
     # ------------------------------------------------------------------ generation
-    def _vllm_params(self, sp: P.SamplingParams):
+    def _vllm_params(self, sp: P.SamplingParams, prompt_id: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(n=sp.n, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=0 if sp.top_k in (-1, 0) else sp.top_k, max_tokens=sp.max_new_tokens,
-                              stop_token_ids=list(sp.stop_token_ids), seed=sp.seed,
+                              stop_token_ids=list(sp.stop_token_ids),
+                              seed=None if sp.seed is None else sp.seed + prompt_id,
                               logprobs=0 if sp.logprobs else None, detokenize=False,
                               output_kind=RequestOutputKind.FINAL_ONLY)
 
@@ -219,7 +220,7 @@ class RolloutCore:
         from vllm import TokensPrompt
 
         self.validate(token_ids, sampling)
-        params = self._vllm_params(sampling)
+        params = self._vllm_params(sampling, prompt_id)
         req_id = f"p{prompt_id}-{next(self._ids)}"
         while True:
             await self._admit(min_version)

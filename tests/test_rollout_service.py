@@ -107,6 +107,23 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
         assert health.policy_version == 2 and health.state == "serving"
 
 
+def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
+    """A batch's seed S samples prompt P with S + P: two prompts of one batch do not share a
+    random stream, and a prompt sampled again (another id, another server) with the seed that
+    makes S + P equal gives the very same tokens."""
+    v = stack.client.version
+    prompt = [1, 90, 91, 92]
+    first = _run(stack, [prompt, prompt], P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=0),
+                 first_id=900, version=v)
+    assert [s["tokens"] for s in first[900]] != [s["tokens"] for s in first[901]]
+    assert first[900][0]["tokens"] != first[900][1]["tokens"], "the n samples of a seeded prompt are copies"
+    for server in ("ra", "rb"):  # prompt 850 with seed 50 is sampled as prompt 900 with seed 0
+        again = _run(stack, [prompt], P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=50),
+                     first_id=850, version=v, to=server)
+        assert [s["tokens"] for s in again[850]] == [s["tokens"] for s in first[900]], server
+        stack.results.pop(850)
+
+
 def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack):
     """An update lands while samples are being generated: they are kept (not aborted), finish on
     the new weights (vLLM's per-token versions show both), and carry the version that sampled
