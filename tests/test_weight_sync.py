@@ -235,3 +235,24 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
     (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result == {"zero3": True, "partitioned": True, "equal": True, "tensors": 27, "updated": ["r0"]}
+
+
+def test_receive_pool_reuses_a_buffer_only_once_nothing_views_it():
+    from common.weight_transfer_gloo import ReceivePool
+
+    pool = ReceivePool(keep=2)
+    a = pool.get(1000)
+    held = a[10:20].view(torch.int16)  # as vLLM's layerwise reload holds a loaded weight
+    del a
+    b = pool.get(800)  # the first buffer is still viewed: a new one
+    assert b.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    del b
+    c = pool.get(700)  # the second is free (nothing views it) and big enough: reused, sliced
+    assert c.numel() == 700 and pool.reused == 1 and pool.allocated == 2
+    del held
+    d = pool.get(1000)  # the first is free now too, and big enough
+    assert pool.reused == 2 and pool.allocated == 2 and d.untyped_storage().nbytes() == 1000
+    del c, d
+    pool.get(5000)
+    pool.trim()  # the largest `keep` stay between pushes
+    assert sorted(b.numel() for b in pool.buffers) == [1000, 5000]
