@@ -48,6 +48,7 @@ demo: setup
 
 bench: setup
 	$(PY) bench/transport.py
+	$(PY) bench/rollout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/
