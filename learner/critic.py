@@ -29,32 +29,19 @@ import torch
 
 from learner.experience import Rollout, score_all_ranks
 from learner.losses import AggSpec, value_loss
+from learner.models import ScalarHeadModel, load_reward_model
 
 
-class ValueModel(torch.nn.Module):
+class ValueModel(ScalarHeadModel):
     """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position."""
-
-    def __init__(self, hf_model: torch.nn.Module, head_name: str = "score") -> None:
-        super().__init__()
-        self.hf_model = hf_model
-        self.head_name = head_name
-
-    @property
-    def config(self):
-        return self.hf_model.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor) -> torch.Tensor:
-        backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (B, L, H)
-        return getattr(self.hf_model, self.head_name)(hidden).squeeze(-1).float()  # (B, L)
+        return self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
 
 
 def load_critic(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> ValueModel:
     """A value model from a reward model (head kept) or a causal LM (fresh head)."""
-    from learner.models import load_reward_model
-
     return ValueModel(load_reward_model(path, tokenizer=tokenizer, **load_kwargs).hf_model)
 
 

@@ -26,8 +26,9 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (positions * attention_mask.long()).argmax(-1)
 
 
-class RewardModel(torch.nn.Module):
-    """``forward(input_ids, attention_mask) -> (B,)`` rewards; ``hf_model`` is what is saved."""
+class ScalarHeadModel(torch.nn.Module):
+    """A transformers ``*ForSequenceClassification`` (``num_labels=1``) used through its backbone
+    and its linear head, at positions the subclass picks. ``hf_model`` is what is saved."""
 
     def __init__(self, hf_model: torch.nn.Module, head_name: str = "score") -> None:
         super().__init__()
@@ -38,14 +39,26 @@ class RewardModel(torch.nn.Module):
     def config(self):
         return self.hf_model.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor) -> torch.Tensor:
         backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False).last_hidden_state  # (B, T, H)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (...) scalars, in fp32."""
+        return getattr(self.hf_model, self.head_name)(hidden).squeeze(-1).float()
+
+
+class RewardModel(ScalarHeadModel):
+    """``forward(input_ids, attention_mask) -> (B,)`` rewards, read at the last attended token."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # Positions follow the mask, as in the reward service, so left padding changes nothing.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state  # (B, T, H)
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
-        return getattr(self.hf_model, self.head_name)(last).squeeze(-1).float()  # (B,)
+        return self.head(last)  # (B,)
 
 
 def load_reward_model(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> RewardModel:
