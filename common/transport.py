@@ -137,6 +137,12 @@ class _Core:
             return self.remote_label
         return self.peer_names.get(identity) or identity.decode("utf-8", "replace")
 
+    def send_failed(self, msg: Message, to: bytes | None, timeout: float | None) -> PeerUnavailable:
+        """The error for a message no peer took within ``timeout`` (None: the socket's SNDTIMEO)."""
+        wait_s = DEFAULT_SNDTIMEO_MS / 1000 if timeout is None else timeout
+        return PeerUnavailable(f"{self.name}: could not queue {type(msg).__name__} to {self.peer_label(to)} within "
+                               f"{wait_s:.1f} s (not connected or not reading)")
+
     def frames_out(self, msg: Message, to: bytes | None) -> list[Any]:
         frames = self.codec.encode(msg)
         if self.router:
@@ -229,14 +235,12 @@ class Endpoint:
         """Queues ``msg`` (to peer ``to`` on the controller side). Waits at most ``timeout`` s
         (default: the socket's SNDTIMEO) for room, then raises PeerUnavailable."""
         frames = self.core.frames_out(msg, to)
-        wait_s = DEFAULT_SNDTIMEO_MS / 1000 if timeout is None else timeout
         try:
             if timeout is not None and not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
                 raise zmq.Again()
             self.sock.send_multipart(frames, copy=False)
         except zmq.Again:
-            raise PeerUnavailable(f"{self.name}: could not queue {type(msg).__name__} to "
-                                  f"{self.core.peer_label(to)} within {wait_s:.1f} s (not connected or not reading)") from None
+            raise self.core.send_failed(msg, to, timeout) from None
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 raise PeerUnavailable(f"{self.name}: {self.core.peer_label(to)} is not connected") from None
@@ -340,15 +344,13 @@ class AsyncEndpoint:
 
     async def send(self, msg: Message, timeout: float | None = None) -> None:
         frames = self.core.frames_out(msg, None)
-        wait_s = DEFAULT_SNDTIMEO_MS / 1000 if timeout is None else timeout
         async with self._send_lock:
             try:
                 if timeout is not None and not await self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
                     raise zmq.Again()
                 await self.sock.send_multipart(frames, copy=False)
             except zmq.Again:
-                raise PeerUnavailable(f"{self.name}: could not queue {type(msg).__name__} to "
-                                      f"{self.core.remote_label} within {wait_s:.1f} s (not connected or not reading)") from None
+                raise self.core.send_failed(msg, None, timeout) from None
         self.core.stats["sent"] += 1
 
     async def reply(self, request: Message, msg: Message) -> None:
