@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from common.datasets import render_response
-from learner.sft_data import Sample, encode_prompt_response, shifted_labels, truncate
-
-IGNORE_INDEX = -100
+from learner.sft_data import Sample, collate_padded, encode_prompt_response, truncate
 
 
 @dataclass
@@ -67,15 +65,6 @@ def collate_pairs(pairs: Sequence[Pair], pad_id: int) -> Dict[str, Any]:
     ``margin`` (B,)."""
     import torch
 
-    samples = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    width = max(len(s) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), width), dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s)
-        ids[i, :n] = torch.tensor(s.input_ids)
-        attn[i, :n] = 1
-        labels[i, :n] = torch.tensor(shifted_labels(s))
+    batch = collate_padded([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
     margin = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels, "margin": margin}
+    return {**batch, "margin": margin}
