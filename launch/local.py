@@ -42,6 +42,9 @@ class LocalConfig:
                                  "--ref_pretrain and --normalize_reward also configure the reward services")
     port: int = flag(0, "controller port on 127.0.0.1 (0: pick a free one)")
     threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
+    learner_threads: int = flag(0, "OMP_NUM_THREADS of each learner rank (0: --threads_per_process). In the "
+                                   "lockstep schedule the learner trains while the services wait, so on a "
+                                   "CPU host it may use the cores they idle on (cores / learner ranks)")
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
     connect_timeout_s: float = flag(900.0, "how long services wait for the learner's controller to answer "
                                            "(it loads its model and DeepSpeed first)")
@@ -126,6 +129,7 @@ class Supervisor:
     def start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.threads_per_process), PYTHONUNBUFFERED="1",
                    TOKENIZERS_PARALLELISM="false")
+        learner_env = dict(env, OMP_NUM_THREADS=str(self.cfg.learner_threads or self.cfg.threads_per_process))
         for r in self.roles:
             r.log.parent.mkdir(parents=True, exist_ok=True)
             fh = open(r.log, "w")
@@ -133,7 +137,8 @@ class Supervisor:
             fh.flush()
             # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
             # e.g. vLLM's engine core) as a whole.
-            r.proc = subprocess.Popen(r.cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            r.proc = subprocess.Popen(r.cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                      env=learner_env if r.kind == "learner" else env, start_new_session=True)
             print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
 
     def watch(self) -> int:

@@ -84,3 +84,17 @@ def test_learner_reward_flags_reach_the_reward_services(tmp_path):
     cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
     assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
     assert "--ref_pretrain" not in cmd and "--temperature" not in cmd
+
+
+def test_learner_threads_apply_to_the_learner_only(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True, learner_threads=2)
+    show = "import os, time; print('OMP', os.environ['OMP_NUM_THREADS'], flush=True); time.sleep({})"
+    roles = [_role("rollout-0", show.format(60), tmp_path), _role("learner", show.format(1), tmp_path)]
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    try:
+        assert sup.watch() == 0
+    finally:
+        sup.stop()
+    logs = {r.name: r.log.read_text() for r in roles}
+    assert "OMP 2" in logs["learner"] and "OMP 1" in logs["rollout-0"], logs
