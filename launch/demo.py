@@ -61,6 +61,36 @@ def _run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"step failed (exit code {code}); see {log}:\n{tail}")
 
 
+STAGE_STAMP = ".rayless-demo-stage.json"
+
+
+def stage_key(cmd: list[str], inputs: list[Path]) -> dict:
+    """What a stage's output depends on: its command line and the content of its input files."""
+    import hashlib
+
+    digests = {}
+    for f in inputs:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        digests[str(f)] = h.hexdigest()
+    return {"cmd": cmd, "inputs": digests}
+
+
+def stage_done(out: Path, key: dict) -> bool:
+    """True when ``out`` holds a finished stage made from exactly ``key``: a re-run reuses it,
+    while output left by other settings (or by a killed run) is made again, never reused."""
+    try:
+        return json.loads((out / STAGE_STAMP).read_text()) == key
+    except (OSError, ValueError):
+        return False
+
+
+def mark_stage_done(out: Path, key: dict) -> None:
+    (out / STAGE_STAMP).write_text(json.dumps(key, indent=1))
+
+
 def prepare_model(cfg: DemoConfig, run: Path) -> Path:
     if cfg.model == "tiny":
         from common.tiny import build_tiny_model
@@ -105,12 +135,22 @@ def main(argv: list[str] | None = None) -> int:
 
     sft = run / "sft" if preset["sft_epochs"] else base
     print(f"[3/4] SFT warm start ({preset['sft_epochs']} epoch(s)) -> {sft}", flush=True)
-    if preset["sft_epochs"] and not (sft / "config.json").exists():
-        _run([py, "-m", "learner.train_sft", "--pretrain", str(base), "--dataset", str(data / "train.jsonl"),
-              "--input_key", "input", "--output_key", "label", "--input_template", "{}", "--save_path", str(sft),
-              "--max_epochs", str(preset["sft_epochs"]), "--learning_rate", str(preset["sft_lr"]),
-              "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_len", "32",
-              "--zero_stage", "0", "--seed", str(cfg.seed), "--logging_steps", "10"], run / "logs" / "sft.log")
+    if preset["sft_epochs"]:
+        sft_cmd = [py, "-m", "learner.train_sft", "--pretrain", str(base), "--dataset", str(data / "train.jsonl"),
+                   "--input_key", "input", "--output_key", "label", "--input_template", "{}", "--save_path", str(sft),
+                   "--max_epochs", str(preset["sft_epochs"]), "--learning_rate", str(preset["sft_lr"]),
+                   "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_len", "32",
+                   "--zero_stage", "0", "--seed", str(cfg.seed), "--logging_steps", "10"]
+        key = stage_key(sft_cmd[1:], [base / "model.safetensors", data / "train.jsonl"])
+        if stage_done(sft, key):
+            print("  (reused: same command, base model and data as the last run)", flush=True)
+        else:
+            if sft.exists():  # made by other settings, or unfinished
+                import shutil
+
+                shutil.rmtree(sft)
+            _run(sft_cmd, run / "logs" / "sft.log")
+            mark_stage_done(sft, key)
 
     print(f"[4/4] GRPO ({preset['grpo_steps']} steps) through rollout_service + reward_service + learner",
           flush=True)
