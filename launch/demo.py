@@ -43,11 +43,11 @@ PRESETS = {
     # Measured on 2 cores: see README "The demo".
     "tiny": dict(task="demo_task", task_text="reverse 4-digit strings; 200 held-out strings for evaluation",
                  sft_epochs=2, sft_lr=3e-3, grpo_steps=300, lr=5e-4, n=8, prompts=16, train_batch=128,
-                 micro_train=128, max_new=6, temperature=1.0),
+                 micro_train=128, max_new=6, temperature=1.0, learner_threads=1),
     # SmolLM2 knows the format from its 3-shot prompt: no SFT (docs/smollm2.md has the numbers).
     "smollm2": dict(task="demo_task_smollm2", task_text="3-shot addition; 60 held-out pairs for evaluation",
                     sft_epochs=0, sft_lr=0.0, grpo_steps=30, lr=2e-6, n=8, prompts=8, train_batch=64,
-                    micro_train=16, max_new=6, temperature=1.0),
+                    micro_train=16, max_new=6, temperature=1.0, learner_threads=0),
 }
 
 
@@ -172,12 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
-    # Lockstep: vLLM and the reward service wait while the learner trains, so the learner gets
-    # every core (SmolLM2's forward/backward: 1.85x faster on 2 threads than on 1, here).
+    # Lockstep: vLLM and the reward service wait while the learner trains, so the learner may use
+    # every core (learner_threads 0): SmolLM2's step is 1.35x faster on 2 threads than on 1 here.
+    # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
+    # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
+    threads = preset["learner_threads"] or os.cpu_count() or 1
     code = subprocess.call([py, "-m", "launch.local", "--run_dir", str(grpo), "--pretrain", str(sft),
                             "--rollout_args", shlex.join(rollout_args), "--reward_args", shlex.join(reward_args),
                             "--learner_args", shlex.join(learner_args),
-                            "--learner_threads", str(os.cpu_count() or 1)])
+                            "--learner_threads", str(threads)])
     if code != 0:
         print(f"GRPO run failed (exit code {code}); logs in {grpo / 'logs'}", file=sys.stderr)
         return code

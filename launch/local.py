@@ -44,7 +44,9 @@ class LocalConfig:
     threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
     learner_threads: int = flag(0, "OMP_NUM_THREADS of each learner rank (0: --threads_per_process). In the "
                                    "lockstep schedule the learner trains while the services wait, so on a "
-                                   "CPU host it may use the cores they idle on (cores / learner ranks)")
+                                   "CPU host it may use the cores they idle on -- when a step lasts well over "
+                                   "1 s: an idle vLLM engine busy-polls for 1 s, and OpenMP threads sharing "
+                                   "a core with it crawl")
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
     connect_timeout_s: float = flag(900.0, "how long services wait for the learner's controller to answer "
                                            "(it loads its model and DeepSpeed first)")
