@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common.protocol import Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
-from common.transport import Endpoint
+from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
 from learner.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.experience import Rollout, Sample
 from learner.ledger import Entry, PromptLedger
@@ -175,10 +175,26 @@ class Controller:
             if self.pool.send_work(peer, req, ids):
                 self.ledger.start_scoring(ids, peer.name)
 
-    def shutdown_services(self, reason: str) -> None:
-        """Tells every live service to exit. Best effort: a gone peer is already gone."""
+    def shutdown_services(self, reason: str, wait_s: float = 5.0) -> list[str]:
+        """Tells every live service to exit, as a call: waits up to ``wait_s`` for their Acks, so
+        the request has left before this process does (a message still queued in ZeroMQ when
+        the learner exits can be lost, leaving the service to be killed). Returns the names of
+        services that did not confirm (logged); a gone peer is simply gone."""
+        pending, unconfirmed = [], []
         for peer in self.pool.alive():
-            self.pool._try_send(Shutdown(reason=reason), peer.identity)
+            try:
+                pending.append(self.rollout.request(peer.identity.decode(), Shutdown(reason=reason)))
+            except PeerUnavailable as e:
+                log.warning("shutdown: %s", e)
+                unconfirmed.append(peer.name)
+        deadline = time.monotonic() + wait_s
+        for call in pending:
+            try:
+                call.result(max(0.0, deadline - time.monotonic()))
+            except (CallTimeout, PeerUnavailable, RemoteError) as e:
+                log.warning("shutdown: %s", e)
+                unconfirmed.append(call.server)
+        return unconfirmed
 
     # ------------------------------------------------------------------ collect
     def collect(self, n_prompts: int, items: list[PromptItem], *, timeout_s: float,

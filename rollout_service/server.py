@@ -39,6 +39,8 @@ from rollout_service.core import BadRequest, NotSupported, PromptResult, Rollout
 
 log = logging.getLogger(__name__)
 
+FATAL_SEND_S = 2.0  # how long the last words (Error "fatal") may take to leave
+
 
 def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
     """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample)."""
@@ -65,6 +67,7 @@ class RolloutServer:
         self.cfg, self.core, self.ep = cfg, core, ep
         self.name = ep.name
         self._stop = asyncio.Event()
+        self._dying = False
         self._exit_code = 0
         self._tasks: set[asyncio.Task] = set()
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
@@ -170,18 +173,21 @@ class RolloutServer:
             seq += 1
             await asyncio.sleep(self.cfg.heartbeat_s)
 
-    async def _send(self, msg: P.Message) -> None:
+    async def _send(self, msg: P.Message, timeout: float | None = None) -> None:
         try:
-            await self.ep.send(msg)
+            await self.ep.send(msg, timeout=timeout)
         except TransportError as e:
             # The controller is gone or not reading; what we could not deliver it re-issues.
             log.error("could not send %s: %s", type(msg).__name__, e)
 
     async def _fatal(self, why: str) -> None:
-        if self._stop.is_set():
-            return
+        if self._dying or self._stop.is_set():
+            return  # one set of last words (a SIGTERM also kills vLLM: a second fatal follows)
+        self._dying = True
         log.error("fatal: %s; telling the controller and exiting", why)
-        await self._send(P.Error(code="fatal", message=f"{self.name}: {why}"))
+        # Briefly: when the controller is gone too (the run is being stopped), waiting the
+        # socket's full send timeout would outlast the supervisor's patience.
+        await self._send(P.Error(code="fatal", message=f"{self.name}: {why}"), timeout=FATAL_SEND_S)
         self._exit_code = 1
         self._stop.set()
 

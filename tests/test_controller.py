@@ -28,6 +28,7 @@ class FakeService(threading.Thread):
         self.hold = hold  # take work and never answer (a hung server)
         self.stop = threading.Event()
         self.seen: list[int] = []
+        self.shutdown_reason: str | None = None
 
     def run(self):
         handshake(self.ep, self.role, {"capacity": self.capacity}, timeout=5)
@@ -61,6 +62,11 @@ class FakeService(threading.Thread):
                 self.ep.reply(msg, P.ScoredBatch(prompt_ids=s.prompt_ids, sample_indices=s.sample_indices,
                                                  rewards=rewards, ref_logprobs=-s.logprobs.float(),
                                                  failed=failed, server=self.name))
+            elif isinstance(msg, P.Shutdown):
+                self.shutdown_reason = msg.reason
+                if not self.hold:
+                    self.ep.reply(msg, P.Ack())
+                    break
         self.ep.close(0)
 
     def die(self):
@@ -141,3 +147,18 @@ def test_missing_services_error_is_clear(ctrl):
     c, _ = ctrl
     with pytest.raises(RuntimeError, match=r"only 0/1 rollout server\(s\) and 0/1 reward"):
         c.wait_for_services(1, 1, timeout_s=0.3)
+
+
+def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctrl):
+    c, services = ctrl
+    r = start(c, services, "r0", "rollout")
+    w = start(c, services, "w0", "reward")
+    hung = start(c, services, "r1", "rollout", hold=True)
+    c.wait_for_services(2, 1, timeout_s=10)
+    t0 = time.monotonic()
+    assert c.shutdown_services("training finished", wait_s=1.0) == ["r1"]
+    assert time.monotonic() - t0 < 5
+    assert r.shutdown_reason == w.shutdown_reason == hung.shutdown_reason == "training finished"
+    r.join(5)
+    w.join(5)
+    assert not r.is_alive() and not w.is_alive()  # they got it and exited

@@ -90,6 +90,8 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     out = _finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
+    # The learner's Shutdown reached every service: none had to be killed by launch.local.
+    assert "did not exit within" not in out, out[-4000:]
     rows = [m for m in _metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     print("rewards per step:", [m["rollout/reward"] for m in rows])
