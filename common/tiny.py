@@ -32,6 +32,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from common.atomic_dir import publish_dir
+
 # Bump when the builder changes in a way that changes its output: stale caches rebuild.
 BUILD_VERSION = 1
 MARKER = ".rayless-tiny.json"
@@ -211,19 +213,8 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, overwrite: bo
                                   "pass overwrite=True to replace it")
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _build_into(tmp, seed, digest)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above); rename cannot replace a directory
-        os.rename(tmp, out_dir)
-    except OSError:
-        if not _is_complete(out_dir, digest):  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+    return publish_dir(out_dir, lambda tmp: _build_into(tmp, seed, digest),
+                       lambda: _is_complete(out_dir, digest))
 
 
 def main(argv: list[str] | None = None) -> None:
