@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -290,28 +291,22 @@ def main() -> None:
             bare_tokens_per_s(llm, warm, 16, 10_000_000)
             svc, bare = [], []
             cpu: dict[str, list] = {"service": [], "bare": []}  # CPU seconds by process, per round
+            paths = {"service": partial(service_tokens_per_s, ctrl), "bare": partial(bare_tokens_per_s, llm)}
+
+            def timed(path: str, prompts, first: int):
+                time.sleep(args.gap_s)
+                before = cpu_snapshot()
+                out = paths[path](prompts, args.max_new_tokens, first)
+                cpu[path].append(cpu_used(before, cpu_snapshot()))
+                return out
+
             for r in range(args.rounds):
                 prompts = make_prompts(args.prompts, r, vocab)
                 first = (r + 1) * 100_000
                 # Which goes first alternates, so neither always follows the other's idle engine.
-                def run_service():
-                    time.sleep(args.gap_s)
-                    before = cpu_snapshot()
-                    out = service_tokens_per_s(ctrl, prompts, args.max_new_tokens, first)
-                    cpu["service"].append(cpu_used(before, cpu_snapshot()))
-                    return out
-
-                def run_bare():
-                    time.sleep(args.gap_s)
-                    before = cpu_snapshot()
-                    out = bare_tokens_per_s(llm, prompts, args.max_new_tokens, first)
-                    cpu["bare"].append(cpu_used(before, cpu_snapshot()))
-                    return out
-
-                if r % 2 == 0:
-                    (s_rate, s_tok), (b_rate, b_tok) = run_service(), run_bare()
-                else:
-                    (b_rate, b_tok), (s_rate, s_tok) = run_bare(), run_service()
+                order = ("service", "bare") if r % 2 == 0 else ("bare", "service")
+                got = {path: timed(path, prompts, first) for path in order}
+                (s_rate, s_tok), (b_rate, b_tok) = got["service"], got["bare"]
                 svc.append(s_rate)
                 bare.append(b_rate)
                 print(f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "
