@@ -11,6 +11,16 @@ def _role(name, code, tmp_path):
     return Role(name, [sys.executable, "-c", code], tmp_path / "logs" / f"{name}.log", kind=name.split("-")[0])
 
 
+def _supervise(roles, cfg) -> int:
+    """Starts the roles, watches them to the end, always stops them; the run's exit code."""
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    try:
+        return sup.watch()
+    finally:
+        sup.stop()
+
+
 def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
     roles = [
@@ -21,13 +31,8 @@ def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
     ]
     roles.insert(0, _role("rollout-1", "import sys, time; print('boom: CUDA error'); time.sleep(0.5); sys.exit(3)",
                           tmp_path))
-    sup = Supervisor(roles, cfg)
-    sup.start()
     t0 = time.monotonic()
-    try:
-        assert sup.watch() == 1
-    finally:
-        sup.stop()
+    assert _supervise(roles, cfg) == 1
     assert time.monotonic() - t0 < 30
     err = capsys.readouterr().err
     assert "rollout-1 died (exit code 3)" in err and "rollout-1.log" in err and "boom: CUDA error" in err
@@ -41,12 +46,7 @@ def test_one_of_two_rollout_servers_dying_is_survived(tmp_path, capsys):
     roles = [_role("rollout-0", "import sys, time; time.sleep(0.3); sys.exit(9)", tmp_path),
              _role("rollout-1", "import time; time.sleep(120)", tmp_path),
              _role("learner", "import time; time.sleep(3)", tmp_path)]
-    sup = Supervisor(roles, cfg)
-    sup.start()
-    try:
-        assert sup.watch() == 0  # the learner's code: the run went on
-    finally:
-        sup.stop()
+    assert _supervise(roles, cfg) == 0  # the learner's code: the run went on
     err = capsys.readouterr().err
     assert "rollout-0 died (exit code 9)" in err and "1 other rollout process(es) carry on" in err
 
@@ -55,12 +55,7 @@ def test_learner_exit_code_is_the_runs(tmp_path):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
     roles = [_role("rollout-0", "import time; time.sleep(120)", tmp_path),
              _role("learner", "import time; time.sleep(0.5)", tmp_path)]
-    sup = Supervisor(roles, cfg)
-    sup.start()
-    try:
-        assert sup.watch() == 0
-    finally:
-        sup.stop()
+    assert _supervise(roles, cfg) == 0
     assert roles[0].proc.poll() is not None
 
 
@@ -90,11 +85,6 @@ def test_learner_threads_apply_to_the_learner_only(tmp_path):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True, learner_threads=2)
     show = "import os, time; print('OMP', os.environ['OMP_NUM_THREADS'], flush=True); time.sleep({})"
     roles = [_role("rollout-0", show.format(60), tmp_path), _role("learner", show.format(1), tmp_path)]
-    sup = Supervisor(roles, cfg)
-    sup.start()
-    try:
-        assert sup.watch() == 0
-    finally:
-        sup.stop()
+    assert _supervise(roles, cfg) == 0
     logs = {r.name: r.log.read_text() for r in roles}
     assert "OMP 2" in logs["learner"] and "OMP 1" in logs["rollout-0"], logs
