@@ -70,11 +70,8 @@ def stage_key(cmd: list[str], inputs: list[Path]) -> dict:
 
     digests = {}
     for f in inputs:
-        h = hashlib.sha256()
         with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        digests[str(f)] = h.hexdigest()
+            digests[str(f)] = hashlib.file_digest(fh, "sha256").hexdigest()
     return {"cmd": cmd, "inputs": digests}
 
 

@@ -52,6 +52,12 @@ class LocalConfig:
                                            "(it loads its model and DeepSpeed first)")
     quiet: bool = flag(False, "no progress line (logs only)")
 
+    def __post_init__(self) -> None:
+        if self.threads_per_process < 1:
+            raise ValueError(f"--threads_per_process must be >= 1, got {self.threads_per_process}")
+        if self.learner_threads < 0:
+            raise ValueError(f"--learner_threads must be >= 1 (or 0: --threads_per_process), got {self.learner_threads}")
+
 
 @dataclass
 class Role:

@@ -182,11 +182,12 @@ class Controller:
         services that did not confirm (logged); a gone peer is simply gone."""
         pending, unconfirmed = [], []
         for peer in self.pool.alive():
+            name = peer.identity.decode()  # what RolloutClient calls a peer by
             try:
-                pending.append(self.rollout.request(peer.identity.decode(), Shutdown(reason=reason)))
+                pending.append(self.rollout.request(name, Shutdown(reason=reason)))
             except PeerUnavailable as e:
                 log.warning("shutdown: %s", e)
-                unconfirmed.append(peer.name)
+                unconfirmed.append(name)
         deadline = time.monotonic() + wait_s
         for call in pending:
             try:

@@ -226,6 +226,9 @@ class PPOConfig:
                 raise ValueError(f"--critic_learning_rate must be > 0, got {self.critic_learning_rate}")
         elif self.freezing_actor_steps:
             raise ValueError("--freezing_actor_steps warms up a critic: only with --advantage_estimator gae")
+        elif self.save_value_network:
+            raise ValueError(f"--save_value_network saves the critic, and --advantage_estimator "
+                             f"{self.advantage_estimator} has none: only with --advantage_estimator gae")
         elif self.gamma != 1.0 and self.advantage_estimator != "reinforce":
             raise ValueError(f"--advantage_estimator {self.advantage_estimator} uses a group baseline: "
                              f"--gamma must be 1, got {self.gamma}")

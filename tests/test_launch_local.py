@@ -88,3 +88,12 @@ def test_learner_threads_apply_to_the_learner_only(tmp_path):
     assert _supervise(roles, cfg) == 0
     logs = {r.name: r.log.read_text() for r in roles}
     assert "OMP 2" in logs["learner"] and "OMP 1" in logs["rollout-0"], logs
+
+
+def test_thread_counts_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="--learner_threads"):
+        LocalConfig(pretrain="x", learner_threads=-1)
+    with pytest.raises(ValueError, match="--threads_per_process"):
+        LocalConfig(pretrain="x", threads_per_process=0)

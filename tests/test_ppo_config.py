@@ -38,6 +38,7 @@ def test_defaults_are_valid():
      "--dynamic_filtering"),
     (dict(dynamic_filtering=True, dynamic_filtering_reward_range=[1.0, 0.0]), "--dynamic_filtering_reward_range"),
     (dict(freezing_actor_steps=2), "only with --advantage_estimator gae"),
+    (dict(save_value_network=True), "--save_value_network saves the critic"),
     (dict(advantage_estimator="gae", gamma=1.5), "--gamma"),
     (dict(advantage_estimator="gae", critic_learning_rate=0.0), "--critic_learning_rate"),
     (dict(gamma=0.9), "--gamma must be 1"),
