@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[$(EXTRA)]'
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -c "import torch, transformers, vllm, deepspeed, zmq, msgspec; print('rayless set-up ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
-	$(PY) -m learner.engine --build-ops
+	$(PY) -m learner.runtime.engine --build-ops
 	@touch $@
 
 test: setup

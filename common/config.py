@@ -20,7 +20,8 @@ import json
 import logging
 import types
 import typing
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 __all__ = [
     "DataError", "FILE_FORMATS", "parse_probs", "load_source", "load_mixed",
@@ -52,7 +53,7 @@ class DataError(ValueError):
 class SkipCounter:
     """Rows dropped under ``skip_bad_rows``, by reason; logged once at the end of loading."""
     counts: Counter = field(default_factory=Counter)
-    examples: Dict[str, str] = field(default_factory=dict)  # reason -> first offending row
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> first offending row
 
     def add(self, reason: str, where: str) -> None:
         self.counts[reason] += 1
@@ -71,7 +72,7 @@ class SkipCounter:
 
 # --------------------------------------------------------------------------- loading
 
-def parse_probs(probs: Optional[str], n_sources: int) -> Optional[List[float]]:
+def parse_probs(probs: str | None, n_sources: int) -> list[float] | None:
     """``"0.7,0.3"`` -> [0.7, 0.3] (normalised); None/"" -> None. Counts must match sources."""
     if probs is None or str(probs).strip() == "":
         return None
@@ -131,7 +132,7 @@ def load_source(source: str, *, split: str = "train"):
 
 
 def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
-               skipped: Optional[SkipCounter] = None, allow_empty: Sequence[str] = ()):
+               skipped: SkipCounter | None = None, allow_empty: Sequence[str] = ()):
     """Rows whose ``keys`` are present and non-empty; else DataError naming source, row and key.
 
     Empty means None, "", or an empty list (e.g. no chat messages). ``allow_empty`` keys
@@ -142,7 +143,7 @@ def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
         raise DataError(f"{source}: no column {missing_cols[0]!r} (row 0); it has columns "
                         f"{[c for c in ds.column_names if not c.startswith('_')]}. Set the key flag "
                         "(--input_key, --chosen_key, ...) to one of them")
-    bad: List[int] = []
+    bad: list[int] = []
     for key in keys:
         if key in allow_empty:
             continue
@@ -160,10 +161,10 @@ def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
     return ds
 
 
-def load_mixed(dataset: str, *, probs: Optional[str] = None, split: str = "train",
-               max_samples: Optional[int] = None, seed: int = 42, required_keys: Sequence[str] = (),
+def load_mixed(dataset: str, *, probs: str | None = None, split: str = "train",
+               max_samples: int | None = None, seed: int = 42, required_keys: Sequence[str] = (),
                allow_empty: Sequence[str] = (), skip_bad_rows: bool = False,
-               skipped: Optional[SkipCounter] = None):
+               skipped: SkipCounter | None = None):
     """Load comma-separated sources, check ``required_keys``, cap, and mix into one Dataset.
 
     Adds the ``_source``/``_row`` columns (see module docstring). ``skipped`` collects the
@@ -198,7 +199,7 @@ def load_mixed(dataset: str, *, probs: Optional[str] = None, split: str = "train
 
 # --------------------------------------------------------------------------- rendering text
 
-def to_messages(value: Any, role: str) -> List[Dict[str, str]]:
+def to_messages(value: Any, role: str) -> list[dict[str, str]]:
     """A chat-message list from a string (one message with ``role``) or a message list (as is)."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
@@ -210,7 +211,7 @@ def to_messages(value: Any, role: str) -> List[Dict[str, str]]:
 
 
 def render_prompt(value: Any, tokenizer: Any = None, *, apply_chat_template: bool = False,
-                  input_template: Optional[str] = None) -> str:
+                  input_template: str | None = None) -> str:
     """The prompt text a model sees: chat template with a generation prompt, else
     ``input_template.format(value)`` (one ``{}``), else the string itself."""
     if apply_chat_template:
@@ -223,7 +224,7 @@ def render_prompt(value: Any, tokenizer: Any = None, *, apply_chat_template: boo
     return value
 
 
-def end_with_eos(text: str, eos: Optional[str]) -> str:
+def end_with_eos(text: str, eos: str | None) -> str:
     """``text`` ending in exactly one EOS: trailing whitespace after a final EOS is dropped
     (ChatML renders ``<|im_end|>\\n``) so the sequence ends where generation stops."""
     if not eos:
@@ -233,7 +234,7 @@ def end_with_eos(text: str, eos: Optional[str]) -> str:
 
 
 def render_response(prompt_value: Any, response_value: Any, tokenizer: Any, *,
-                    apply_chat_template: bool = False, input_template: Optional[str] = None) -> Tuple[str, str]:
+                    apply_chat_template: bool = False, input_template: str | None = None) -> tuple[str, str]:
     """``(prompt_text, response_text)`` with ``prompt_text + response_text`` the full sequence,
     ending in the tokenizer's EOS; the response is what a loss is taken on.
 
@@ -266,16 +267,16 @@ def render_response(prompt_value: Any, response_value: Any, tokenizer: Any, *,
 class PromptRow:
     """One RL prompt: the rendered text, its token ids, the label for reward functions."""
     prompt: str
-    input_ids: List[int]
+    input_ids: list[int]
     label: Any
     source: str
     row: int
 
 
-def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: Optional[str] = None,
-                apply_chat_template: bool = False, input_template: Optional[str] = None,
-                prompt_max_len: Optional[int] = None, skip_bad_rows: bool = False,
-                skipped: Optional[SkipCounter] = None) -> List[PromptRow]:
+def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: str | None = None,
+                apply_chat_template: bool = False, input_template: str | None = None,
+                prompt_max_len: int | None = None, skip_bad_rows: bool = False,
+                skipped: SkipCounter | None = None) -> list[PromptRow]:
     """Render and tokenize prompts (from ``load_mixed``); over-long ones raise or are skipped.
 
     Token ids are what the chat template or template renders, without extra special tokens
@@ -287,7 +288,7 @@ def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: Optional[str] 
     texts = [render_prompt(v, tokenizer, apply_chat_template=apply_chat_template,
                            input_template=input_template) for v in ds[input_key]]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    out: List[PromptRow] = []
+    out: list[PromptRow] = []
     for text, tok, label, src, r in zip(texts, ids, labels, sources, rows_idx):
         if prompt_max_len and len(tok) > prompt_max_len:
             where = f"{src}, row {r}, key {input_key!r}"
@@ -301,11 +302,11 @@ def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: Optional[str] 
     return out
 
 
-def load_prompts(prompt_data: str, tokenizer: Any, *, input_key: str, label_key: Optional[str] = None,
-                 probs: Optional[str] = None, split: str = "train", max_samples: Optional[int] = None,
-                 seed: int = 42, apply_chat_template: bool = False, input_template: Optional[str] = None,
-                 prompt_max_len: Optional[int] = None, skip_bad_rows: bool = False
-                 ) -> Tuple[List[PromptRow], SkipCounter]:
+def load_prompts(prompt_data: str, tokenizer: Any, *, input_key: str, label_key: str | None = None,
+                 probs: str | None = None, split: str = "train", max_samples: int | None = None,
+                 seed: int = 42, apply_chat_template: bool = False, input_template: str | None = None,
+                 prompt_max_len: int | None = None, skip_bad_rows: bool = False
+                 ) -> tuple[list[PromptRow], SkipCounter]:
     """``load_mixed`` + ``prompt_rows`` in one call (the PPO controller's prompt data).
 
     Returns the rows and what was skipped (log ``skipped.report("prompts")``).

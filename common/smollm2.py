@@ -123,8 +123,7 @@ def _smollm2_pre_tokenizer():
 
 def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                              PreTrainedTokenizerFast)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
     timings = {}
     t0 = time.perf_counter()

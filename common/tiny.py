@@ -43,7 +43,7 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2 in this order
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2
 
 # Same string transformers' Qwen2Tokenizer compiles (transformers/models/qwen2/
-# tokenization_qwen2.py); the parity test in tests/test_tiny_model.py guards the copy.
+# tokenization_qwen2.py); the parity test in tests/unit/common/test_tiny_model.py guards the copy.
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""

@@ -200,7 +200,7 @@ class Endpoint:
 
     @classmethod
     def bind(cls, address: str, *, name: str = "controller", hwm: int = DEFAULT_HWM,
-             max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> "Endpoint":
+             max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> Endpoint:
         """Binds a ROUTER at ``address`` (``tcp://127.0.0.1:0`` picks a free port)."""
         sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         _apply_options(sock, True, None, hwm, max_message_bytes)
@@ -209,7 +209,7 @@ class Endpoint:
 
     @classmethod
     def connect(cls, address: str, *, name: str, hwm: int = DEFAULT_HWM,
-                max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> "Endpoint":
+                max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> Endpoint:
         """Connects a DEALER named ``name`` (its identity at the controller) to ``address``."""
         sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         _apply_options(sock, False, name, hwm, max_message_bytes)

@@ -41,8 +41,15 @@ import torch
 
 from common import protocol as P
 from common.transport import TransportError, free_port
-from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_SEGMENT_BYTES, Buffers, GlooGroup, ParamMeta,
-                                         dtype_name, send_packed)
+from common.weight_transfer_wire import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    Buffers,
+    GlooGroup,
+    ParamMeta,
+    dtype_name,
+    send_packed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,7 @@ BACKENDS = ("gloo", "nccl")
 class WeightSyncError(RuntimeError):
     """Some servers could not be brought to the new weights. ``failures``: {server: why}."""
 
-    def __init__(self, what: str, failures: dict[str, str], report: "PushReport | None" = None) -> None:
+    def __init__(self, what: str, failures: dict[str, str], report: PushReport | None = None) -> None:
         lines = "; ".join(f"{s}: {why}" for s, why in failures.items())
         super().__init__(f"{what} failed for {len(failures)} server(s): {lines}")
         self.failures = failures
@@ -162,7 +169,7 @@ class PendingReply(Protocol):
 
 class SyncControl(Protocol):
     """How the publisher reaches a server: send a call now, collect its reply later (so one
-    thread can have calls out to many servers while it broadcasts). ``learner.rollout_client.
+    thread can have calls out to many servers while it broadcasts). ``learner.controller.rollout_client.
     RolloutClient`` implements it over the controller's ROUTER socket."""
 
     def request(self, server: str, msg: P.Message) -> PendingReply: ...

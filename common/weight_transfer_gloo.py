@@ -47,8 +47,18 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from common.weight_transfer_wire import (DEFAULT_BUCKET_BYTES, DEFAULT_SEGMENT_BYTES, DEFAULT_TIMEOUT_S, GlooGroup,
-                                         bucket_plan, dtype_name, segment_plan, send_packed, unpack, wait_work)
+from common.weight_transfer_wire import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_TIMEOUT_S,
+    GlooGroup,
+    bucket_plan,
+    dtype_name,
+    segment_plan,
+    send_packed,
+    unpack,
+    wait_work,
+)
 
 # Under "vllm." so that, inside vLLM's workers, it goes through vLLM's log handler.
 log = logging.getLogger("vllm.rayless.weight_transfer_gloo")

@@ -46,7 +46,7 @@ def bucket_plan(sizes: Iterable[int], bucket_bytes: int) -> list[list[int]]:
     The rule of vLLM's ``pack_tensors`` and ``packed_nccl_broadcast_consumer``: add tensors in
     order until the running total exceeds ``bucket_bytes``; the tensor that crosses the line
     closes its bucket. Both sides compute this from the update metadata alone, so only the
-    packed bytes travel. ``tests/test_weight_sync.py`` checks both against vLLM's ``pack_tensors``.
+    packed bytes travel. ``tests/unit/common/test_weight_sync.py`` checks both against vLLM's ``pack_tensors``.
     """
     plan: list[list[int]] = []
     cur: list[int] = []
@@ -167,7 +167,7 @@ class GlooGroup:
 
     @classmethod
     def open(cls, host: str, port: int, rank: int, world_size: int, *, timeout_s: float, label: str,
-             store: TCPStore | None = None) -> "GlooGroup":
+             store: TCPStore | None = None) -> GlooGroup:
         """Joins (rank > 0) or hosts (rank 0, ``store`` already listening) the group. Blocks until
         every rank has connected, at most ``timeout_s``."""
         timeout = timedelta(seconds=timeout_s)

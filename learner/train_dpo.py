@@ -12,7 +12,7 @@ an inference-only DeepSpeed engine; ``--ref_offload`` keeps its parameters in CP
 ``beta * log(pi/ref)``, their margin and the preference accuracy, on train and eval data.
 
 Differences from OpenRLHF's ``train_dpo``: losses are pure functions in
-``learner.dpo_loss``; no packing or LoRA yet.
+``learner.algorithms.dpo_loss``; no packing or LoRA yet.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import flag, parse
-from learner.trainer_config import TrainerConfig
+from learner.supervised.config import TrainerConfig
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DPOConfig(TrainerConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(DPOConfig, argv, description=__doc__.split("\n")[0], prog="learner.train_dpo")
-    from learner.dpo_trainer import run  # torch and DeepSpeed only after the flags parse
+    from learner.supervised.dpo_trainer import run  # torch and DeepSpeed only after the flags parse
 
     run(cfg)
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import sys
 
 from common.config import parse
-from learner.ppo_config import PPOConfig
+from learner.rl.config import PPOConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(PPOConfig, argv, description=__doc__.split("\n\n")[0], prog="learner.train_ppo")
-    from learner.ppo_loop import run  # heavy imports only after the flags parse
+    from learner.rl.loop import run  # heavy imports only after the flags parse
 
     return run(cfg)
 

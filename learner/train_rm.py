@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import flag, parse
-from learner.trainer_config import TrainerConfig
+from learner.supervised.config import TrainerConfig
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RMConfig(TrainerConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(RMConfig, argv, description=__doc__.split("\n")[0], prog="learner.train_rm")
-    from learner.rm_trainer import run  # torch and DeepSpeed only after the flags parse
+    from learner.supervised.rm_trainer import run  # torch and DeepSpeed only after the flags parse
 
     run(cfg)
 

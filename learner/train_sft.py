@@ -10,7 +10,7 @@ Run::
 Rows are prompt/response pairs (``--input_key``/``--output_key``) or, without
 ``--output_key``, whole chats (a list of messages in ``--input_key``: every assistant turn
 is learned). ``--packing_samples`` packs each micro-batch into one row with attention kept
-within each sample (position-id restarts; see ``learner.sft_data``). The final model is
+within each sample (position-id restarts; see ``learner.supervised.sft_data``). The final model is
 saved in HF format to ``--save_path``.
 
 Differences from OpenRLHF's ``train_sft``: the loss is normalised by the optimizer step's
@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from common.config import flag, parse
-from learner.trainer_config import TrainerConfig
+from learner.supervised.config import TrainerConfig
 
 
 @dataclass
@@ -46,7 +46,7 @@ class SFTConfig(TrainerConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(SFTConfig, argv, description=__doc__.split("\n")[0], prog="learner.train_sft")
-    from learner.sft_trainer import run  # torch and DeepSpeed only after the flags parse
+    from learner.supervised.sft_trainer import run  # torch and DeepSpeed only after the flags parse
 
     run(cfg)
 

@@ -36,7 +36,7 @@ class ReferenceScorer:
     @classmethod
     def load(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
              attn_implementation: str | None = None, micro_batch_size: int = 8,
-             temperature: float = 1.0) -> "ReferenceScorer":
+             temperature: float = 1.0) -> ReferenceScorer:
         from transformers import AutoModelForCausalLM
 
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}

@@ -34,11 +34,11 @@ class SourceResult:
     extra_logs: dict[str, list[float]] = field(default_factory=dict)  # name -> (N,)
 
     @classmethod
-    def all_failed(cls, n: int, reason: str) -> "SourceResult":
+    def all_failed(cls, n: int, reason: str) -> SourceResult:
         return cls(rewards=[NAN] * n, failed=[reason] * n)
 
     @classmethod
-    def concat(cls, parts: list["SourceResult"]) -> "SourceResult":
+    def concat(cls, parts: list[SourceResult]) -> SourceResult:
         """Joins the results of consecutive slices of one batch (e.g. one per worker or URL)."""
         out = cls(rewards=[], failed=[])
         n_so_far = 0

@@ -117,7 +117,7 @@ class RewardModelScorer:
     @classmethod
     def load(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
              attn_implementation: str | None = None, micro_batch_size: int = 8, value_head_prefix: str = "auto",
-             normalize: bool = False, padding_side: str = "right") -> "RewardModelScorer":
+             normalize: bool = False, padding_side: str = "right") -> RewardModelScorer:
         from transformers import AutoConfig, AutoModel
         from transformers.utils import logging as hf_logging
 

@@ -30,8 +30,9 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -169,7 +170,7 @@ class Scorer:
         self.last_batch_s = 0.0
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig) -> "Scorer":
+    def from_config(cls, cfg: RewardConfig) -> Scorer:
         sources: list[RewardSource] = []
         try:
             for build in SOURCES.values():

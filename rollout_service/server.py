@@ -229,7 +229,7 @@ class RolloutServer:
             reply = P.Error(code="bad_request", message=str(e))
         except NotSupported as e:
             reply = P.Error(code="not_supported", message=str(e))
-        except (TimeoutError, asyncio.TimeoutError) as e:
+        except TimeoutError as e:
             reply = P.Error(code="timeout", message=f"{type(msg).__name__} timed out: {e}")
         except Exception as e:  # noqa: BLE001 - answered; the server lives on unless the engine died
             log.exception("%s failed", type(msg).__name__)

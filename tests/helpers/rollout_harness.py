@@ -21,8 +21,8 @@ import torch
 from common import protocol as P
 from common.transport import Endpoint
 from common.weight_sync import WeightPublisher
-from learner.pool import ServicePool
-from learner.rollout_client import RolloutClient
+from learner.controller.pool import ServicePool
+from learner.controller.rollout_client import RolloutClient
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",

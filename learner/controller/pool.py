@@ -1,0 +1,204 @@
+"""The controller's view of the services connected to it: who is there, what each holds.
+
+``ServicePool`` is socket-free bookkeeping driven by the controller's loop: it sees every
+message that arrives on the controller's ROUTER (``handle``), answers the handshake, tracks
+heartbeats, and records which work keys (prompt ids, request ids) each peer holds. Whatever
+a peer holds when it dies — silent past ``peer_timeout_s``, or announcing a fatal error — comes
+back from ``reap()`` / ``handle()`` as lost work, so the caller can re-issue it. Nothing is
+lost silently.
+
+Peers join at any time (a Hello). A peer of a role that needs preparation before work (a
+rollout server must receive the current weights first) joins as *not ready*; the caller
+marks it ready. Dispatch picks the ready peer with the lowest load relative to its announced
+capacity.
+
+Run order in a controller loop::
+
+    while ...:
+        got = endpoint.recv(timeout=0.1)
+        if got:
+            result = pool.handle(*got)       # None if it was control traffic
+            ...                              # a work result: pool.complete(...) + ledger
+        for peer, keys in pool.reap():       # dead peers
+            ledger.reissue(keys)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.protocol import Error, Heartbeat, Hello, Message, Welcome, version_error
+from common.transport import Endpoint, PeerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    identity: bytes
+    name: str
+    role: str
+    capabilities: dict[str, Any]
+    last_seen: float
+    ready: bool = False
+    alive: bool = True
+    policy_version: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+    in_flight: set = field(default_factory=set)  # work keys held by this peer
+
+    @property
+    def capacity(self) -> int:
+        return max(1, int(self.capabilities.get("capacity", 1)))
+
+    @property
+    def load(self) -> float:
+        return len(self.in_flight) / self.capacity
+
+
+@dataclass
+class LostWork:
+    peer: Peer
+    keys: list[Hashable]
+    reason: str
+
+
+class ServicePool:
+    """Registry + liveness + per-peer in-flight work. Not thread-safe: one controller loop owns it."""
+
+    def __init__(self, endpoint: Endpoint, *, peer_timeout_s: float = 30.0,
+                 needs_preparation: Iterable[str] = ("rollout",),
+                 welcome_config: Callable[[Hello], dict[str, Any]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.endpoint = endpoint
+        self.peer_timeout_s = peer_timeout_s
+        self.needs_preparation = set(needs_preparation)
+        self.welcome_config = welcome_config or (lambda hello: {})
+        self.policy_version = 0
+        self.clock = clock
+        self.peers: dict[bytes, Peer] = {}
+        self.lost: list[LostWork] = []  # dead peers' work not yet collected by reap()
+        self.joined: list[Peer] = []  # peers that joined since the last take_joined()
+        self.counters = {"joined": 0, "died": 0, "rejected_hello": 0, "lost_keys": 0}
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, identity: bytes, msg: Message) -> Message | None:
+        """Consumes control traffic (Hello, Heartbeat, fatal Error); returns anything else."""
+        peer = self.peers.get(identity)
+        if peer is not None and peer.alive:
+            peer.last_seen = self.clock()
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+            return None
+        if peer is None or not peer.alive:
+            # A message from a peer we never met or already declared dead: its work was
+            # re-issued, so a late result would be a duplicate. The caller's ledger drops
+            # duplicates anyway; tell the peer to re-introduce itself.
+            log.warning("message %s from unknown or dead peer %s; asking it to say Hello again",
+                        type(msg).__name__, identity.decode("utf-8", "replace"))
+            self._try_send(Error(code="unknown_peer", message="say Hello first (or again)"), identity)
+            return None
+        if isinstance(msg, Heartbeat):
+            peer.policy_version = msg.policy_version
+            peer.stats = dict(msg.stats)
+            return None
+        if isinstance(msg, Error) and msg.code == "fatal" and msg.call_id == 0:
+            self._declare_dead(peer, f"announced a fatal error: {msg.message}")
+            return None
+        return msg
+
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        err = version_error(hello)
+        if err is not None:
+            self.counters["rejected_hello"] += 1
+            log.error("rejected %s: %s", hello.name, err.message)
+            self.endpoint.reply(hello, err, to=identity)
+            return
+        old = self.peers.get(identity)
+        if old is not None and old.alive:
+            # Same identity says Hello again: it restarted before we noticed. What it held is gone.
+            self._declare_dead(old, "restarted (said Hello again)")
+        peer = Peer(identity=identity, name=hello.name, role=hello.role, capabilities=dict(hello.capabilities),
+                    last_seen=self.clock(), ready=hello.role not in self.needs_preparation)
+        self.peers[identity] = peer
+        self.endpoint.set_peer_name(identity, hello.name)
+        self.counters["joined"] += 1
+        self.joined.append(peer)
+        log.info("%s joined as %s (capabilities %s)", hello.name, hello.role, hello.capabilities)
+        self.endpoint.reply(hello, Welcome(peer_id=hello.name, policy_version=self.policy_version,
+                                           config=self.welcome_config(hello)), to=identity)
+
+    # ------------------------------------------------------------------ liveness
+    def _declare_dead(self, peer: Peer, reason: str) -> None:
+        if not peer.alive:
+            return
+        peer.alive = False
+        peer.ready = False
+        keys = list(peer.in_flight)
+        peer.in_flight.clear()
+        self.counters["died"] += 1
+        self.counters["lost_keys"] += len(keys)
+        log.error("%s (%s) is gone: %s; %d work item(s) it held will be re-issued",
+                  peer.name, peer.role, reason, len(keys))
+        self.lost.append(LostWork(peer, keys, reason))
+
+    def reap(self) -> list[LostWork]:
+        """Declares peers silent past the deadline dead; returns all lost work not yet returned."""
+        now = self.clock()
+        for peer in list(self.peers.values()):
+            if peer.alive and now - peer.last_seen > self.peer_timeout_s:
+                self._declare_dead(peer, f"no message for {now - peer.last_seen:.1f} s "
+                                         f"(peer timeout {self.peer_timeout_s:.1f} s)")
+        lost, self.lost = self.lost, []
+        return lost
+
+    def mark_dead(self, peer: Peer, reason: str) -> None:
+        """For callers that learn of a death another way (e.g. a send or call failed)."""
+        self._declare_dead(peer, reason)
+
+    def take_joined(self) -> list[Peer]:
+        joined, self.joined = [p for p in self.joined if p.alive], []
+        return joined
+
+    # ------------------------------------------------------------------ work
+    def alive(self, role: str | None = None) -> list[Peer]:
+        return [p for p in self.peers.values() if p.alive and (role is None or p.role == role)]
+
+    def ready(self, role: str) -> list[Peer]:
+        return [p for p in self.alive(role) if p.ready]
+
+    def pick(self, role: str) -> Peer | None:
+        """The ready peer of ``role`` with the lowest relative load, or None if none has room."""
+        candidates = [p for p in self.ready(role) if len(p.in_flight) < p.capacity]
+        return min(candidates, key=lambda p: (p.load, p.name)) if candidates else None
+
+    def send_work(self, peer: Peer, msg: Message, keys: Iterable[Hashable]) -> bool:
+        """Sends ``msg`` to ``peer`` and records ``keys`` as held by it. False (and the peer is
+        declared dead, holding nothing of this) if it cannot be reached."""
+        if not self._try_send(msg, peer.identity):
+            self._declare_dead(peer, "unreachable (send failed)")
+            return False
+        peer.in_flight.update(keys)
+        return True
+
+    def complete(self, identity: bytes, keys: Iterable[Hashable]) -> None:
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.in_flight.difference_update(keys)
+
+    def holder(self, key: Hashable) -> Peer | None:
+        for peer in self.peers.values():
+            if key in peer.in_flight:
+                return peer
+        return None
+
+    def _try_send(self, msg: Message, identity: bytes) -> bool:
+        try:
+            self.endpoint.send(msg, to=identity, timeout=1.0)
+            return True
+        except PeerUnavailable as e:
+            log.error("%s", e)
+            return False

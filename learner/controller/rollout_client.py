@@ -1,0 +1,237 @@
+"""The controller's side of the rollout servers: work out, samples in, weights pushed.
+
+Built on ``learner.controller.pool.ServicePool`` (who is there, what each holds, who died) and
+``common.weight_sync.WeightPublisher`` (the weight groups). ``RolloutClient`` owns the reading
+of the controller's ROUTER endpoint: every message goes through ``pool.handle`` (so heartbeats
+keep peers alive even while a weight push blocks the loop for minutes), replies to calls go to
+whoever is waiting on them, and everything else (SampleBatches, per-prompt Errors, and other
+roles' results) is queued for ``poll``.
+
+A controller loop::
+
+    client = RolloutClient(endpoint, pool, WeightPublisher(policy, backend="gloo"))
+    while training:
+        client.sync_joiners()                        # new servers: weight group + current weights
+        unplaced = client.submit(ids, tokens, sampling, policy_version=v)
+        for ident, msg in client.poll(timeout=0.1):  # SampleBatch / Error(prompt_ids=...) / ...
+            ...                                      # ledger.generated(...) / ledger.lost(...)
+        for lost in client.reap():                   # dead servers: their prompt ids
+            ledger.lost(lost.keys, lost.reason)
+        ...
+        client.push_weights(v + 1)                   # after an optimizer step
+
+Multi-rank learners: ``push_weights`` and ``sync_joiners`` (when it pushes) run
+``WeightPublisher.push`` on rank 0, which under ZeRO-3 gathers with the other ranks: those
+must call ``publisher.push(version)`` at the same point (rank 0 tells them when).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from common import protocol as P
+from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
+from common.weight_sync import PushReport, WeightPublisher, WeightSyncError
+from learner.controller.pool import LostWork, Peer, ServicePool
+
+log = logging.getLogger(__name__)
+
+ROLE = "rollout"
+
+
+class _Pending:
+    """A call out to one server; ``result`` pumps the socket until its reply or the deadline."""
+
+    def __init__(self, client: RolloutClient, server: str, call_id: int, what: str) -> None:
+        self.client, self.server, self.call_id, self.what = client, server, call_id, what
+
+    def result(self, timeout: float) -> P.Message:
+        c = self.client
+        deadline = time.monotonic() + timeout
+        try:
+            while self.call_id not in c._replies:
+                c._lost.extend(c.pool.reap())  # silence past the deadline counts while we wait, too
+                peer = c.peer(self.server)
+                if peer is not None and not peer.alive:
+                    # Declared dead while we waited (a fatal notice, silence): no reply will come.
+                    raise PeerUnavailable(f"{self.server} is gone (declared dead) while waiting for its reply "
+                                          f"to {self.what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CallTimeout(f"no reply from {self.server} to {self.what} within {timeout:.1f} s")
+                c._pump_one(min(left, 0.5))
+        finally:
+            c._waiting.discard(self.call_id)  # a reply after this is late and dropped
+        reply = c._replies.pop(self.call_id)
+        if isinstance(reply, P.Error):
+            raise RemoteError(self.server, reply)
+        return reply
+
+
+class RolloutClient:
+    def __init__(self, endpoint: Endpoint, pool: ServicePool, publisher: WeightPublisher | None = None, *,
+                 call_timeout_s: float = 30.0) -> None:
+        self.endpoint, self.pool, self.publisher = endpoint, pool, publisher
+        if publisher is not None and publisher.control is None:
+            publisher.control = self
+        self.call_timeout_s = call_timeout_s
+        self.version = pool.policy_version  # last version pushed to the servers
+        self._waiting: set[int] = set()
+        self._replies: dict[int, P.Message] = {}
+        self._inbox: deque[tuple[bytes, P.Message]] = deque()
+        self._lost: list[LostWork] = []  # reaped while a call waited; handed out by reap()
+
+    # ------------------------------------------------------------------ socket
+    def _pump_one(self, timeout: float) -> bool:
+        got = self.endpoint.recv(timeout=max(0.0, timeout))
+        if got is None:
+            return False
+        ident, msg = got
+        msg = self.pool.handle(ident, msg)  # heartbeats, Hello, fatal errors end here
+        if msg is None:
+            return True
+        if msg.call_id in self._waiting:
+            self._replies[msg.call_id] = msg
+        elif msg.call_id:
+            log.info("dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id,
+                     ident.decode("utf-8", "replace"))
+        else:
+            if isinstance(msg, P.SampleBatch):
+                self.pool.complete(ident, set(msg.prompt_ids))
+            elif isinstance(msg, P.Error) and msg.prompt_ids:
+                self.pool.complete(ident, msg.prompt_ids)
+            self._inbox.append((ident, msg))
+        return True
+
+    def poll(self, timeout: float = 0.0, max_messages: int = 1000) -> list[tuple[bytes, P.Message]]:
+        """What has arrived: SampleBatches, Errors about prompts (their ``prompt_ids``), and any
+        other role's results, as ``(identity, message)``. Waits up to ``timeout`` for the first.
+        Prompts in what is returned are no longer counted as in flight at their server."""
+        if not self._inbox:
+            self._pump_one(timeout)
+        for _ in range(max_messages):
+            if not self._pump_one(0.0):
+                break
+        out = list(self._inbox)
+        self._inbox.clear()
+        return out
+
+    # ------------------------------------------------------------------ calls (SyncControl)
+    def request(self, server: str, msg: P.Message) -> _Pending:
+        """Sends ``msg`` to ``server`` as a call; the reply is collected by ``.result(timeout)``."""
+        msg.call_id = self.endpoint.core.new_call_id()
+        self._waiting.add(msg.call_id)
+        try:
+            self.endpoint.send(msg, to=server.encode(), timeout=self.call_timeout_s)
+        except PeerUnavailable:
+            self._waiting.discard(msg.call_id)
+            raise
+        return _Pending(self, server, msg.call_id, type(msg).__name__)
+
+    def call(self, server: str, msg: P.Message, timeout: float | None = None) -> P.Message:
+        return self.request(server, msg).result(self.call_timeout_s if timeout is None else timeout)
+
+    def health(self, server: str) -> P.Health:
+        return self.call(server, P.GetHealth())
+
+    def pause(self, server: str) -> None:
+        self.call(server, P.Pause())
+
+    def resume(self, server: str) -> None:
+        self.call(server, P.Resume())
+
+    def shutdown(self, server: str, reason: str = "") -> None:
+        """Asks ``server`` to exit; what it held comes back from the next ``reap``."""
+        try:
+            self.call(server, P.Shutdown(reason=reason), timeout=min(self.call_timeout_s, 10.0))
+        finally:
+            peer = self.peer(server)
+            if peer is not None:
+                self.pool.mark_dead(peer, f"shut down by the controller ({reason or 'no reason'})")
+            if self.publisher is not None:
+                self.publisher.disconnect(server, notify=False)
+
+    # ------------------------------------------------------------------ work
+    def peer(self, server: str) -> Peer | None:
+        return self.pool.peers.get(server.encode())
+
+    def servers(self, ready_only: bool = True) -> list[str]:
+        peers = self.pool.ready(ROLE) if ready_only else self.pool.alive(ROLE)
+        return [p.name for p in peers]
+
+    def submit(self, prompt_ids: Sequence[int], token_ids: Sequence[list[int]], sampling: P.SamplingParams, *,
+               policy_version: int = 0) -> list[int]:
+        """Spreads prompts over the ready servers by free capacity (least loaded first, an even
+        share each). Returns the prompt ids no server had room for; submit them again later."""
+        todo = list(zip(prompt_ids, token_ids))
+        while todo:
+            room = [p for p in self.pool.ready(ROLE) if len(p.in_flight) < p.capacity]
+            peer = self.pool.pick(ROLE)
+            if peer is None:
+                break
+            take = min(peer.capacity - len(peer.in_flight), math.ceil(len(todo) / len(room)))
+            chunk, rest = todo[:take], todo[take:]
+            batch = P.PromptBatch(prompt_ids=[p for p, _ in chunk], token_ids=[list(t) for _, t in chunk],
+                                  sampling=sampling, policy_version=policy_version)
+            if self.pool.send_work(peer, batch, batch.prompt_ids):
+                todo = rest
+        return [p for p, _ in todo]
+
+    def reap(self) -> list[LostWork]:
+        """Dead servers (silent past the pool's deadline, announced fatal, unreachable, failed a
+        weight push) with the prompt ids each held; their weight groups are dropped."""
+        lost, self._lost = self._lost + self.pool.reap(), []
+        if self.publisher is not None:
+            for lw in lost:
+                self.publisher.disconnect(lw.peer.name, notify=False)
+        return lost
+
+    # ------------------------------------------------------------------ weights
+    def sync_joiners(self, push: bool = True) -> list[str]:
+        """Servers that said Hello since the last call: forms each one's weight group, pushes the
+        current weights if any were pushed before (``push``), then lets it take work. A joiner
+        that fails is declared dead (it says Hello again on its next message)."""
+        synced = []
+        for peer in self.pool.take_joined():
+            if peer.role != ROLE or not peer.alive:
+                continue
+            try:
+                if self.publisher is not None:
+                    caps = peer.capabilities
+                    self.publisher.connect(peer.name, workers=int(caps.get("workers", caps.get("tp", 1))),
+                                           dtype=caps.get("dtype") or None)
+                    if push and self.publisher.version is not None:
+                        self.publisher.push(self.publisher.version, [peer.name])
+                        peer.policy_version = self.publisher.version
+            except WeightSyncError as e:
+                self.pool.mark_dead(peer, str(e))
+                continue
+            peer.ready = True
+            synced.append(peer.name)
+        return synced
+
+    def push_weights(self, version: int) -> PushReport:
+        """Pushes the publisher's model as ``version`` to every live, connected server. Servers
+        that fail are declared dead (``reap`` returns their prompts) and named in
+        ``report.failed``; raises WeightSyncError only if no server could be updated."""
+        if self.publisher is None:
+            raise RuntimeError("RolloutClient has no WeightPublisher")
+        servers = [p.name for p in self.pool.alive(ROLE) if p.name in self.publisher.links]
+        try:
+            report = self.publisher.push(version, servers)
+        except WeightSyncError as e:
+            report = e.report
+            for server, why in e.failures.items():
+                peer = self.peer(server)
+                if peer is not None:
+                    self.pool.mark_dead(peer, f"weight push v{version} failed: {why}")
+            if servers and not report.updated:
+                raise
+        self.version = self.pool.policy_version = version
+        for server in report.updated:
+            self.peer(server).policy_version = version
+        return report

@@ -1,0 +1,86 @@
+"""The critic of PPO with GAE (``--advantage_estimator gae``): a value model and its update.
+
+The value model is a transformers ``*ForSequenceClassification`` (``num_labels=1``) whose
+``score`` head is applied to EVERY position, not only the last: V_t is read at the hidden
+state that predicts response token t (column P - 1 + t, the same column as the policy's
+logits), i.e. the value of the state before the action, as in OpenRLHF's ``CriticModel``.
+Loading a trained reward model keeps its head (OpenRLHF's default: critic from the RM);
+loading a causal LM gives a fresh head, N(0, 1/(H+1)) (``learner.runtime.models.load_reward_model``).
+
+The critic is its own DeepSpeed engine on every learner rank, with the policy's ZeRO stage
+and batch sizes. Per rollout step (called by ``learner.rl.policy_trainer``):
+
+1. ``values(rollout)``: V_old (N, T) of every sample, no grad, each rank scoring its strided
+   slice and all-gathering (a collective: every rank runs the same number of forwards);
+2. ``train_micro_batch``: 0.5 * max((V - R)^2, (V_clip - R)^2) per token
+   (``learner.algorithms.losses.value_loss``, OpenRLHF's ``--value_clip`` semantics), aggregated as a
+   mean over the GLOBAL valid tokens of the train batch and scaled by world x grad_accum
+   like the policy loss, so the update equals the whole-batch update.
+
+Differs from OpenRLHF: the value loss is always a token mean (``--loss_agg_mode`` shapes the
+policy-gradient length bias, which a regression target does not have).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from learner.algorithms.losses import AggSpec, value_loss
+from learner.rl.experience import Rollout, score_all_ranks
+from learner.runtime.models import ScalarHeadModel, load_reward_model
+
+
+class ValueModel(ScalarHeadModel):
+    """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
+
+
+def load_critic(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> ValueModel:
+    """A value model from a reward model (head kept) or a causal LM (fresh head)."""
+    return ValueModel(load_reward_model(path, tokenizer=tokenizer, **load_kwargs).hf_model)
+
+
+def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """(N, T) values of the states before each response token."""
+    v = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])  # (N, P+T)
+    P, T = batch["prompt_width"], batch["response"].shape[1]
+    return v[:, P - 1:P - 1 + T]
+
+
+class Critic:
+    """The critic engine's two jobs in a PPO step: old values, then value-loss updates."""
+
+    def __init__(self, engine: Any, *, pad_id: int, device: torch.device, micro_rollout_batch_size: int,
+                 value_clip: float | None) -> None:
+        self.engine = engine
+        self.pad_id = pad_id
+        self.device = device
+        self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.value_clip = value_clip if value_clip and value_clip > 0 else None
+
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        """(N, T) V_old of every sample on every rank (a collective)."""
+        return score_all_ranks(self.engine, rollout, response_values, micro_batch=self.micro_rollout_batch_size,
+                               pad_id=self.pad_id, device=self.device)
+
+    def train_micro_batch(self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor,
+                          agg: AggSpec, world: int) -> dict[str, float]:
+        """One backward/step of the value loss on a collated micro-batch (old_values and
+        returns already sliced to it, (n, T)); ``agg`` counts the whole global train batch."""
+        v = response_values(self.engine, batch)
+        loss, m = value_loss(v, old_values, returns, batch["action_mask"], agg, value_clip=self.value_clip)
+        # DeepSpeed averages over ranks and accumulation steps; agg already divides by the
+        # global count, so scale that mean back out.
+        self.engine.backward(loss * world * self.engine.gradient_accumulation_steps())
+        self.engine.step()
+        return {k: float(x) for k, x in m.items()}
+
+
+def token_mean_spec(mask: torch.Tensor) -> AggSpec:
+    """The critic's aggregation over a global train batch mask (N, T)."""
+    return AggSpec.from_masks([mask], "token_mean")

@@ -1,0 +1,70 @@
+"""When and to whom the learner pushes weights: the schedule's side of weight sync.
+
+``common.weight_sync.WeightPublisher`` moves the bytes; ``learner.controller.rollout_client.RolloutClient``
+forms a weight group with each server. This class ties them to the training loop:
+
+- one publisher on every learner rank (under ZeRO-3 a push gathers on all of them);
+- ``push(version)`` at the step's sync point, on every rank: rank 0 first connects servers that
+  joined since the last push (they get this push too), then pushes to every connected server;
+- between pushes, joiners are brought up to date at once when rank 0 can push alone (no ZeRO-3
+  across several ranks); otherwise they wait for the next push.
+
+Backend: ``auto`` picks NCCL when CUDA is available, else gloo — the same code path.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.weight_sync import WeightPublisher
+from learner.rl.config import PPOConfig
+
+log = logging.getLogger(__name__)
+
+
+def _sync_host(cfg: PPOConfig) -> str:
+    if cfg.sync_host:
+        return cfg.sync_host
+    bind = cfg.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0]
+    if bind in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+class WeightPush:
+    def __init__(self, cfg: PPOConfig, engine: Any) -> None:
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        backend = cfg.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.publisher = WeightPublisher(engine, rank=self.rank, backend=backend, host=_sync_host(cfg),
+                                         timeout_s=cfg.weight_sync_timeout_s)
+        # Under ZeRO-3 on several ranks a push is a collective: rank 0 cannot serve a joiner alone.
+        self.rank0_can_push_alone = not (cfg.zero_stage == 3 and world > 1)
+        self.last_report = None
+
+    def rollout_client(self, endpoint: Any, pool: Any):
+        from learner.controller.rollout_client import RolloutClient
+
+        return RolloutClient(endpoint, pool, self.publisher)
+
+    def push(self, version: int, controller: Any | None) -> None:
+        """Call on every rank at the same point; ``controller`` is rank 0's (None elsewhere)."""
+        if self.rank != 0:
+            self.publisher.push(version)
+            return
+        controller.rollout.sync_joiners(push=False)  # they receive this very push
+        self.last_report = controller.rollout.push_weights(version)
+        controller.policy_version = version
+        r = self.last_report
+        log.info("weights v%d -> %d server(s) in %.2f s%s", version, len(r.updated), r.seconds.get("total", 0.0),
+                 f" (failed: {sorted(r.failed)})" if r.failed else "")
+
+    def close(self) -> None:
+        self.publisher.close()

@@ -1,0 +1,452 @@
+"""The one DeepSpeed wrapper every trainer uses (SFT, RM, DPO, PPO): process group, model
+loading, engines, HF saves and resumable checkpoints.
+
+CPU and GPU run the same code: the device and the default backend come from DeepSpeed's
+accelerator (``cuda`` + NCCL on GPUs, ``cpu`` + gloo here). A process started by
+``torchrun``, the ``deepspeed`` launcher, ``srun`` (with the torchrun env) or plain
+``python`` (a world of one) all work: ``init_distributed`` fills in what is missing.
+
+Typical use::
+
+    dist = init_distributed()
+    model = load_causal_lm(path, zero_stage=3, bf16=True, gradient_checkpointing=True)
+    engine = make_engine(model, zero_stage=3, bf16=True, train_batch_size=128,
+                         micro_train_batch_size=4, learning_rate=5e-7, num_training_steps=n)
+    loss = engine(**batch).loss; engine.backward(loss); engine.step()
+    save_checkpoint(engine, ckpt_dir, tag=f"global_step{step}", client_state={"step": step})
+    save_hf(engine, tokenizer, out_dir)
+
+Differences from OpenRLHF's ``DeepspeedStrategy``: plain functions instead of a strategy
+object; no fp16 (see ``learner.runtime.deepspeed_config``); the optimizer is torch AdamW (fused on
+GPU) rather than FusedAdam unless ``adam_offload`` picks DeepSpeedCPUAdam; ``offload`` of a
+frozen model forces ZeRO-3 because DeepSpeed only offloads parameters under ZeRO-3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import socket
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config, train_ds_config
+
+__all__ = [
+    "DistInfo", "init_distributed", "device", "is_rank0", "barrier",
+    "load_pretrained", "load_causal_lm", "attn_implementation",
+    "make_optimizer", "LR_SCHEDULERS", "make_lr_scheduler",
+    "make_engine", "make_frozen_engine", "unwrap",
+    "full_named_parameters", "save_hf",
+    "save_checkpoint", "load_checkpoint",
+    "all_reduce_mean", "all_reduce_sum",
+]
+
+log = logging.getLogger("rayless.engine")
+Number = int | float | torch.Tensor
+
+
+# --------------------------------------------------------------------------- process group
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+STALE_LOCK_S = 600.0  # an op build takes ~1 min; a lock this old belongs to a killed build
+
+
+def clear_stale_op_locks(max_age_s: float = STALE_LOCK_S) -> list[str]:
+    """Removes JIT-build locks left by a killed build, naming them.
+
+    torch's extension builder waits forever on ``TORCH_EXTENSIONS_DIR/<op>/lock``; a build
+    killed half-way (Ctrl-C, a test timeout) leaves it behind and every later DeepSpeed
+    start hangs in ``FileBaton.wait`` with no message.
+    """
+    import time
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    removed = []
+    for lock in root.glob("**/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+                removed.append(str(lock))
+                log.warning("removed a stale build lock %s (%.0f s old: a killed build left it)", lock, age)
+        except OSError:
+            pass
+    return removed
+
+
+def build_ops() -> None:
+    """Builds the CPU ops DeepSpeed JIT-compiles on first use, once, at set-up: later runs
+    (and parallel ranks) then load them instead of racing to build them."""
+    clear_stale_op_locks()
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
+    """Join (or, alone, form) the process group; idempotent. Returns rank, world, device.
+
+    ``backend`` defaults to NCCL with CUDA, else gloo (DeepSpeed's CPU accelerator would
+    pick oneCCL, which is rarely installed). Without launcher env vars this is a world of
+    one on a free local port.
+    """
+    if not dist.is_initialized():
+        clear_stale_op_locks()
+        if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        accel = get_accelerator()
+        if backend is None:
+            backend = "nccl" if accel.device_name() == "cuda" else "gloo"
+        if accel.device_name() == "cuda":
+            # Before the process group exists: NCCL binds each rank to its current device.
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                                   timeout=timedelta(seconds=timeout_s), verbose=False)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                    device())
+
+
+def device() -> torch.device:
+    """This rank's compute device: ``cuda:LOCAL_RANK`` on GPUs, ``cpu`` here."""
+    accel = get_accelerator()
+    if accel.device_name() == "cpu":
+        return torch.device("cpu")
+    return torch.device(accel.device_name(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------- loading models
+
+def attn_implementation(flash_attn: bool) -> str:
+    """``flash_attention_2`` when asked for and usable (CUDA + the flash_attn package), else SDPA.
+
+    SDPA also honours packed rows (position ids restarting at 0 with no attention mask):
+    transformers builds a block-diagonal causal mask, so packing is the same code on CPU.
+    """
+    if not flash_attn:
+        return "sdpa"
+    if get_accelerator().device_name() == "cuda" and importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    if is_rank0():
+        log.warning("--flash_attn: flash_attention_2 needs CUDA and the flash_attn package; "
+                    "using SDPA attention instead (same results, packed rows included)")
+    return "sdpa"
+
+
+def load_pretrained(path: str, *, auto_class: Any = None, zero_stage: int = 0, bf16: bool = False,
+                    gradient_checkpointing: bool = False, flash_attn: bool = False,
+                    offload: bool = False, **from_pretrained_kwargs: Any) -> torch.nn.Module:
+    """``auto_class.from_pretrained(path)`` the way DeepSpeed needs it (default: causal LM).
+
+    Under ZeRO-3 (or ``offload``) the model is built inside ``zero.Init`` through
+    transformers' ``HfDeepSpeedConfig``, so no rank ever holds the whole model; the config
+    object is kept on the model because transformers only holds it weakly. Weights load in
+    bf16 with ``bf16`` (DeepSpeed keeps fp32 master copies in the optimizer), else fp32.
+    """
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds_config = load_ds_config(zero_stage=zero_stage, bf16=bf16, offload=offload)
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
+    kwargs = dict(dtype=torch.bfloat16 if bf16 else torch.float32,
+                  attn_implementation=attn_implementation(flash_attn))
+    kwargs.update(from_pretrained_kwargs)
+    model = auto_class.from_pretrained(path, **kwargs)
+    model._rayless_hf_ds_config = hf_ds_config  # keep transformers' weak reference alive
+    if gradient_checkpointing:
+        # Non-reentrant: works with frozen inputs (LoRA, ref models) and ZeRO-3 hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False  # training never reuses a KV cache
+    return model
+
+
+def load_causal_lm(path: str, **kwargs: Any) -> torch.nn.Module:
+    """``load_pretrained`` with ``AutoModelForCausalLM`` (see there for the keywords)."""
+    return load_pretrained(path, **kwargs)
+
+
+# --------------------------------------------------------------------------- engines
+
+_NO_DECAY = ("bias", "norm.weight", "layernorm.weight", "ln_f.weight")
+
+
+def make_optimizer(model: torch.nn.Module, *, learning_rate: float, betas: tuple[float, float] = (0.9, 0.95),
+                   weight_decay: float = 0.0, adam_offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; biases and norm weights get no weight decay.
+
+    ``adam_offload`` uses DeepSpeedCPUAdam (the optimizer step runs on CPU next to the
+    offloaded state; JIT-compiled on first use, cached in TORCH_EXTENSIONS_DIR).
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith(_NO_DECAY) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
+    fused = get_accelerator().device_name() == "cuda"
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+
+def _cosine_with_min_lr(warmup: int, total: int, min_lr_ratio: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def _linear(warmup: int, total: int, min_lr_ratio: float) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1 - (1 - min_lr_ratio) * progress
+    return factor
+
+
+def _constant_with_warmup(warmup: int, total: int, min_lr_ratio: float) -> Callable[[int], float]:
+    return lambda step: (step + 1) / warmup if step < warmup else 1.0
+
+
+# name -> (warmup_steps, total_steps, min_lr_ratio) -> lr factor of optimizer step `step`
+LR_SCHEDULERS: dict[str, Callable[[int, int, float], Callable[[int], float]]] = {
+    "cosine_with_min_lr": _cosine_with_min_lr,  # OpenRLHF's default (min_lr = 0.1 * lr)
+    "linear": _linear,
+    "constant_with_warmup": _constant_with_warmup,
+}
+
+
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, *, name: str = "cosine_with_min_lr",
+                      num_training_steps: int, warmup_ratio: float = 0.03,
+                      min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup (``ceil(warmup_ratio * num_training_steps)`` optimizer steps) then ``name``."""
+    if name not in LR_SCHEDULERS:
+        raise ValueError(f"unknown --lr_scheduler {name!r}; choose from {sorted(LR_SCHEDULERS)}")
+    total = max(1, int(num_training_steps))
+    warmup = max(1, math.ceil(warmup_ratio * total)) if warmup_ratio > 0 else 0
+    factor = LR_SCHEDULERS[name](warmup, total, min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, train_batch_size: int,
+                micro_train_batch_size: int, learning_rate: float, num_training_steps: int,
+                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                adam_offload: bool = False, grad_clip: float = 1.0,
+                lr_scheduler: str = "cosine_with_min_lr", lr_warmup_ratio: float = 0.03,
+                min_lr_ratio: float = 0.1, overlap_comm: bool = False,
+                ds_extra: dict[str, Any] | None = None):
+    """A trainable DeepSpeed engine around ``model`` (from ``load_pretrained``).
+
+    ``train_batch_size`` is global (see ``learner.runtime.deepspeed_config``); gradient
+    accumulation is derived and DeepSpeed's ``engine.step()`` only steps the optimizer and
+    the LR schedule at accumulation boundaries, so call ``backward``/``step`` every
+    micro-batch. ``num_training_steps`` counts optimizer steps (for the LR schedule).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    config = train_ds_config(zero_stage=zero_stage, bf16=bf16, train_batch_size=train_batch_size,
+                             micro_train_batch_size=micro_train_batch_size, world_size=world,
+                             grad_clip=grad_clip, adam_offload=adam_offload,
+                             overlap_comm=overlap_comm, extra=ds_extra)
+    optimizer = make_optimizer(model, learning_rate=learning_rate, betas=betas,
+                               weight_decay=weight_decay, adam_offload=adam_offload)
+    scheduler = make_lr_scheduler(optimizer, name=lr_scheduler, num_training_steps=num_training_steps,
+                                  warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=config, dist_init_required=False)
+    return engine
+
+
+def make_frozen_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, offload: bool = False):
+    """An inference-only engine (reference model, frozen reward model): no optimizer.
+
+    Only ZeRO-3 shards a frozen model (other stages shard optimizer state it has not
+    got), so it keeps stage 3 and maps 1/2 to 0; ``offload`` parks the parameters in CPU
+    memory between forwards (and so forces stage 3). Gradients are off.
+    """
+    model.requires_grad_(False)
+    model.eval()
+    config = frozen_ds_config(zero_stage=zero_stage, bf16=bf16, offload=offload)
+    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+    engine.eval()
+    return engine
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """The HF module inside a DeepSpeed engine (or the module itself).
+
+    A wrapper module that adds a forward of its own around an HF model (the reward model
+    in ``learner.runtime.models``) exposes it as ``hf_model``; that is what gets saved.
+    """
+    model = getattr(model, "module", model)
+    return getattr(model, "hf_model", model)
+
+
+# --------------------------------------------------------------------------- saving
+
+def _is_zero3(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def full_named_parameters(model: Any, *, names: Sequence[str] | None = None
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for each parameter, gathering ZeRO-3 shards one at a time.
+
+    A COLLECTIVE under ZeRO-3: every rank must iterate the same names in the same order,
+    or the gather hangs. Each yielded tensor is only valid until the next one is requested
+    (it is the live, gathered parameter; clone it to keep it). Tied parameters appear once.
+    """
+    module = unwrap(model)
+    wanted = set(names) if names is not None else None
+    for name, p in module.named_parameters():
+        if wanted is not None and name not in wanted:
+            continue
+        with deepspeed.zero.GatheredParameters([p], enabled=_is_zero3(p)):
+            yield name, p.detach()
+
+
+def save_hf(model: Any, tokenizer: Any, path: str | os.PathLike, *,
+            config_updates: Mapping[str, Any] | None = None) -> None:
+    """Write ``model`` (engine or module) in HF format to ``path``; call on ALL ranks.
+
+    ZeRO-3 parameters are gathered one at a time on every rank (a collective) and copied to
+    CPU on rank 0 only, so peak memory is one full parameter beyond the shards. Rank 0 then
+    writes safetensors, the config (plus ``config_updates``, e.g. a reward model's
+    ``mean``/``std``) and the tokenizer. Weights keep the training dtype.
+    """
+    module = unwrap(model)
+    rank0 = is_rank0()
+    state: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}  # tied parameters are one tensor, saved once
+    for name, t in module.state_dict(keep_vars=True).items():
+        key = id(t)
+        if key not in copies:
+            with deepspeed.zero.GatheredParameters([t], enabled=_is_zero3(t)):
+                copies[key] = t.detach().to("cpu", copy=True) if rank0 else torch.empty(0)
+        if rank0:
+            state[name] = copies[key]
+    if rank0:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for key, value in (config_updates or {}).items():
+            setattr(module.config, key, value)
+        module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+    barrier()
+
+
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike, *, tag: str,
+                    client_state: dict[str, Any] | None = None, max_keep: int | None = None) -> None:
+    """DeepSpeed checkpoint (model, optimizer, LR schedule, ``client_state``) as ``save_dir/tag``.
+
+    Call on all ranks. ``save_dir/latest`` names the newest tag, so ``load_checkpoint``
+    resumes from it. With ``max_keep`` rank 0 deletes the oldest tags beyond that many.
+    """
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state=dict(client_state or {}))
+    if max_keep and is_rank0():
+        tags = sorted((d for d in save_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+        for old in tags[:-max_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+
+
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, *, tag: str | None = None,
+                    load_optimizer_states: bool = True) -> dict[str, Any] | None:
+    """Resume ``engine`` from ``load_dir`` (newest tag unless ``tag``); returns the client state.
+
+    Returns None when ``load_dir`` holds no checkpoint (a fresh run), so trainers can pass
+    ``--load_checkpoint`` unconditionally. A checkpoint that exists but fails to load raises.
+    """
+    load_dir = Path(load_dir)
+    if tag is None and not (load_dir / "latest").is_file():
+        return None
+    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag,
+                                                load_optimizer_states=load_optimizer_states,
+                                                load_lr_scheduler_states=load_optimizer_states)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load a checkpoint from {load_dir} (tag {tag})")
+    return dict(client_state or {})
+
+
+# --------------------------------------------------------------------------- reductions
+
+def _reduce(value: Number | Mapping[str, Number], op: str) -> Any:
+    if isinstance(value, Mapping):
+        keys = list(value)
+        reduced = _reduce(torch.stack([torch.as_tensor(value[k], dtype=torch.float64).reshape(())
+                                       for k in keys]), op) if keys else []
+        return {k: float(v) for k, v in zip(keys, reduced)}
+    is_tensor = isinstance(value, torch.Tensor)
+    t = value.detach().to(device(), dtype=torch.float64, copy=True) if is_tensor \
+        else torch.tensor(float(value), dtype=torch.float64, device=device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if op == "mean":
+            t /= dist.get_world_size()
+    if is_tensor:
+        return t.to(value.device, value.dtype)
+    return t.item()
+
+
+def all_reduce_mean(value: Number | Mapping[str, Number]) -> Any:
+    """Mean over ranks of a number, a tensor (same shape back) or a dict of numbers (floats back)."""
+    return _reduce(value, "mean")
+
+
+def all_reduce_sum(value: Number | Mapping[str, Number]) -> Any:
+    """Sum over ranks; same forms as ``all_reduce_mean``."""
+    return _reduce(value, "sum")
+
+
+if __name__ == "__main__":  # `python -m learner.runtime.engine --build-ops` (make setup)
+    import sys
+
+    if sys.argv[1:] != ["--build-ops"]:
+        raise SystemExit("usage: python -m learner.runtime.engine --build-ops")
+    logging.basicConfig(level=logging.INFO)
+    build_ops()

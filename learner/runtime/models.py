@@ -1,0 +1,110 @@
+"""Model pieces the trainers share: the reward model (a scalar head on a causal LM) and
+summed response log-probabilities.
+
+The reward model IS a transformers ``*ForSequenceClassification`` with ``num_labels=1``
+(``Qwen2ForSequenceClassification`` for the tiny model), so what the RM trainer saves loads
+with ``AutoModelForSequenceClassification`` and in our reward service, which reads the
+``score`` head at the last attention-mask token. ``RewardModel`` wraps it with exactly that
+forward: transformers' own classifier forward finds the last token by searching for the
+pad id instead, which a model whose pad = EOS gets wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from learner.algorithms.losses import log_probs_from_logits
+from learner.algorithms.sft_loss import IGNORE_INDEX
+from learner.runtime.engine import load_pretrained
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last attended token; right or left padding."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (positions * attention_mask.long()).argmax(-1)
+
+
+class ScalarHeadModel(torch.nn.Module):
+    """A transformers ``*ForSequenceClassification`` (``num_labels=1``) used through its backbone
+    and its linear head, at positions the subclass picks. ``hf_model`` is what is saved."""
+
+    def __init__(self, hf_model: torch.nn.Module, head_name: str = "score") -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.head_name = head_name
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor) -> torch.Tensor:
+        backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False).last_hidden_state  # (B, T, H)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (...) scalars, in fp32."""
+        return getattr(self.hf_model, self.head_name)(hidden).squeeze(-1).float()
+
+
+class RewardModel(ScalarHeadModel):
+    """``forward(input_ids, attention_mask) -> (B,)`` rewards, read at the last attended token."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # Positions follow the mask, as in the reward service, so left padding changes nothing.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
+        return self.head(last)  # (B,)
+
+
+def load_reward_model(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> RewardModel:
+    """A reward model from a causal LM (new head) or a saved reward model (head kept).
+
+    ``load_kwargs`` go to ``learner.runtime.engine.load_pretrained`` (zero_stage, bf16, ...). A new
+    head starts at N(0, 1/(H+1)) as in OpenRLHF, small so first rewards are near 0.
+    """
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    source = AutoConfig.from_pretrained(path)
+    has_head = any(a.endswith("ForSequenceClassification") for a in (source.architectures or []))
+    pad_id = source.pad_token_id
+    if pad_id is None and tokenizer is not None:
+        pad_id = tokenizer.pad_token_id
+    hf = load_pretrained(path, auto_class=AutoModelForSequenceClassification, num_labels=1,
+                         pad_token_id=pad_id, **load_kwargs)
+    model = RewardModel(hf)
+    if not has_head:
+        head = getattr(hf, model.head_name)
+        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0,
+                                               enabled=hasattr(head.weight, "ds_id")):
+            gen = torch.Generator().manual_seed(0)  # the same head on every rank
+            head.weight.data.copy_(torch.randn(head.weight.shape, generator=gen)
+                                   / (hf.config.hidden_size + 1))
+            if getattr(head, "bias", None) is not None:
+                head.bias.data.zero_()
+    return model
+
+
+def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the response tokens per row, and their count.
+
+    Args:
+        logits: (B, T, V); labels: (B, T) shifted targets, ``IGNORE_INDEX`` where not counted.
+    Returns:
+        ``(logp_sum (B,), tokens (B,))``, float32.
+    """
+    mask = labels != IGNORE_INDEX  # (B, T)
+    logp = log_probs_from_logits(logits, labels.masked_fill(~mask, 0))  # (B, T)
+    return (logp * mask).sum(-1), mask.sum(-1).float()
+
+
+def forward_logits(engine: Any, batch: dict, *, packed: bool | None = None) -> torch.Tensor:
+    """Causal-LM logits of a collated batch (padded or packed rows)."""
+    if packed if packed is not None else "position_ids" in batch:
+        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits

@@ -1,0 +1,77 @@
+"""The SFT training run behind ``learner.train_sft`` (flags and docs there)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
+from learner.runtime import engine as E
+from learner.runtime.models import forward_logits
+from learner.supervised.sft_data import collate_packed, collate_padded, sft_sample
+from learner.supervised.trainer import (
+    Trainer,
+    build_samples,
+    load_rows,
+    make_train_engine,
+    reduce_sums,
+    setup_run,
+    template,
+    to_device,
+)
+
+log = logging.getLogger("rayless.sft")
+
+
+class SFTTrainer(Trainer):
+    name = "sft"
+
+    def prepare_step(self, batches):
+        # The step's response tokens over all ranks: one all-reduce per optimizer step.
+        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        return max(1.0, E.all_reduce_sum(float(local)))
+
+    def loss(self, batch, global_tokens):
+        logits = forward_logits(self.engine, batch)
+        loss, m = sft_loss(logits, batch["labels"], global_tokens=global_tokens)
+        # DeepSpeed averages gradients over ranks and accumulation steps; the loss is already
+        # this micro-batch's share of the global mean, so undo both divisions.
+        return loss * (self.world * self.accum), {"loss": m["nll"], "tokens": m["tokens"]}
+
+    def evaluate(self):
+        sums = {"nll": 0.0, "tokens": 0.0}
+        for batch in self.eval_loader:
+            batch = to_device(batch)
+            logits = forward_logits(self.engine, batch)
+            _, m = sft_loss(logits, batch["labels"], global_tokens=1.0)
+            sums["nll"] += float(m["nll"] * m["tokens"])
+            sums["tokens"] += float(m["tokens"])
+        total = reduce_sums(sums)
+        return {"loss": total["nll"] / max(total["tokens"], 1.0), "tokens": total["tokens"]}
+
+
+def run(cfg) -> None:
+    info, tok = setup_run(cfg, "sft")
+    keys = [cfg.input_key] + ([cfg.output_key] if cfg.output_key else [])
+    encode = functools.partial(
+        sft_sample, tokenizer=tok, input_key=cfg.input_key, output_key=cfg.output_key or None,
+        apply_chat_template=cfg.apply_chat_template, input_template=template(cfg), max_len=cfg.max_len,
+        pretrain_mode=cfg.pretrain_mode)
+    train = build_samples(load_rows(cfg, keys), encode, "train")
+    eval_rows = load_rows(cfg, keys, eval_split=True)
+    evals = build_samples(eval_rows, encode, "eval") if eval_rows is not None else None
+    collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
+
+    model = E.load_causal_lm(cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
+                             gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
+    trainer = SFTTrainer(cfg, engine, train, collate, evals)
+    log.info("SFT: %d train / %d eval samples, %d optimizer steps (%d per epoch), grad accum %d, %s rows",
+             len(train), len(evals or []), trainer.total_steps, trainer.steps_per_epoch, trainer.accum,
+             "packed" if cfg.packing_samples else "padded")
+    trainer.fit()
+    E.save_hf(engine, tok, cfg.save_path)
+    log.info("saved %s", cfg.save_path)
+    torch.distributed.barrier()

@@ -1,0 +1,273 @@
+"""What the SFT, RM and DPO trainers share: their common flags, run set-up, data
+sharding, the optimizer-step loop with logging, evaluation and resumable checkpoints.
+
+The loop (``Trainer.fit``) works in optimizer steps: it draws the step's ``grad_accum``
+micro-batches first (so a loss can be normalised by the step's global token count, see
+``learner.algorithms.sft_loss``), then runs forward/backward/``engine.step()`` on each. Every rank
+sees a disjoint shard of each epoch's seeded permutation (``DistributedSampler``,
+``drop_last``), so a resumed run skips exactly the micro-batches already trained on.
+
+Logged metrics go to the log, to ``{save_path}/train_log.jsonl`` (one JSON object per
+logging or eval step, rank 0) and, with ``--use_tensorboard DIR``, to TensorBoard.
+
+Import this module only after the config is parsed: it imports torch and DeepSpeed. The
+config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.runtime import engine as E
+
+log = logging.getLogger("rayless.trainer")
+
+
+def setup_run(cfg: Any, name: str):
+    """Logging, seeds, process group, tokenizer. Returns ``(dist_info, tokenizer)``."""
+    from common.config import log_config
+
+    info = E.init_distributed()
+    logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s {name}[{info.rank}] %(levelname)s %(message)s", force=True)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if info.rank == 0:
+        log_config(cfg, log)
+    return info, load_tokenizer(cfg)
+
+
+def load_tokenizer(cfg: Any):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.pretrain, use_fast=True)
+    if getattr(cfg, "tokenizer_chat_template", ""):
+        tok.chat_template = cfg.tokenizer_chat_template
+    if tok.pad_token is None:
+        # Our collators pad with an attention mask and read rewards from it, so pad = eos is safe.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_samples(rows, encode: Callable[[dict[str, Any]], Any], what: str) -> list[Any]:
+    """Encode rows (a ``datasets.Dataset``); rows encoding to None are dropped and counted."""
+    samples, dropped, first = [], 0, None
+    for row in rows:
+        s = encode(row)
+        if s is None:
+            dropped += 1
+            first = first or f"{row.get('_source')}, row {row.get('_row')}"
+        else:
+            samples.append(s)
+    if dropped:
+        log.warning("%s: dropped %d rows with no response token left within --max_len (first: %s)",
+                    what, dropped, first)
+    return samples
+
+
+def template(cfg: Any) -> str | None:
+    t = getattr(cfg, "input_template", "") or None
+    if t and "{}" not in t:
+        raise ValueError(f"--input_template {t!r} has no {{}} for the input")
+    return t
+
+
+def load_rows(cfg: Any, keys: Sequence[str], *, eval_split: bool = False):
+    """The training (or ``--eval_dataset``) rows, key-checked; None when no eval data is given."""
+    from common.datasets import SkipCounter, load_mixed
+
+    source = cfg.eval_dataset if eval_split else cfg.dataset
+    if not source:
+        return None
+    skipped = SkipCounter()
+    ds = load_mixed(source, probs=None if eval_split else cfg.dataset_probs,
+                    split=cfg.eval_split if eval_split else cfg.dataset_split,
+                    max_samples=cfg.max_samples, seed=cfg.seed, required_keys=keys,
+                    skip_bad_rows=cfg.skip_bad_rows, skipped=skipped)
+    if skipped.total:
+        log.warning("%s: %s", source, skipped.report())
+    return ds
+
+
+def to_device(batch: dict[str, Any]) -> dict[str, Any]:
+    dev = E.device()
+    return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def loader(samples: Sequence[Any], collate: Callable, batch_size: int, *, shuffle: bool, seed: int,
+           drop_last: bool):
+    """This rank's shard of ``samples`` in micro-batches (the sampler is ``loader.sampler``)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    sampler = DistributedSampler(samples, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                                 drop_last=drop_last)
+    return DataLoader(samples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=drop_last)
+
+
+def steps_per_epoch(n_samples: int, cfg: Any, world: int) -> int:
+    """Optimizer steps in one epoch; raises when the data cannot fill one step."""
+    from learner.runtime.deepspeed_config import grad_accum_steps
+
+    accum = grad_accum_steps(cfg.train_batch_size, cfg.micro_train_batch_size, world)
+    steps = (n_samples // world // cfg.micro_train_batch_size) // accum
+    if steps < 1:
+        raise ValueError(f"{n_samples} training samples cannot fill one optimizer step of "
+                         f"--train_batch_size {cfg.train_batch_size}")
+    return steps
+
+
+class MetricsLog:
+    """Rank 0 writes metrics to the log, a JSONL file and optionally TensorBoard."""
+
+    def __init__(self, save_path: str, tensorboard_dir: str = "", name: str = "train") -> None:
+        self.rank0 = E.is_rank0()
+        self.path = Path(save_path) / "train_log.jsonl"
+        self.history: list[dict[str, Any]] = []
+        self.writer = None
+        if self.rank0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
+                self.writer = SummaryWriter(str(Path(tensorboard_dir) / name))
+
+    def write(self, step: int, metrics: dict[str, float], prefix: str) -> None:
+        if not self.rank0:
+            return
+        record = {"step": step, **{f"{prefix}/{k}": v for k, v in metrics.items()}}
+        self.history.append(record)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        log.info("%s step %d: %s", prefix, step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"{prefix}/{k}", v, step)
+            self.writer.flush()
+
+
+def mean_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Mean over micro-batches, then over ranks (one all-reduce for the whole dict)."""
+    keys = per_micro[0].keys()
+    local = {k: float(torch.stack([m[k].float().cpu() for m in per_micro]).mean()) for k in keys}
+    return E.all_reduce_mean(local)
+
+
+class Trainer:
+    """The optimizer-step loop; subclasses give ``loss`` and ``evaluate`` (and may override
+    ``prepare_step``). ``engine`` is the trained DeepSpeed engine."""
+
+    name = "train"
+
+    def __init__(self, cfg: Any, engine: Any, train_samples: Sequence[Any], collate: Callable,
+                 eval_samples: Sequence[Any] | None = None) -> None:
+        self.cfg, self.engine = cfg, engine
+        self.collate = collate
+        self.train_loader = loader(train_samples, collate, cfg.micro_train_batch_size, shuffle=True,
+                                   seed=cfg.seed, drop_last=True)
+        self.eval_loader = loader(eval_samples, collate, cfg.micro_train_batch_size, shuffle=False,
+                                  seed=cfg.seed, drop_last=False) if eval_samples else None
+        self.accum = engine.gradient_accumulation_steps()
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.steps_per_epoch = len(self.train_loader) // self.accum
+        self.total_steps = self.steps_per_epoch * cfg.max_epochs
+        self.metrics = MetricsLog(cfg.save_path, cfg.use_tensorboard, self.name)
+        self.global_step = 0
+        self.last_eval: tuple = (-1, {})  # (step, metrics) of the latest evaluation
+
+    # ---- hooks
+    def prepare_step(self, batches: list[dict[str, Any]]) -> Any:
+        return None
+
+    def loss(self, batch: dict[str, Any], step_ctx: Any):  # -> (loss, metrics of 0-dim tensors)
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    # ---- loop
+    def ckpt_dir(self) -> Path:
+        return Path(self.cfg.ckpt_path or Path(self.cfg.save_path) / "checkpoints")
+
+    def run_eval(self) -> dict[str, float]:
+        if self.eval_loader is None:
+            return {}
+        self.engine.eval()
+        with torch.no_grad():
+            result = self.evaluate()
+        self.engine.train()
+        self.metrics.write(self.global_step, result, "eval")
+        self.last_eval = (self.global_step, result)
+        return result
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        if cfg.load_checkpoint:
+            state = E.load_checkpoint(self.engine, self.ckpt_dir())
+            if state is not None:
+                self.global_step = int(state["global_step"])
+                log.info("resumed from %s at optimizer step %d", self.ckpt_dir(), self.global_step)
+        if cfg.eval_at_start and self.global_step == 0:
+            self.run_eval()
+        eval_every = cfg.eval_steps if cfg.eval_steps > 0 else self.steps_per_epoch
+        self.engine.train()
+        t0, samples_since = time.time(), 0
+        start_epoch = self.global_step // self.steps_per_epoch
+        for epoch in range(start_epoch, cfg.max_epochs):
+            self.train_loader.sampler.set_epoch(epoch)
+            batches = iter(self.train_loader)
+            done_in_epoch = self.global_step - epoch * self.steps_per_epoch
+            for _ in range(done_in_epoch * self.accum):  # resume: skip what was trained on
+                next(batches)
+            for _ in range(self.steps_per_epoch - done_in_epoch):
+                step_batches = [next(batches) for _ in range(self.accum)]
+                ctx = self.prepare_step(step_batches)
+                per_micro = []
+                for batch in step_batches:
+                    loss, metrics = self.loss(to_device(batch), ctx)
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    per_micro.append(metrics)
+                self.global_step += 1
+                samples_since += cfg.train_batch_size
+                if self.global_step % cfg.logging_steps == 0 or self.global_step == self.total_steps:
+                    m = mean_metrics(per_micro)
+                    elapsed = time.time() - t0
+                    m.update(lr=self.engine.get_lr()[0], epoch=epoch + 1,
+                             samples_per_s=samples_since / max(elapsed, 1e-9))
+                    t0, samples_since = time.time(), 0
+                    self.metrics.write(self.global_step, m, "train")
+                if self.global_step % eval_every == 0:
+                    self.run_eval()
+                if cfg.save_steps > 0 and self.global_step % cfg.save_steps == 0:
+                    self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        E.save_checkpoint(self.engine, self.ckpt_dir(), tag=f"global_step{self.global_step}",
+                          client_state={"global_step": self.global_step}, max_keep=self.cfg.max_ckpt_num)
+        log.info("saved DeepSpeed checkpoint global_step%d in %s", self.global_step, self.ckpt_dir())
+
+
+def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int):
+    """The trained engine with the common optimizer flags; also returns steps per epoch."""
+    per_epoch = steps_per_epoch(n_train, cfg, world)
+    engine = E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
+                           train_batch_size=cfg.train_batch_size,
+                           micro_train_batch_size=cfg.micro_train_batch_size,
+                           learning_rate=cfg.learning_rate, num_training_steps=per_epoch * cfg.max_epochs,
+                           weight_decay=cfg.l2, betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload,
+                           grad_clip=cfg.max_norm, lr_scheduler=cfg.lr_scheduler,
+                           lr_warmup_ratio=cfg.lr_warmup_ratio)
+    return engine, per_epoch
+
+
+def reduce_sums(sums: dict[str, float]) -> dict[str, float]:
+    return E.all_reduce_sum(sums)

@@ -1,0 +1,258 @@
+"""Weight sync without a vLLM engine: layout, the publisher's fan-out, and failures by name.
+
+The "servers" here are threads running the real worker-side receive loop
+(``GlooWeightTransferEngine.receive_weights``, as inside vLLM's workers) on a model that just
+records what ``load_weights`` got, behind a fake control channel. The full path through a
+real vLLM engine is in ``tests/unit/rollout_service/test_rollout_service.py``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from common import protocol as P
+from common.weight_sync import ModelWeights, WeightPublisher, WeightSyncError, _layer_runs
+from common.weight_transfer_wire import ParamMeta, bucket_plan, iter_packed, unpack
+from helpers.paths import HELPERS
+from helpers.rollout_fakes import FakeControl, FakeServer
+
+
+class TinyLM(torch.nn.Module):
+    """Tied embeddings and two 'layers', like the tiny Qwen2 but with no dependencies."""
+
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")
+def test_bucket_plan_matches_vllm_pack_tensors():
+    """Our receivers cut buckets with bucket_plan, vLLM's NCCL consumer with its own loop, the
+    sender with iter_packed: all three must agree or bytes land in the wrong tensors."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    rng = random.Random(0)
+    for trial in range(30):
+        tensors = [(f"t{i}", torch.randn(rng.randrange(0, 300))) for i in range(rng.randrange(1, 40))]
+        bucket = rng.choice([1, 64, 400, 1000, 10_000])
+        it = iter(tensors)
+        vllm_chunks = []
+        while (chunk := pack_tensors(it, lambda item: item[1], bucket)) is not None:
+            vllm_chunks.append(chunk.names)
+        plan = bucket_plan([t.numel() * 4 for _, t in tensors], bucket)
+        assert [[tensors[i][0] for i in b] for b in plan] == vllm_chunks, trial
+        want = [sum(tensors[i][1].numel() * 4 for i in b) for b in plan]
+        for segment_bytes in (float("inf"), 100):  # one broadcast per bucket, or big tensors alone
+            ours = list(iter_packed(tensors, bucket, segment_bytes=segment_bytes))
+            assert [sum(s.numel() for s in segs) for segs in ours] == want
+
+
+def test_pack_unpack_round_trip_dtypes_views_and_empty():
+    base = torch.randn(6, 8)
+    tensors = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("noncontig", base.t()), ("empty", torch.zeros(0, 4)),
+               ("scalar", torch.tensor(3.5)), ("int", torch.arange(7, dtype=torch.int64))]
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    ((buf,),) = list(iter_packed(tensors, 1 << 20))
+    got = unpack(buf, [n for n, _ in tensors], [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors],
+                 sizes)
+    for (name, want), (gname, have) in zip(tensors, got):
+        assert name == gname and have.dtype == want.dtype and have.shape == want.shape
+        assert torch.equal(have, want.contiguous())
+
+
+def test_model_weights_lists_tied_names_in_engine_dtype():
+    model = TinyLM()
+    src = ModelWeights(model, torch.bfloat16)
+    meta = src.metadata()
+    names = [m.name for m in meta]
+    assert "lm_head.weight" in names and "embed_tokens.weight" in names  # tied: both, explicitly
+    assert all(m.dtype == torch.bfloat16 for m in meta)
+    pairs = list(src)
+    assert [n for n, _ in pairs] == names
+    assert all(t.dtype == torch.bfloat16 and tuple(t.shape) == m.shape for (_, t), m in zip(pairs, meta))
+    assert src.nbytes() == sum(t.numel() * 2 for _, t in pairs)
+    runs = _layer_runs(list(model.named_parameters(remove_duplicate=False)))
+    assert [[n for n, _ in r] for r in runs] == [
+        ["embed_tokens.weight"], ["layers.0.weight", "layers.0.bias"], ["layers.1.weight", "layers.1.bias"],
+        ["lm_head.weight"]]
+
+
+# --------------------------------------------------------------------------- fake servers
+
+
+def _publisher(model, servers, timeout_s=10.0, bucket_bytes=4096, segment_bytes=None):
+    pub = WeightPublisher(model, control=FakeControl(servers), backend="gloo", timeout_s=timeout_s,
+                          bucket_bytes=bucket_bytes)
+    if segment_bytes is not None:
+        pub.segment_bytes = segment_bytes
+    for s in servers:
+        pub.connect(s.name, workers=1, dtype="float32")
+    return pub
+
+
+@pytest.mark.parametrize("segment_bytes", [None, 512])
+def test_push_fans_out_one_pass_to_every_server(segment_bytes):
+    model = TinyLM()
+    servers = [FakeServer("a"), FakeServer("b")]
+    pub = _publisher(model, servers, segment_bytes=segment_bytes)  # 512: bigger tensors go out alone
+    passes = []
+    pub.source = _Counting(pub.source, passes)
+    report = pub.push(7)
+    assert sorted(report.updated) == ["a", "b"] and not report.failed and len(passes) == 1
+    for s in servers:
+        assert s.version == 7
+        for name, p in model.named_parameters(remove_duplicate=False):
+            assert torch.equal(s.model.loaded[name], p.detach()), (s.name, name)
+    with torch.no_grad():
+        model.layers[0].weight.add_(1.0)
+    pub.push(8, ["b"])
+    assert servers[0].version == 7 and servers[1].version == 8
+    assert torch.equal(servers[1].model.loaded["layers.0.weight"], model.layers[0].weight.detach())
+    assert not torch.equal(servers[0].model.loaded["layers.0.weight"], model.layers[0].weight.detach())
+    pub.close()
+
+
+class _Counting:
+    def __init__(self, inner, passes):
+        self.inner, self.passes = inner, passes
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __iter__(self):
+        self.passes.append(1)
+        return iter(self.inner)
+
+
+@pytest.mark.parametrize("behaviour", ["stall", "die"])
+def test_stuck_or_dead_server_is_named_within_the_timeout_others_updated(behaviour):
+    model = TinyLM(vocab=2000, dim=64)  # several buckets: the bad peer blocks mid-transfer
+    good, bad = FakeServer("good"), FakeServer(f"bad-{behaviour}", behaviour)
+    pub = _publisher(model, [good, bad], timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"bad-{behaviour}") as err:
+        pub.push(1)
+    assert time.monotonic() - t0 < 15
+    assert list(err.value.failures) == [bad.name]
+    assert err.value.report.updated == ["good"] and good.version == 1
+    assert pub.servers == ["good"]  # the broken group is dropped; connect again to retry
+    pub.close()
+
+
+def test_connect_to_a_server_that_never_joins_fails_by_name():
+    class Mute(FakeServer):
+        def handle(self, msg):
+            return Future()  # never answers, never joins
+
+    pub = WeightPublisher(TinyLM(), control=FakeControl([Mute("mute")]), backend="gloo", timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="mute"):
+        pub.connect("mute", workers=1)
+    assert time.monotonic() - t0 < 10 and pub.servers == []
+
+
+def test_vllm_trainer_engine_interface_drives_the_gloo_backend():
+    """vLLM's trainer-side factory builds our gloo engine from its init info, and its
+    send_weights (start / update alongside the broadcast / finish) lands the weights."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from common.weight_transfer_gloo import GlooTrainerInitInfo
+
+    model = TinyLM()
+    server = FakeServer("w")
+    calls = []
+
+    class Client:  # a VLLMWeightSyncClient
+        def init_weight_transfer_engine(self, init_info):
+            calls.append("init")
+            server._handle(P.WeightSyncInit(backend="gloo", init_info=init_info))
+
+        def start_weight_update(self):
+            calls.append("start")
+
+        def update_weights(self, update_info):
+            calls.append("update")
+            server._handle(P.WeightUpdate(**update_info))
+
+        def finish_weight_update(self, weight_version=None):
+            calls.append("finish")
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=2048,
+                            timeout_s=10), client=Client(), source=ModuleSource(model))
+    engine.send_weights()
+    assert calls == ["init", "start", "update", "finish"]
+    for name, p in model.named_parameters():
+        assert torch.equal(server.model.loaded[name], p.detach())
+    engine.shutdown()
+
+
+def test_update_metadata_must_match_iteration():
+    model = TinyLM()
+    server = FakeServer("s")
+    pub = _publisher(model, [server], timeout_s=3.0)
+    pub.source.metadata = lambda: [ParamMeta("x", torch.float32, (1,))]
+    with pytest.raises(ValueError, match="weights changed while sending"):
+        pub.push(1)
+    assert pub.servers == []  # the group is out of step: dropped
+    pub.close()
+
+
+@pytest.mark.slow
+def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
+    """Two DeepSpeed ZeRO-3 ranks (partitioned parameters) push once: both gather each layer,
+    rank 0 sends, and the receiver ends up with the full checkpoint, tied lm_head included."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from common.transport import free_port
+
+    script = HELPERS / "rollout_zero3_push.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
+    (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result == {"zero3": True, "partitioned": True, "equal": True, "tensors": 27, "updated": ["r0"]}
+
+
+def test_receive_pool_reuses_a_buffer_only_once_nothing_views_it():
+    from common.weight_transfer_gloo import ReceivePool
+
+    pool = ReceivePool(keep=2)
+    a = pool.get(1000)
+    held = a[10:20].view(torch.int16)  # as vLLM's layerwise reload holds a loaded weight
+    del a
+    b = pool.get(800)  # the first buffer is still viewed: a new one
+    assert b.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    del b
+    c = pool.get(700)  # the second is free (nothing views it) and big enough: reused, sliced
+    assert c.numel() == 700 and pool.reused == 1 and pool.allocated == 2
+    del held
+    d = pool.get(1000)  # the first is free now too, and big enough
+    assert pool.reused == 2 and pool.allocated == 2 and d.untyped_storage().nbytes() == 1000
+    del c, d
+    pool.get(5000)
+    pool.trim()  # the largest `keep` stay between pushes
+    assert sorted(b.numel() for b in pool.buffers) == [1000, 5000]

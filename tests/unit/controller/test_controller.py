@@ -1,0 +1,164 @@
+"""The controller's data path with in-process fake services: routing, groups, re-issue.
+
+Real vLLM and reward processes are exercised in the end-to-end tests; here the services are
+threads speaking the real protocol over real sockets, so the fault cases are quick and exact.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from common import protocol as P
+from common.transport import Endpoint, handshake
+from learner.controller.controller import Controller, PromptItem
+from learner.controller.ledger import PromptLedger
+from learner.controller.pool import ServicePool
+from learner.controller.rollout_client import RolloutClient
+
+
+class FakeService(threading.Thread):
+    """A rollout or reward service: answers work until stopped; `die()` = silent SIGKILL."""
+
+    def __init__(self, address, name, role, capacity=4, hold=False):
+        super().__init__(daemon=True)
+        self.ep = Endpoint.connect(address, name=name)
+        self.name, self.role, self.capacity = name, role, capacity
+        self.hold = hold  # take work and never answer (a hung server)
+        self.stop = threading.Event()
+        self.seen: list[int] = []
+        self.shutdown_reason: str | None = None
+
+    def run(self):
+        handshake(self.ep, self.role, {"capacity": self.capacity}, timeout=5)
+        last_hb = 0.0
+        while not self.stop.is_set():
+            if time.monotonic() - last_hb > 0.2 and not self.hold:
+                self.ep.send(P.Heartbeat(name=self.name))
+                last_hb = time.monotonic()
+            got = self.ep.recv(timeout=0.05)
+            if got is None:
+                continue
+            _, msg = got
+            if isinstance(msg, P.PromptBatch):
+                self.seen += msg.prompt_ids
+                if self.hold:
+                    continue
+                n = msg.sampling.n
+                pids = [p for p in msg.prompt_ids for _ in range(n)]
+                idx = [i for _ in msg.prompt_ids for i in range(n)]
+                # response of sample i of prompt p: [p, i] ; logprob -0.5 each
+                ids = torch.tensor([[p, i] for p, i in zip(pids, idx)]).reshape(-1)
+                self.ep.send(P.SampleBatch(prompt_ids=pids, sample_indices=idx, response_lengths=[2] * len(pids),
+                                           response_ids=ids, logprobs=torch.full((ids.numel(),), -0.5),
+                                           finish_reasons=["stop"] * len(pids), policy_versions=[0] * len(pids),
+                                           server=self.name))
+            elif isinstance(msg, P.ScoreRequest):
+                s = msg.samples
+                self.seen += s.prompt_ids
+                rewards = torch.tensor([float(i) for i in s.sample_indices])  # reward = sample index
+                failed = [("bad label" if lab == "poison" else None) for lab in msg.labels]
+                self.ep.reply(msg, P.ScoredBatch(prompt_ids=s.prompt_ids, sample_indices=s.sample_indices,
+                                                 rewards=rewards, ref_logprobs=-s.logprobs.float(),
+                                                 failed=failed, server=self.name))
+            elif isinstance(msg, P.Shutdown):
+                self.shutdown_reason = msg.reason
+                if not self.hold:
+                    self.ep.reply(msg, P.Ack())
+                    break
+        self.ep.close(0)
+
+    def die(self):
+        self.stop.set()
+
+
+@pytest.fixture
+def ctrl():
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
+    ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
+    c = Controller(RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(n=2, max_new_tokens=4),
+                   max_prompts_per_request=2)
+    services = []
+    yield c, services
+    for s in services:
+        s.die()
+    ep.close(0)
+
+
+def start(c, services, name, role, **kw):
+    s = FakeService(c.endpoint.address, name, role, **kw)
+    s.start()
+    services.append(s)
+    return s
+
+
+def items(n, label="x"):
+    return [PromptItem(tokens=[100 + i, 7], text=f"p{i}", label=label) for i in range(n)]
+
+
+def test_collect_builds_complete_groups_in_order(ctrl):
+    c, services = ctrl
+    start(c, services, "r0", "rollout")
+    start(c, services, "rw0", "reward")
+    c.wait_for_services(1, 1, timeout_s=10)
+    res = c.collect(5, items(5), timeout_s=20)
+    r = res.rollout
+    assert len(r) == 10 and r.group_size == 2
+    assert [(s.prompt_id, s.sample_index) for s in r.samples] == [(p, i) for p in range(5) for i in range(2)]
+    s = r.samples[3]
+    assert s.prompt == [101, 7] and s.response == [1, 1] and s.reward == 1.0
+    assert s.rollout_logprobs.tolist() == [-0.5, -0.5] and s.ref_logprobs.tolist() == [0.5, 0.5]
+    assert c.ledger.counters["trained"] == 5 and len(c.ledger) == 0
+
+
+def test_killed_rollout_server_work_is_reissued_once(ctrl):
+    c, services = ctrl
+    hung = start(c, services, "r-hung", "rollout", capacity=100, hold=True)  # takes work, never answers
+    start(c, services, "rw0", "reward")
+    c.wait_for_services(1, 1, timeout_s=10)
+    c.pump(0.1)
+    good = start(c, services, "r-good", "rollout", capacity=2)
+    res = c.collect(6, items(6), timeout_s=30)
+    assert len(res.rollout) == 12
+    assert hung.seen, "the hung server should have been handed prompts"
+    lost = set(hung.seen)
+    assert lost <= set(good.seen), "every prompt the dead server held was re-issued"
+    assert c.ledger.counters["reissued"] >= len(lost)
+    assert c.pool.counters["died"] == 1
+    # each prompt trained once
+    assert sorted({s.prompt_id for s in res.rollout.samples}) == list(range(6))
+
+
+def test_failed_scores_drop_the_group_and_are_counted(ctrl):
+    c, services = ctrl
+    start(c, services, "r0", "rollout")
+    start(c, services, "rw0", "reward")
+    c.wait_for_services(1, 1, timeout_s=10)
+    its = items(3)
+    its[1].label = "poison"
+    res = c.collect(3, its, timeout_s=20)
+    assert res.failed_groups == 1 and res.reasons == ["bad label"]
+    assert sorted({s.prompt_id for s in res.rollout.samples}) == [0, 2]
+
+
+def test_missing_services_error_is_clear(ctrl):
+    c, _ = ctrl
+    with pytest.raises(RuntimeError, match=r"only 0/1 rollout server\(s\) and 0/1 reward"):
+        c.wait_for_services(1, 1, timeout_s=0.3)
+
+
+def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctrl):
+    c, services = ctrl
+    r = start(c, services, "r0", "rollout")
+    w = start(c, services, "w0", "reward")
+    hung = start(c, services, "r1", "rollout", hold=True)
+    c.wait_for_services(2, 1, timeout_s=10)
+    t0 = time.monotonic()
+    assert c.shutdown_services("training finished", wait_s=1.0) == ["r1"]
+    assert time.monotonic() - t0 < 5
+    assert r.shutdown_reason == w.shutdown_reason == hung.shutdown_reason == "training finished"
+    r.join(5)
+    w.join(5)
+    assert not r.is_alive() and not w.is_alive()  # they got it and exited

@@ -1,0 +1,98 @@
+"""launch.local's supervisor: a dying role stops the run, named, and nobody is left behind."""
+
+import sys
+import time
+
+from launch.local import LocalConfig, Role, Supervisor, build_roles
+
+
+def _role(name, code, tmp_path):
+    return Role(name, [sys.executable, "-c", code], tmp_path / "logs" / f"{name}.log", kind=name.split("-")[0])
+
+
+def _supervise(roles, cfg) -> int:
+    """Starts the roles, watches them to the end, always stops them; the run's exit code."""
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    try:
+        return sup.watch()
+    finally:
+        sup.stop()
+
+
+def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [
+        # ignores SIGTERM: must be killed after the deadline
+        _role("reward-0", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
+              tmp_path),
+        _role("learner", "import time; time.sleep(120)", tmp_path),
+    ]
+    roles.insert(0, _role("rollout-1", "import sys, time; print('boom: CUDA error'); time.sleep(0.5); sys.exit(3)",
+                          tmp_path))
+    t0 = time.monotonic()
+    assert _supervise(roles, cfg) == 1
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err
+    assert "rollout-1 died (exit code 3)" in err and "rollout-1.log" in err and "boom: CUDA error" in err
+    assert "no rollout process is left" in err
+    for r in roles:
+        assert r.proc.poll() is not None, f"{r.name} still running"
+
+
+def test_one_of_two_rollout_servers_dying_is_survived(tmp_path, capsys):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [_role("rollout-0", "import sys, time; time.sleep(0.3); sys.exit(9)", tmp_path),
+             _role("rollout-1", "import time; time.sleep(120)", tmp_path),
+             _role("learner", "import time; time.sleep(3)", tmp_path)]
+    assert _supervise(roles, cfg) == 0  # the learner's code: the run went on
+    err = capsys.readouterr().err
+    assert "rollout-0 died (exit code 9)" in err and "1 other rollout process(es) carry on" in err
+
+
+def test_learner_exit_code_is_the_runs(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [_role("rollout-0", "import time; time.sleep(120)", tmp_path),
+             _role("learner", "import time; time.sleep(0.5)", tmp_path)]
+    assert _supervise(roles, cfg) == 0
+    assert roles[0].proc.poll() is not None
+
+
+def test_build_roles_wires_every_process_to_one_controller(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", rollout_servers=2, reward_services=1,
+                      learner_nproc=2, port=5999, reward_args="--reward_func f.py", learner_args="--max_steps 3")
+    roles = {r.name: r for r in build_roles(cfg)}
+    assert set(roles) == {"rollout-0", "rollout-1", "reward-0", "learner"}
+    assert "tcp://127.0.0.1:5999" in roles["rollout-1"].cmd and "--reward_func" in roles["reward-0"].cmd
+    learner = roles["learner"].cmd
+    assert "torch.distributed.run" in learner and "--nproc_per_node=2" in learner
+    assert learner[learner.index("--min_rollout_servers") + 1] == "2" and learner[-2:] == ["--max_steps", "3"]
+    # KL is on by default (init_kl_coef 0.01): the reward services serve the reference model.
+    ref = roles["reward-0"].cmd
+    assert ref[ref.index("--ref_pretrain") + 1] == "/m"
+
+
+def test_learner_reward_flags_reach_the_reward_services(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m",
+                      learner_args="--reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7")
+    cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
+    assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
+    assert "--ref_pretrain" not in cmd and "--temperature" not in cmd
+
+
+def test_learner_threads_apply_to_the_learner_only(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True, learner_threads=2)
+    show = "import os, time; print('OMP', os.environ['OMP_NUM_THREADS'], flush=True); time.sleep({})"
+    roles = [_role("rollout-0", show.format(60), tmp_path), _role("learner", show.format(1), tmp_path)]
+    assert _supervise(roles, cfg) == 0
+    logs = {r.name: r.log.read_text() for r in roles}
+    assert "OMP 2" in logs["learner"] and "OMP 1" in logs["rollout-0"], logs
+
+
+def test_thread_counts_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="--learner_threads"):
+        LocalConfig(pretrain="x", learner_threads=-1)
+    with pytest.raises(ValueError, match="--threads_per_process"):
+        LocalConfig(pretrain="x", threads_per_process=0)

@@ -1,0 +1,87 @@
+"""PPOConfig refuses contradictory algorithm flags at parse time, with the flag in the message."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from common.config import parse
+from learner.rl.config import PPOConfig
+
+BASE = dict(pretrain="m", prompt_data="p", rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8,
+            micro_train_batch_size=2)
+
+
+def cfg(**kw) -> PPOConfig:
+    return PPOConfig(**{**BASE, **kw})
+
+
+def test_defaults_are_valid():
+    c = cfg()
+    assert c.clip_low_high == (0.2, 0.2)
+    assert c.critic_path == "m"
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(eps_clip_low_high=[0.2]), "--eps_clip_low_high takes two numbers"),
+    (dict(eps_clip_low_high=[0.2, 0.28, 0.3]), "--eps_clip_low_high takes two numbers"),
+    (dict(eps_clip_low_high=[1.2, 0.28]), "0 <= low < 1"),
+    (dict(eps_clip=1.5), "--eps_clip"),
+    (dict(dual_clip=0.5), "--dual_clip must be > 1"),
+    (dict(is_correction="tis", is_correction_low_high=[0.5]), "--is_correction_low_high takes two"),
+    (dict(is_correction="icepop", is_correction_low_high=[1.5, 2.0]), "0 <= low < 1 < high"),
+    (dict(is_correction="tis", is_correction_low_high=[0.0, 0.9]), "0 <= low < 1 < high"),
+    (dict(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_sum"), "needs --loss_agg_mode seq_mean_token_mean"),
+    (dict(reward_clip_range=[1.0, -1.0]), "--reward_clip_range"),
+    (dict(dynamic_filtering=True, n_samples_per_prompt=1, advantage_estimator="reinforce", train_batch_size=4),
+     "--dynamic_filtering"),
+    (dict(dynamic_filtering=True, dynamic_filtering_reward_range=[1.0, 0.0]), "--dynamic_filtering_reward_range"),
+    (dict(freezing_actor_steps=2), "only with --advantage_estimator gae"),
+    (dict(save_value_network=True), "--save_value_network saves the critic"),
+    (dict(advantage_estimator="gae", gamma=1.5), "--gamma"),
+    (dict(advantage_estimator="gae", critic_learning_rate=0.0), "--critic_learning_rate"),
+    (dict(gamma=0.9), "--gamma must be 1"),
+    (dict(advantage_estimator="rloo", n_samples_per_prompt=1, train_batch_size=4), "--n_samples_per_prompt >= 2"),
+    (dict(train_batch_size=6), "multiple of --train_batch_size"),
+])
+def test_rejected(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("+", r"\+")):
+        cfg(**kw)
+
+
+def test_gspo_switches_the_default_aggregation_with_a_notice(caplog):
+    with caplog.at_level(logging.WARNING):
+        c = cfg(policy_loss_type="gspo")
+    assert c.loss_agg_mode == "seq_mean_token_mean"
+    assert "seq_mean_token_mean" in caplog.text
+    assert cfg(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean").loss_agg_mode == "seq_mean_token_mean"
+
+
+def test_accepted_algorithm_flags():
+    c = cfg(advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8, freezing_actor_steps=2,
+            gamma=0.99, lambd=0.95, reward_pretrain="rm")
+    assert c.critic_path == "rm"
+    assert cfg(advantage_estimator="gae", critic_pretrain="c", reward_pretrain="rm").critic_path == "c"
+    assert cfg(eps_clip_low_high=[0.2, 0.28]).clip_low_high == (0.2, 0.28)
+    assert cfg(is_correction="icepop", is_correction_low_high=[0.5, 2.0]).is_correction == "icepop"
+    assert cfg(dynamic_filtering=True, dynamic_filtering_reward_range=[0.0, 1.0]).dynamic_filtering
+
+
+def test_world_size_checks():
+    c = cfg(rollout_batch_size=6, train_batch_size=12, micro_train_batch_size=2)
+    c.check_world_size(2)
+    with pytest.raises(ValueError, match="divisible by the 4 learner ranks"):
+        cfg(rollout_batch_size=6, train_batch_size=12, micro_train_batch_size=1).check_world_size(4)
+    with pytest.raises(ValueError, match="x 4 learner ranks"):
+        c.check_world_size(4)
+
+
+def test_cli_errors_name_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse(PPOConfig, ["--pretrain", "m", "--prompt_data", "p", "--n_samples_per_prompt", "2",
+                         "--rollout_batch_size", "64", "--eps_clip_low_high", "0.2"])
+    assert "--eps_clip_low_high takes two numbers" in capsys.readouterr().err
+    c = parse(PPOConfig, ["--pretrain", "m", "--prompt_data", "p", "--eps_clip_low_high", "0.2", "0.28",
+                          "--n_samples_per_prompt", "2", "--rollout_batch_size", "64"])
+    assert c.clip_low_high == (0.2, 0.28)

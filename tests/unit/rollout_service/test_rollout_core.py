@@ -1,0 +1,235 @@
+"""RolloutCore in-process, on a stand-in for vLLM's AsyncLLM: the admission gate, versions,
+pause/resume, weight-update ordering and failure, request validation. Fast: no engine.
+
+The stand-in generates one token per 10 ms while not paused and labels each token with the
+engine's current weight version, as vLLM does (``weight_versions`` spans). The real engine is
+exercised in ``tests/unit/rollout_service/test_rollout_service.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from common import protocol as P
+from rollout_service.config import RolloutConfig
+from rollout_service.core import BadRequest, NotSupported, RolloutCore
+
+VOCAB = 100
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def get_nowait(self):
+        return None if self.q.empty() else self.q.get_nowait()
+
+    async def get(self):
+        return await self.q.get()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeLLM:
+    def __init__(self) -> None:
+        self.version = ""
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.running: dict[str, asyncio.Task] = {}
+        self.prompts: dict[str, dict] = {}
+        self.calls: list[str] = []
+        self.fail_update = False
+        self.errored = False
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
+
+    async def add_request(self, req_id, prompt, params):
+        self.prompts[req_id] = dict(prompt)
+        col = _Collector()
+        self.running[req_id] = asyncio.ensure_future(self._run(req_id, prompt, params, col))
+        return col
+
+    async def _run(self, req_id, prompt, params, col):
+        toks, versions = [], []
+        while len(toks) < params.max_tokens:
+            await self.unpaused.wait()
+            toks.append(3 + (len(prompt["prompt_token_ids"]) + len(toks)) % 7)
+            versions.append(self.version)
+            await asyncio.sleep(0.01)
+        spans, start = [], 0
+        for i in range(1, len(versions) + 1):
+            if i == len(versions) or versions[i] != versions[start]:
+                spans.append(SimpleNamespace(version=versions[start], start=start, end=i))
+                start = i
+        out = SimpleNamespace(index=0, token_ids=toks, finish_reason="length", weight_versions=spans,
+                              logprobs=[{t: SimpleNamespace(logprob=-1.5)} for t in toks])
+        self.running.pop(req_id, None)
+        col.q.put_nowait(SimpleNamespace(finished=True, outputs=[out]))
+
+    async def abort(self, req_id):
+        self.calls.append("abort")
+
+    async def pause_generation(self, mode="abort", clear_cache=True):
+        assert mode == "keep" and not clear_cache
+        self.calls.append("pause")
+        self.unpaused.clear()
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+        self.unpaused.set()
+
+    async def start_weight_update(self):
+        self.calls.append("start")
+
+    async def update_weights(self, request):
+        self.calls.append("update")
+        if self.fail_update:
+            raise RuntimeError("receiving bucket 2/3 from learner@h:1 failed: Connection reset by peer")
+
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append("finish")
+        self.version = weight_version
+
+    async def update_weight_version(self, v):
+        self.version = v
+
+    async def reset_prefix_cache(self):
+        return not self.running  # vLLM refuses while requests hold KV blocks
+
+
+@pytest.fixture
+def core():
+    c = RolloutCore(RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64,
+                                  weight_transfer_backend="gloo"))
+    c.llm = FakeLLM()
+    c.llm.version = "0"
+    return c
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+SP = P.SamplingParams(temperature=1.0, max_new_tokens=20)
+
+
+async def _update(core, version, fail=False):
+    core.llm.fail_update = fail
+    await core.start_weight_update(version)
+    try:
+        await core.update_weights(["w"], ["float32"], [[1]])
+    finally:
+        core.llm.fail_update = False
+    return await core.finish_weight_update(version)
+
+
+def test_in_flight_sample_kept_through_an_update_and_labelled_with_its_start(core):
+    async def main():
+        first = asyncio.ensure_future(core.generate(1, [1, 2, 3], SP))
+        await asyncio.sleep(0.05)  # a few tokens on v0
+        reset = await _update(core, 1)
+        assert reset is False  # the kept request holds KV: the version salt keeps them apart
+        second = await core.generate(2, [1, 2, 3], SP)
+        r1 = await first
+        (s1,), (s2,) = r1.samples, second.samples
+        assert (s1.policy_version, s2.policy_version) == (0, 1)
+        assert s1.finish_reason == "length" and len(s1.token_ids) == 20 and s1.logprobs == [-1.5] * 20
+        assert core.counters["samples_across_updates"] == 1
+        salts = [p.get("cache_salt") for p in core.llm.prompts.values()]
+        assert salts == ["rayless-v0", "rayless-v1"]
+        assert core.llm.calls == ["pause", "start", "update", "finish", "resume"]
+
+    run(main())
+
+
+def test_prompts_wait_for_the_version_they_ask_for_and_for_the_welcome_floor(core):
+    async def main():
+        want2 = asyncio.ensure_future(core.generate(1, [5], SP, min_version=2))
+        core.version_floor = 1
+        floor = asyncio.ensure_future(core.generate(2, [5], SP))
+        await asyncio.sleep(0.1)
+        assert not core.llm.prompts and core.metrics()["waiting"] == 2
+        await _update(core, 1)
+        assert (await floor).samples[0].policy_version == 1
+        assert not want2.done()
+        await _update(core, 2)
+        assert (await want2).samples[0].policy_version == 2
+
+    run(main())
+
+
+def test_pause_holds_new_prompts_and_resume_releases_them(core):
+    async def main():
+        await core.pause()
+        assert core.state == "paused"
+        task = asyncio.ensure_future(core.generate(1, [5], SP))
+        await asyncio.sleep(0.1)
+        assert not task.done() and not core.llm.prompts
+        await core.resume()
+        assert core.state == "serving"
+        await task
+
+    run(main())
+
+
+def test_a_failed_update_gates_the_server_until_a_full_update_lands(core):
+    async def main():
+        with pytest.raises(RuntimeError, match="Connection reset"):
+            await _update(core, 1, fail=True)
+        assert core.state == "update_failed" and core.version == 0
+        task = asyncio.ensure_future(core.generate(1, [5], SP))
+        await asyncio.sleep(0.1)
+        assert not task.done()  # half-loaded weights serve nothing
+        await _update(core, 1)
+        assert core.state == "serving" and (await task).samples[0].policy_version == 1
+
+    run(main())
+
+
+def test_bad_requests_are_refused_before_reaching_the_engine(core):
+    async def main():
+        with pytest.raises(BadRequest, match="vocabulary"):
+            await core.generate(1, [1, VOCAB], SP)
+        with pytest.raises(BadRequest, match="max_model_len"):
+            await core.generate(2, [1] * 64, SP)
+        with pytest.raises(BadRequest, match="without WeightUpdateStart"):
+            await core.update_weights(["w"], ["float32"], [[1]])
+        with pytest.raises(BadRequest, match="without WeightUpdateStart"):
+            await core.finish_weight_update(3)
+        with pytest.raises(BadRequest, match="--weight_transfer_backend 'gloo'"):
+            await core.init_weight_transfer("nccl", {}, 1.0)
+        await core.start_weight_update(1)
+        with pytest.raises(BadRequest, match="already open"):
+            await core.start_weight_update(1)
+        with pytest.raises(NotSupported, match="sleep"):
+            await core.sleep(1)
+        assert not core.llm.prompts
+
+    run(main())
+
+
+def test_sample_batch_is_columnar_over_prompts_and_samples():
+    from rollout_service.core import PromptResult, Sample
+    from rollout_service.server import sample_batch
+
+    results = [PromptResult(7, [1, 2], [Sample([5, 6, 7], [-0.1, -0.2, -0.3], "length", 3),
+                                        Sample([8], [-0.4], "stop", 3)]),
+               PromptResult(9, [4], [Sample([], [], "abort", 4)])]
+    b = P.Codec().decode(P.Codec().encode(sample_batch(results, "r0")))  # what the controller gets
+    assert (b.prompt_ids, b.sample_indices, b.response_lengths) == ([7, 7, 9], [0, 1, 0], [3, 1, 0])
+    assert b.response_ids.tolist() == [5, 6, 7, 8] and b.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    assert (b.finish_reasons, b.policy_versions, b.server) == (["length", "stop", "abort"], [3, 3, 4], "r0")
+    no_lp = sample_batch([PromptResult(1, [1], [Sample([5], None, "stop", 0)])], "r0")
+    assert no_lp.logprobs is None
+
+
+def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
+    """vLLM 0.32 on CPU kills the engine when a seeded request is chunk-prefilled (its CPU
+    generator cannot rewind); the server keeps chunked prefill off there unless told otherwise."""
+    cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
+    assert RolloutCore(RolloutConfig(**cfg)).engine_args().enable_chunked_prefill is False
+    on = RolloutCore(RolloutConfig(**cfg, enable_chunked_prefill=True)).engine_args()
+    assert on.enable_chunked_prefill is True

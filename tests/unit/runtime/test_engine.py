@@ -1,0 +1,169 @@
+"""learner.runtime.engine / learner.runtime.deepspeed_config: config arithmetic, LR schedules, and real
+DeepSpeed engines on the tiny model on CPU (gloo), each in its own process because a
+process group and DeepSpeed's globals live once per process.
+
+The slow tests run this file as a worker script: ``python tests/unit/runtime/test_engine.py WHAT ...``
+(plain python = a world of one) or under ``torchrun --standalone --nproc_per_node 2``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.procs import ROOT, read_log, run_module, worker_env  # noqa: F401 - re-used by trainer tests
+
+
+def run_worker(args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict:
+    if nproc == 1:
+        cmd = [sys.executable, __file__, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", __file__, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(results[-1])
+
+
+# --------------------------------------------------------------------------- fast tests
+
+def test_grad_accum_is_derived_and_must_divide():
+    from learner.runtime.deepspeed_config import grad_accum_steps, train_ds_config
+
+    assert grad_accum_steps(128, 4, 8) == 4  # 128 = 4 per rank x 8 ranks x 4 micro-steps
+    cfg = train_ds_config(zero_stage=2, bf16=True, train_batch_size=16, micro_train_batch_size=2,
+                          world_size=2, grad_clip=0.5)
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_batch_size"] == 16
+    assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.5
+    with pytest.raises(ValueError, match="not a multiple"):
+        grad_accum_steps(10, 4, 1)
+    with pytest.raises(ValueError, match="adam_offload needs"):
+        train_ds_config(zero_stage=0, bf16=False, train_batch_size=4, micro_train_batch_size=4,
+                        world_size=1, adam_offload=True)
+    off = train_ds_config(zero_stage=3, bf16=False, train_batch_size=4, micro_train_batch_size=4,
+                          world_size=1, adam_offload=True)
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_frozen_config_only_keeps_stage3_and_offload_forces_it():
+    from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config
+
+    assert frozen_ds_config(zero_stage=2, bf16=False)["zero_optimization"]["stage"] == 0
+    assert frozen_ds_config(zero_stage=3, bf16=False)["zero_optimization"]["stage"] == 3
+    off = frozen_ds_config(zero_stage=1, bf16=True, offload=True)["zero_optimization"]
+    assert off["stage"] == 3 and off["offload_param"]["device"] == "cpu"
+    assert load_ds_config(zero_stage=2, bf16=False) is None
+    assert load_ds_config(zero_stage=3, bf16=True)["zero_optimization"]["stage"] == 3
+
+
+def test_lr_schedules_warm_up_then_decay_to_min():
+    import torch
+
+    from learner.runtime.engine import make_lr_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_lr_scheduler(opt, name="cosine_with_min_lr", num_training_steps=20,
+                              warmup_ratio=0.1, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(21):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup = ceil(0.1 * 20) = 2 steps: 1/2, 2/2; then cosine from 1.0 down to 0.1 at step 20.
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
+    assert lrs[2] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    with pytest.raises(ValueError, match="unknown --lr_scheduler"):
+        make_lr_scheduler(opt, name="nope", num_training_steps=3)
+
+
+# --------------------------------------------------------------------------- real engines
+
+@pytest.mark.slow
+def test_zero2_engine_steps_and_resumes_from_checkpoint(tiny_model_dir, tmp_path):
+    """A world of one (plain python): loss falls, a checkpoint restores weights and step."""
+    r = run_worker(["zero2", str(tiny_model_dir), str(tmp_path)])
+    assert r["losses"][-1] < r["losses"][0] - 0.5, r
+    assert r["world_size"] == 1 and r["optimizer_steps"] == 3
+    assert r["client_step"] == 3 and r["resumed_equal"] and r["moved"] > 0
+    assert r["resumed_global_steps"] == 3
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_partition_train_and_save_hf(tiny_model_dir, tmp_path):
+    """Two ranks under torchrun: ZeRO-3 loads partitioned, trains, gathers and saves HF
+    weights that plain transformers loads equal to the engine's gathered parameters."""
+    r = run_worker(["zero3", str(tiny_model_dir), str(tmp_path)], nproc=2)
+    assert r["world_size"] == 2 and r["partitioned"] and r["moved"] > 0
+    assert r["reduced_mean"] == 0.5  # mean of ranks 0 and 1
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    gathered = torch.load(tmp_path / "gathered.pt")
+    state = saved.state_dict()
+    assert set(gathered) <= set(state)
+    for name, tensor in gathered.items():
+        assert torch.equal(state[name], tensor), name
+    assert torch.equal(saved.lm_head.weight, saved.model.embed_tokens.weight)  # still tied
+
+
+# --------------------------------------------------------------------------- worker side
+
+def _worker(what: str, model_dir: str, out: str) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from learner.runtime import engine as E
+
+    torch.manual_seed(0)
+    info = E.init_distributed()
+    stage = 2 if what == "zero2" else 3
+    model = E.load_causal_lm(model_dir, zero_stage=stage, bf16=False)
+    result = {"world_size": info.world_size}
+    embed = model.model.embed_tokens.weight
+    result["partitioned"] = hasattr(embed, "ds_id") and embed.numel() == 0
+    eng = E.make_engine(model, zero_stage=stage, bf16=False, train_batch_size=2 * info.world_size,
+                        micro_train_batch_size=1, learning_rate=1e-2, num_training_steps=10)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batch = tok(["What is 2 + 3? Answer: 5"], return_tensors="pt").to(E.device())
+    before = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+    losses = []
+    for _ in range(6):  # 6 micro-steps, accumulation 2: three optimizer steps
+        loss = eng(**batch, labels=batch["input_ids"]).loss
+        eng.backward(loss)
+        eng.step()
+        losses.append(loss.item())
+    after = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+    result.update(losses=losses, optimizer_steps=eng.global_steps,
+                  moved=max((after[n] - before[n]).abs().max().item() for n in after))
+    result["reduced_mean"] = E.all_reduce_mean(float(info.rank))
+
+    if what == "zero2":
+        E.save_checkpoint(eng, Path(out) / "ckpt", tag="global_step3", client_state={"step": 3})
+        for _ in range(2):  # move on, then come back
+            eng.backward(eng(**batch, labels=batch["input_ids"]).loss)
+            eng.step()
+        state = E.load_checkpoint(eng, Path(out) / "ckpt")
+        resumed = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+        result.update(client_step=state["step"], resumed_global_steps=eng.global_steps,
+                      resumed_equal=all(torch.equal(resumed[n], after[n]) for n in after))
+        assert E.load_checkpoint(eng, Path(out) / "nothing-here") is None
+    else:
+        E.save_hf(eng, tok, Path(out) / "hf")
+        if E.is_rank0():
+            torch.save(after, Path(out) / "gathered.pt")
+    E.barrier()
+    if E.is_rank0():
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])
