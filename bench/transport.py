@@ -26,10 +26,15 @@ from common.transport import Endpoint
 def make_batch(samples: int, tokens: int) -> SampleBatch:
     g = torch.Generator().manual_seed(0)
     return SampleBatch(
-        prompt_ids=list(range(samples)), sample_indices=[0] * samples, response_lengths=[tokens] * samples,
+        prompt_ids=list(range(samples)),
+        sample_indices=[0] * samples,
+        response_lengths=[tokens] * samples,
         response_ids=torch.randint(0, 32000, (samples * tokens,), dtype=torch.int32, generator=g),
         logprobs=-torch.rand(samples * tokens, generator=g),
-        finish_reasons=["stop"] * samples, policy_versions=[1] * samples, server="bench")
+        finish_reasons=["stop"] * samples,
+        policy_versions=[1] * samples,
+        server="bench",
+    )
 
 
 def _produce_transport(address: str, batch: SampleBatch, iters: int) -> None:

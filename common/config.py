@@ -27,8 +27,15 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def flag(default: Any = dataclasses.MISSING, help: str = "", *, required: bool = False,
-         choices: Sequence[Any] | None = None, aliases: Sequence[str] = (), group: str = "") -> Any:
+def flag(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    required: bool = False,
+    choices: Sequence[Any] | None = None,
+    aliases: Sequence[str] = (),
+    group: str = "",
+) -> Any:
     meta = {"help": help, "required": required, "choices": choices, "aliases": tuple(aliases), "group": group}
     if isinstance(default, (list, dict)):
         value = default
@@ -49,8 +56,9 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
 
 
 def build_parser(cls: type, description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it")
     groups: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
@@ -60,12 +68,20 @@ def build_parser(cls: type, description: str = "", prog: str | None = None) -> a
         target = parser if not group else groups.setdefault(group, parser.add_argument_group(group))
         names = [f"--{f.name}", *meta.get("aliases", ())]
         tp, is_list = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         help_text = meta.get("help", "") or " "
         if tp is bool and not is_list:
-            target.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
+            target.add_argument(
+                *names,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=f"{help_text} (default: {default})",
+            )
             continue
         kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{help_text} (default: {default})")
         if meta.get("choices"):
@@ -86,8 +102,7 @@ def parse(cls: type[T], argv: Sequence[str] | None = None, description: str = ""
     if path:
         values.update(load_yaml(path, cls, parser))
     values.update(ns)
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.metadata.get("required") and not values.get(f.name)]
+    missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("required") and not values.get(f.name)]
     if missing:
         parser.error("missing required flag(s): " + ", ".join(f"--{m}" for m in missing))
     try:

@@ -31,17 +31,26 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "DataError", "FILE_FORMATS", "parse_probs", "load_source", "load_mixed",
-    "check_rows", "SkipCounter",
-    "to_messages", "render_prompt", "render_response", "end_with_eos",
-    "PromptRow", "prompt_rows", "load_prompts",
+    "DataError",
+    "FILE_FORMATS",
+    "parse_probs",
+    "load_source",
+    "load_mixed",
+    "check_rows",
+    "SkipCounter",
+    "to_messages",
+    "render_prompt",
+    "render_response",
+    "end_with_eos",
+    "PromptRow",
+    "prompt_rows",
+    "load_prompts",
 ]
 
 log = logging.getLogger("rayless.datasets")
 
 # file suffix -> `datasets.load_dataset` builder name
-FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
-                ".arrow": "arrow"}
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 SOURCE_COL, ROW_COL = "_source", "_row"
 
 
@@ -52,6 +61,7 @@ class DataError(ValueError):
 @dataclass
 class SkipCounter:
     """Rows dropped under ``skip_bad_rows``, by reason; logged once at the end of loading."""
+
     counts: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)  # reason -> first offending row
 
@@ -71,6 +81,7 @@ class SkipCounter:
 
 
 # --------------------------------------------------------------------------- loading
+
 
 def parse_probs(probs: str | None, n_sources: int) -> list[float] | None:
     """``"0.7,0.3"`` -> [0.7, 0.3] (normalised); None/"" -> None. Counts must match sources."""
@@ -109,17 +120,22 @@ def load_source(source: str, *, split: str = "train"):
         # A local file is all one split, whatever --dataset_split says.
         return datasets.load_dataset(fmt, data_files=str(path), split="train")
     if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() \
-                or (path / "state.json").is_file():
+        if (
+            (path / "dataset_info.json").is_file()
+            or (path / "dataset_dict.json").is_file()
+            or (path / "state.json").is_file()
+        ):
             return _pick_split(datasets.load_from_disk(str(path)), split, source)
         files = sorted(p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS and p.is_file())
         formats = {FILE_FORMATS[p.suffix.lower()] for p in files}
         if not files:
-            raise DataError(f"{source}: a directory with no data files ({', '.join(sorted(FILE_FORMATS))}) "
-                            "and not a saved dataset")
+            raise DataError(
+                f"{source}: a directory with no data files ({', '.join(sorted(FILE_FORMATS))}) and not a saved dataset"
+            )
         if len(formats) > 1:
-            raise DataError(f"{source}: mixes file formats {sorted(formats)}; give the files as a "
-                            "comma-separated --dataset instead")
+            raise DataError(
+                f"{source}: mixes file formats {sorted(formats)}; give the files as a comma-separated --dataset instead"
+            )
         return datasets.load_dataset(formats.pop(), data_files=[str(p) for p in files], split="train")
     # A hub name is "name" or "org/name"; anything path-like that does not exist is a typo.
     if source.startswith((".", "/", "~")) or source.count("/") > 1 or path.suffix.lower() in FILE_FORMATS:
@@ -127,12 +143,21 @@ def load_source(source: str, *, split: str = "train"):
     try:
         return _pick_split(datasets.load_dataset(source, split=split), split, source)
     except Exception as e:  # offline, unknown name, gated: say what we tried
-        raise DataError(f"{source}: not a local file or directory, and loading it as a hub dataset "
-                        f"(split {split!r}) failed: {type(e).__name__}: {e}") from e
+        raise DataError(
+            f"{source}: not a local file or directory, and loading it as a hub dataset "
+            f"(split {split!r}) failed: {type(e).__name__}: {e}"
+        ) from e
 
 
-def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
-               skipped: SkipCounter | None = None, allow_empty: Sequence[str] = ()):
+def check_rows(
+    ds,
+    keys: Sequence[str],
+    source: str,
+    *,
+    skip_bad_rows: bool,
+    skipped: SkipCounter | None = None,
+    allow_empty: Sequence[str] = (),
+):
     """Rows whose ``keys`` are present and non-empty; else DataError naming source, row and key.
 
     Empty means None, "", or an empty list (e.g. no chat messages). ``allow_empty`` keys
@@ -140,9 +165,11 @@ def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
     """
     missing_cols = [k for k in keys if k not in ds.column_names]
     if missing_cols:
-        raise DataError(f"{source}: no column {missing_cols[0]!r} (row 0); it has columns "
-                        f"{[c for c in ds.column_names if not c.startswith('_')]}. Set the key flag "
-                        "(--input_key, --chosen_key, ...) to one of them")
+        raise DataError(
+            f"{source}: no column {missing_cols[0]!r} (row 0); it has columns "
+            f"{[c for c in ds.column_names if not c.startswith('_')]}. Set the key flag "
+            "(--input_key, --chosen_key, ...) to one of them"
+        )
     bad: list[int] = []
     for key in keys:
         if key in allow_empty:
@@ -161,10 +188,18 @@ def check_rows(ds, keys: Sequence[str], source: str, *, skip_bad_rows: bool,
     return ds
 
 
-def load_mixed(dataset: str, *, probs: str | None = None, split: str = "train",
-               max_samples: int | None = None, seed: int = 42, required_keys: Sequence[str] = (),
-               allow_empty: Sequence[str] = (), skip_bad_rows: bool = False,
-               skipped: SkipCounter | None = None):
+def load_mixed(
+    dataset: str,
+    *,
+    probs: str | None = None,
+    split: str = "train",
+    max_samples: int | None = None,
+    seed: int = 42,
+    required_keys: Sequence[str] = (),
+    allow_empty: Sequence[str] = (),
+    skip_bad_rows: bool = False,
+    skipped: SkipCounter | None = None,
+):
     """Load comma-separated sources, check ``required_keys``, cap, and mix into one Dataset.
 
     Adds the ``_source``/``_row`` columns (see module docstring). ``skipped`` collects the
@@ -180,8 +215,9 @@ def load_mixed(dataset: str, *, probs: str | None = None, split: str = "train",
     for source in sources:
         ds = load_source(source, split=split)
         ds = ds.add_column(SOURCE_COL, [source] * len(ds)).add_column(ROW_COL, list(range(len(ds))))
-        ds = check_rows(ds, required_keys, source, skip_bad_rows=skip_bad_rows, skipped=skipped,
-                        allow_empty=allow_empty)
+        ds = check_rows(
+            ds, required_keys, source, skip_bad_rows=skip_bad_rows, skipped=skipped, allow_empty=allow_empty
+        )
         if max_samples is not None and max_samples >= 0:
             ds = ds.select(range(min(int(max_samples), len(ds))))
         if len(ds) == 0:
@@ -199,6 +235,7 @@ def load_mixed(dataset: str, *, probs: str | None = None, split: str = "train",
 
 # --------------------------------------------------------------------------- rendering text
 
+
 def to_messages(value: Any, role: str) -> list[dict[str, str]]:
     """A chat-message list from a string (one message with ``role``) or a message list (as is)."""
     if isinstance(value, str):
@@ -210,13 +247,13 @@ def to_messages(value: Any, role: str) -> list[dict[str, str]]:
     raise DataError(f"expected a string or a list of {{role, content}} messages, got {type(value).__name__}")
 
 
-def render_prompt(value: Any, tokenizer: Any = None, *, apply_chat_template: bool = False,
-                  input_template: str | None = None) -> str:
+def render_prompt(
+    value: Any, tokenizer: Any = None, *, apply_chat_template: bool = False, input_template: str | None = None
+) -> str:
     """The prompt text a model sees: chat template with a generation prompt, else
     ``input_template.format(value)`` (one ``{}``), else the string itself."""
     if apply_chat_template:
-        return tokenizer.apply_chat_template(to_messages(value, "user"), tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(to_messages(value, "user"), tokenize=False, add_generation_prompt=True)
     if not isinstance(value, str):
         raise DataError("a chat-message prompt needs --apply_chat_template")
     if input_template:
@@ -233,8 +270,14 @@ def end_with_eos(text: str, eos: str | None) -> str:
     return stripped if stripped.endswith(eos) else text + eos
 
 
-def render_response(prompt_value: Any, response_value: Any, tokenizer: Any, *,
-                    apply_chat_template: bool = False, input_template: str | None = None) -> tuple[str, str]:
+def render_response(
+    prompt_value: Any,
+    response_value: Any,
+    tokenizer: Any,
+    *,
+    apply_chat_template: bool = False,
+    input_template: str | None = None,
+) -> tuple[str, str]:
     """``(prompt_text, response_text)`` with ``prompt_text + response_text`` the full sequence,
     ending in the tokenizer's EOS; the response is what a loss is taken on.
 
@@ -248,13 +291,18 @@ def render_response(prompt_value: Any, response_value: Any, tokenizer: Any, *,
             prompt_msgs, reply = messages[:-1], messages[-1:]
         else:
             prompt_msgs, reply = to_messages(prompt_value, "user"), to_messages(response_value, "assistant")
-        prompt = tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True) \
-            if prompt_msgs else ""
+        prompt = (
+            tokenizer.apply_chat_template(prompt_msgs, tokenize=False, add_generation_prompt=True)
+            if prompt_msgs
+            else ""
+        )
         full = tokenizer.apply_chat_template(prompt_msgs + reply, tokenize=False)
         if not full.startswith(prompt):
-            raise DataError("the chat template does not render the prompt as a prefix of the conversation; "
-                            "cannot tell response tokens apart")
-        return prompt, end_with_eos(full[len(prompt):], eos)
+            raise DataError(
+                "the chat template does not render the prompt as a prefix of the conversation; "
+                "cannot tell response tokens apart"
+            )
+        return prompt, end_with_eos(full[len(prompt) :], eos)
     if not isinstance(response_value, str) or (prompt_value is not None and not isinstance(prompt_value, str)):
         raise DataError("chat-message rows need --apply_chat_template")
     prompt = render_prompt(prompt_value, input_template=input_template) if prompt_value is not None else ""
@@ -263,9 +311,11 @@ def render_response(prompt_value: Any, response_value: Any, tokenizer: Any, *,
 
 # --------------------------------------------------------------------------- prompts (RL)
 
+
 @dataclass(frozen=True)
 class PromptRow:
     """One RL prompt: the rendered text, its token ids, the label for reward functions."""
+
     prompt: str
     input_ids: list[int]
     label: Any
@@ -273,10 +323,18 @@ class PromptRow:
     row: int
 
 
-def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: str | None = None,
-                apply_chat_template: bool = False, input_template: str | None = None,
-                prompt_max_len: int | None = None, skip_bad_rows: bool = False,
-                skipped: SkipCounter | None = None) -> list[PromptRow]:
+def prompt_rows(
+    ds,
+    tokenizer: Any,
+    *,
+    input_key: str,
+    label_key: str | None = None,
+    apply_chat_template: bool = False,
+    input_template: str | None = None,
+    prompt_max_len: int | None = None,
+    skip_bad_rows: bool = False,
+    skipped: SkipCounter | None = None,
+) -> list[PromptRow]:
     """Render and tokenize prompts (from ``load_mixed``); over-long ones raise or are skipped.
 
     Token ids are what the chat template or template renders, without extra special tokens
@@ -285,16 +343,20 @@ def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: str | None = N
     sources = ds[SOURCE_COL] if SOURCE_COL in ds.column_names else ["<dataset>"] * len(ds)
     rows_idx = ds[ROW_COL] if ROW_COL in ds.column_names else list(range(len(ds)))
     labels = ds[label_key] if label_key else [None] * len(ds)
-    texts = [render_prompt(v, tokenizer, apply_chat_template=apply_chat_template,
-                           input_template=input_template) for v in ds[input_key]]
+    texts = [
+        render_prompt(v, tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
+        for v in ds[input_key]
+    ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out: list[PromptRow] = []
     for text, tok, label, src, r in zip(texts, ids, labels, sources, rows_idx):
         if prompt_max_len and len(tok) > prompt_max_len:
             where = f"{src}, row {r}, key {input_key!r}"
             if not skip_bad_rows:
-                raise DataError(f"{where}: prompt is {len(tok)} tokens, over --prompt_max_len "
-                                f"{prompt_max_len} (pass --skip_bad_rows to skip such rows)")
+                raise DataError(
+                    f"{where}: prompt is {len(tok)} tokens, over --prompt_max_len "
+                    f"{prompt_max_len} (pass --skip_bad_rows to skip such rows)"
+                )
             if skipped is not None:
                 skipped.add("over --prompt_max_len", where)
             continue
@@ -302,22 +364,48 @@ def prompt_rows(ds, tokenizer: Any, *, input_key: str, label_key: str | None = N
     return out
 
 
-def load_prompts(prompt_data: str, tokenizer: Any, *, input_key: str, label_key: str | None = None,
-                 probs: str | None = None, split: str = "train", max_samples: int | None = None,
-                 seed: int = 42, apply_chat_template: bool = False, input_template: str | None = None,
-                 prompt_max_len: int | None = None, skip_bad_rows: bool = False
-                 ) -> tuple[list[PromptRow], SkipCounter]:
+def load_prompts(
+    prompt_data: str,
+    tokenizer: Any,
+    *,
+    input_key: str,
+    label_key: str | None = None,
+    probs: str | None = None,
+    split: str = "train",
+    max_samples: int | None = None,
+    seed: int = 42,
+    apply_chat_template: bool = False,
+    input_template: str | None = None,
+    prompt_max_len: int | None = None,
+    skip_bad_rows: bool = False,
+) -> tuple[list[PromptRow], SkipCounter]:
     """``load_mixed`` + ``prompt_rows`` in one call (the PPO controller's prompt data).
 
     Returns the rows and what was skipped (log ``skipped.report("prompts")``).
     """
     skipped = SkipCounter()
     keys = [input_key] + ([label_key] if label_key else [])
-    ds = load_mixed(prompt_data, probs=probs, split=split, max_samples=max_samples, seed=seed,
-                    required_keys=keys, skip_bad_rows=skip_bad_rows, skipped=skipped)
-    rows = prompt_rows(ds, tokenizer, input_key=input_key, label_key=label_key,
-                       apply_chat_template=apply_chat_template, input_template=input_template,
-                       prompt_max_len=prompt_max_len, skip_bad_rows=skip_bad_rows, skipped=skipped)
+    ds = load_mixed(
+        prompt_data,
+        probs=probs,
+        split=split,
+        max_samples=max_samples,
+        seed=seed,
+        required_keys=keys,
+        skip_bad_rows=skip_bad_rows,
+        skipped=skipped,
+    )
+    rows = prompt_rows(
+        ds,
+        tokenizer,
+        input_key=input_key,
+        label_key=label_key,
+        apply_chat_template=apply_chat_template,
+        input_template=input_template,
+        prompt_max_len=prompt_max_len,
+        skip_bad_rows=skip_bad_rows,
+        skipped=skipped,
+    )
     if not rows:
         raise DataError(f"{prompt_data}: no usable prompts ({skipped.report('prompts')})")
     return rows, skipped

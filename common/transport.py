@@ -140,8 +140,10 @@ class _Core:
     def send_failed(self, msg: Message, to: bytes | None, timeout: float | None) -> PeerUnavailable:
         """The error for a message no peer took within ``timeout`` (None: the socket's SNDTIMEO)."""
         wait_s = DEFAULT_SNDTIMEO_MS / 1000 if timeout is None else timeout
-        return PeerUnavailable(f"{self.name}: could not queue {type(msg).__name__} to {self.peer_label(to)} within "
-                               f"{wait_s:.1f} s (not connected or not reading)")
+        return PeerUnavailable(
+            f"{self.name}: could not queue {type(msg).__name__} to {self.peer_label(to)} within "
+            f"{wait_s:.1f} s (not connected or not reading)"
+        )
 
     def frames_out(self, msg: Message, to: bytes | None) -> list[Any]:
         frames = self.codec.encode(msg)
@@ -199,8 +201,15 @@ class Endpoint:
         self.address = address
 
     @classmethod
-    def bind(cls, address: str, *, name: str = "controller", hwm: int = DEFAULT_HWM,
-             max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> Endpoint:
+    def bind(
+        cls,
+        address: str,
+        *,
+        name: str = "controller",
+        hwm: int = DEFAULT_HWM,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        context: zmq.Context | None = None,
+    ) -> Endpoint:
         """Binds a ROUTER at ``address`` (``tcp://127.0.0.1:0`` picks a free port)."""
         sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         _apply_options(sock, True, None, hwm, max_message_bytes)
@@ -208,8 +217,15 @@ class Endpoint:
         return cls(sock, _Core(name, True, max_message_bytes), sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     @classmethod
-    def connect(cls, address: str, *, name: str, hwm: int = DEFAULT_HWM,
-                max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> Endpoint:
+    def connect(
+        cls,
+        address: str,
+        *,
+        name: str,
+        hwm: int = DEFAULT_HWM,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        context: zmq.Context | None = None,
+    ) -> Endpoint:
         """Connects a DEALER named ``name`` (its identity at the controller) to ``address``."""
         sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         _apply_options(sock, False, name, hwm, max_message_bytes)
@@ -299,8 +315,10 @@ class Endpoint:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CallTimeout(f"{self.name}: no reply from {self.core.peer_label(to)} to "
-                                      f"{type(msg).__name__} within {timeout:.1f} s")
+                    raise CallTimeout(
+                        f"{self.name}: no reply from {self.core.peer_label(to)} to "
+                        f"{type(msg).__name__} within {timeout:.1f} s"
+                    )
                 frames = self._recv_raw(left)
                 if frames is None:
                     continue
@@ -323,8 +341,15 @@ class Endpoint:
 class AsyncEndpoint:
     """``Endpoint`` for asyncio services (DEALER side). Same message semantics."""
 
-    def __init__(self, address: str, *, name: str, hwm: int = DEFAULT_HWM,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        hwm: int = DEFAULT_HWM,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
         self.sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         _apply_options(self.sock, False, name, hwm, max_message_bytes)
         self.sock.connect(address)
@@ -386,8 +411,9 @@ def _check_welcome(ep_name: str, reply: Message) -> Welcome:
     if not isinstance(reply, Welcome):
         raise TransportError(f"{ep_name}: expected Welcome, controller sent {type(reply).__name__}")
     if reply.protocol_version != PROTOCOL_VERSION:
-        raise TransportError(f"{ep_name}: controller speaks protocol {reply.protocol_version}, "
-                             f"this service {PROTOCOL_VERSION}")
+        raise TransportError(
+            f"{ep_name}: controller speaks protocol {reply.protocol_version}, this service {PROTOCOL_VERSION}"
+        )
     return reply
 
 
@@ -415,5 +441,7 @@ async def ahandshake(ep: AsyncEndpoint, role: str, capabilities: dict[str, Any],
             held.append((None, msg))
     finally:
         ep.core.stash.extend(held)
-    raise CallTimeout(f"{ep.name}: no Welcome from {ep.core.remote_label} within {timeout:.1f} s "
-                      "(is the controller running and reachable?)")
+    raise CallTimeout(
+        f"{ep.name}: no Welcome from {ep.core.remote_label} within {timeout:.1f} s "
+        "(is the controller running and reachable?)"
+    )

@@ -100,8 +100,9 @@ class ModelWeights:
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape))
-                for n, p in self._params]
+        return [
+            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
+        ]
 
     def nbytes(self) -> int:
         return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
@@ -126,6 +127,7 @@ def _layer_runs(params: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
     """Consecutive parameters of one layer (same prefix up to the first numeric segment, e.g.
     ``model.layers.3``): the unit gathered at once under ZeRO-3, so peak memory is one layer,
     not the model. Order is kept: it is the order the servers were told."""
+
     def key(name: str) -> str:
         parts = name.split(".")
         for i, part in enumerate(parts):
@@ -152,8 +154,9 @@ def _checked(pairs: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -
         m = meta[i] if i < len(meta) else None
         if m is None or name != m.name or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
             want = f"{m.name} {m.dtype} {tuple(m.shape)}" if m else "nothing more"
-            raise ValueError(f"weights changed while sending: tensor {i} is {name} {t.dtype} {tuple(t.shape)}, "
-                             f"servers expect {want}")
+            raise ValueError(
+                f"weights changed while sending: tensor {i} is {name} {t.dtype} {tuple(t.shape)}, servers expect {want}"
+            )
         yield name, t
     if i + 1 != len(meta):
         raise ValueError(f"weights changed while sending: {i + 1} tensors, servers expect {len(meta)}")
@@ -191,8 +194,10 @@ class _CudaWork:
         deadline = time.monotonic() + self.timeout_s
         while not self.event.query():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"NCCL broadcast not complete after {self.timeout_s:.0f} s (peer dead or stalled; "
-                                   "the communicator is unusable and must be dropped)")
+                raise RuntimeError(
+                    f"NCCL broadcast not complete after {self.timeout_s:.0f} s (peer dead or stalled; "
+                    "the communicator is unusable and must be dropped)"
+                )
             time.sleep(0.001)
 
 
@@ -233,9 +238,18 @@ class PushReport:
 class WeightPublisher:
     """Learner-side half of weight sync (see the module docstring)."""
 
-    def __init__(self, model: Any, *, control: SyncControl | None = None, rank: int = 0, backend: str = "gloo",
-                 dtype: torch.dtype | str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 60.0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        control: SyncControl | None = None,
+        rank: int = 0,
+        backend: str = "gloo",
+        dtype: torch.dtype | str | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.control, self.rank, self.backend = control, rank, backend
@@ -268,8 +282,9 @@ class WeightPublisher:
             if self.source.dtype is None:
                 self.source.dtype = want
             elif want != self.source.dtype:
-                raise WeightSyncError("connect", {server: f"engine dtype {want} differs from the other servers' "
-                                                          f"{self.source.dtype}"})
+                raise WeightSyncError(
+                    "connect", {server: f"engine dtype {want} differs from the other servers' {self.source.dtype}"}
+                )
         if server in self.links:
             self.disconnect(server)
         world = 1 + workers
@@ -281,29 +296,46 @@ class WeightPublisher:
                 # Workers wait twice as long as we do: when one server stalls, we wait timeout_s on
                 # it before dropping it, and the healthy servers, waiting for their next bucket
                 # meanwhile, must not time out first.
-                init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
-                             "packed_buffer_size_bytes": self.bucket_bytes, "segment_bytes": self.segment_bytes,
-                             "timeout_s": 2 * self.timeout_s}
+                init_info = {
+                    "master_address": self.host,
+                    "master_port": port,
+                    "world_size": world,
+                    "rank_offset": 1,
+                    "packed_buffer_size_bytes": self.bucket_bytes,
+                    "segment_bytes": self.segment_bytes,
+                    "timeout_s": 2 * self.timeout_s,
+                }
             else:
                 port = free_port(self.host)
-                init_info = {"master_address": self.host, "master_port": port, "world_size": world, "rank_offset": 1,
-                             "packed": True, "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": 2}
-            pending = self.control.request(server, P.WeightSyncInit(backend=self.backend, init_info=init_info,
-                                                                    timeout_s=self.timeout_s))
+                init_info = {
+                    "master_address": self.host,
+                    "master_port": port,
+                    "world_size": world,
+                    "rank_offset": 1,
+                    "packed": True,
+                    "packed_buffer_size_bytes": self.bucket_bytes,
+                    "packed_num_buffers": 2,
+                }
+            pending = self.control.request(
+                server, P.WeightSyncInit(backend=self.backend, init_info=init_info, timeout_s=self.timeout_s)
+            )
             # The server's workers are joining now; forming the group blocks until they have.
             if self.backend == "gloo":
                 group = GlooGroup.open(self.host, port, 0, world, timeout_s=self.timeout_s, label=server, store=store)
             else:
                 from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-                group = _NcclGroup(trainer_init({"master_address": self.host, "master_port": port,
-                                                 "world_size": world}), self.timeout_s)
+                group = _NcclGroup(
+                    trainer_init({"master_address": self.host, "master_port": port, "world_size": world}),
+                    self.timeout_s,
+                )
             pending.result(self.timeout_s)
         except Exception as e:  # noqa: BLE001 - re-raised naming the server
             raise WeightSyncError("connect", {server: f"{type(e).__name__}: {e}"}) from e
         self.links[server] = _Link(server, group, workers)
-        log.info("weight group with %s formed (%s, %d rank(s), %.2f s)", server, self.backend, world,
-                 time.monotonic() - t0)
+        log.info(
+            "weight group with %s formed (%s, %d rank(s), %.2f s)", server, self.backend, world, time.monotonic() - t0
+        )
 
     def disconnect(self, server: str, notify: bool = True) -> None:
         """Drops the group with ``server``; tells it to leave too unless it is gone (``notify``)."""
@@ -339,8 +371,11 @@ class WeightPublisher:
 
         ok = self._step(ok, lambda s: P.WeightUpdateStart(policy_version=version), "start", failures)
         report.seconds["start"] = time.monotonic() - t0
-        update = P.WeightUpdate(names=[m.name for m in meta], dtype_names=[dtype_name(m.dtype) for m in meta],
-                                shapes=[list(m.shape) for m in meta])
+        update = P.WeightUpdate(
+            names=[m.name for m in meta],
+            dtype_names=[dtype_name(m.dtype) for m in meta],
+            shapes=[list(m.shape) for m in meta],
+        )
         pending = self._send_all(ok, lambda s: update, "update", failures)
         t1 = time.monotonic()
         if pending:
@@ -348,8 +383,13 @@ class WeightPublisher:
             if self._buffers is None:
                 self._buffers = Buffers(next(self.source.module.parameters()).device)
             try:
-                failed = send_packed(_checked(self.source, meta), groups, self.bucket_bytes, buffers=self._buffers,
-                                     segment_bytes=self.segment_bytes if self.backend == "gloo" else float("inf"))
+                failed = send_packed(
+                    _checked(self.source, meta),
+                    groups,
+                    self.bucket_bytes,
+                    buffers=self._buffers,
+                    segment_bytes=self.segment_bytes if self.backend == "gloo" else float("inf"),
+                )
             except BaseException:
                 # Our side broke mid-transfer (e.g. the weights changed shape): every group in
                 # this push is out of step now.
@@ -375,8 +415,14 @@ class WeightPublisher:
                 # A group that failed mid-transfer is out of step for good: drop it.
                 self.disconnect(s, notify=False)
         self.version = version
-        log.info("pushed v%d to %d server(s) in %.2f s (%.1f MB each)%s", version, len(ok), report.seconds["total"],
-                 report.bytes_per_server / 1e6, f"; failed: {failures}" if failures else "")
+        log.info(
+            "pushed v%d to %d server(s) in %.2f s (%.1f MB each)%s",
+            version,
+            len(ok),
+            report.seconds["total"],
+            report.bytes_per_server / 1e6,
+            f"; failed: {failures}" if failures else "",
+        )
         if failures:
             raise WeightSyncError(f"weight push v{version}", failures, report)
         return report

@@ -93,8 +93,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names/dtype_names/shapes differ in length: "
-                             f"{len(self.names)}/{len(self.dtype_names)}/{len(self.shapes)}")
+            raise ValueError(
+                f"names/dtype_names/shapes differ in length: "
+                f"{len(self.names)}/{len(self.dtype_names)}/{len(self.shapes)}"
+            )
         for d in self.dtype_names:
             if not isinstance(getattr(torch, d, None), torch.dtype):
                 raise ValueError(f"unknown dtype name {d!r}")
@@ -134,7 +136,7 @@ class ReceivePool:
         return buf
 
     def trim(self) -> None:
-        self.buffers = sorted(self.buffers, key=lambda b: b.numel(), reverse=True)[:self.keep]
+        self.buffers = sorted(self.buffers, key=lambda b: b.numel(), reverse=True)[: self.keep]
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -158,9 +160,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.packed_buffer_size_bytes
         self.segment_bytes = init_info.segment_bytes
-        self.group = GlooGroup.open(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                    timeout_s=init_info.timeout_s,
-                                    label=f"learner@{init_info.master_address}:{init_info.master_port}")
+        self.group = GlooGroup.open(
+            init_info.master_address,
+            init_info.master_port,
+            rank,
+            init_info.world_size,
+            timeout_s=init_info.timeout_s,
+            label=f"learner@{init_info.master_address}:{init_info.master_port}",
+        )
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -197,7 +204,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             for run in segment_plan(bsizes, self.segment_bytes):
                 n = sum(bsizes[j] for j in run)
                 if n:
-                    works.append(group.broadcast(buf[off:off + n], src=0))
+                    works.append(group.broadcast(buf[off : off + n], src=0))
                 off += n
             return buf, works
 
@@ -215,14 +222,29 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 waited += time.perf_counter() - t
                 # Receive the next bucket while this one loads (gloo runs it on its own thread).
                 pending = post(b + 1) if b + 1 < len(plan) else None
-                self.model.load_weights(unpack(buf, [update_info.names[i] for i in idx],
-                                               [update_info.shapes[i] for i in idx],
-                                               [dtypes[i] for i in idx], [sizes[i] for i in idx]))
+                self.model.load_weights(
+                    unpack(
+                        buf,
+                        [update_info.names[i] for i in idx],
+                        [update_info.shapes[i] for i in idx],
+                        [dtypes[i] for i in idx],
+                        [sizes[i] for i in idx],
+                    )
+                )
         del buf, pending
         total = time.perf_counter() - t0
-        log.info("received %d tensors in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading; "
-                 "%d receive buffers reused, %d new", len(sizes), len(plan), sum(sizes) / 1e6, total, waited,
-                 total - waited, self.pool.reused - reused, self.pool.allocated - allocated)
+        log.info(
+            "received %d tensors in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading; "
+            "%d receive buffers reused, %d new",
+            len(sizes),
+            len(plan),
+            sum(sizes) / 1e6,
+            total,
+            waited,
+            total - waited,
+            self.pool.reused - reused,
+            self.pool.allocated - allocated,
+        )
 
     def shutdown(self) -> None:
         if self.group is not None:
@@ -255,34 +277,53 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 segment_bytes=DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(
+        self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES, segment_bytes=DEFAULT_SEGMENT_BYTES
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.bucket_bytes, self.segment_bytes = bucket_bytes, segment_bytes
         self.group: GlooGroup | None = None
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | None = None) -> Self:
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
+    ) -> Self:
         if source is None:
             raise ValueError("gloo trainer weight transfer requires a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     bucket_bytes=init_info.packed_buffer_size_bytes, segment_bytes=init_info.segment_bytes)
+        engine = cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            bucket_bytes=init_info.packed_buffer_size_bytes,
+            segment_bytes=init_info.segment_bytes,
+        )
         if not engine.is_sender:
             return engine
-        store = GlooGroup.host_store(init_info.master_address, init_info.world_size, init_info.timeout_s,
-                                     init_info.master_port)
+        store = GlooGroup.host_store(
+            init_info.master_address, init_info.world_size, init_info.timeout_s, init_info.master_port
+        )
         worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=store.port, world_size=init_info.world_size,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, segment_bytes=init_info.segment_bytes,
-            timeout_s=init_info.timeout_s)
+            master_address=init_info.master_address,
+            master_port=store.port,
+            world_size=init_info.world_size,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            segment_bytes=init_info.segment_bytes,
+            timeout_s=init_info.timeout_s,
+        )
         from concurrent.futures import ThreadPoolExecutor
 
         # The workers block in init until everyone has joined, so the RPC runs beside us.
         with ThreadPoolExecutor(max_workers=1) as exe:
             fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine.group = GlooGroup.open(init_info.master_address, store.port, 0, init_info.world_size,
-                                          timeout_s=init_info.timeout_s, label="inference workers", store=store)
+            engine.group = GlooGroup.open(
+                init_info.master_address,
+                store.port,
+                0,
+                init_info.world_size,
+                timeout_s=init_info.timeout_s,
+                label="inference workers",
+                store=store,
+            )
             fut.result(timeout=init_info.timeout_s)
         return engine
 
@@ -295,13 +336,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         from concurrent.futures import ThreadPoolExecutor
 
         self.client.start_weight_update()
-        info = {"names": [m.name for m in meta], "dtype_names": [dtype_name(m.dtype) for m in meta],
-                "shapes": [list(m.shape) for m in meta]}
+        info = {
+            "names": [m.name for m in meta],
+            "dtype_names": [dtype_name(m.dtype) for m in meta],
+            "shapes": [list(m.shape) for m in meta],
+        }
         exe = ThreadPoolExecutor(max_workers=1)
         try:
             fut = exe.submit(self.client.update_weights, info)
-            failed = send_packed(iter(self.source), {"workers": self.group}, self.bucket_bytes,
-                                 segment_bytes=self.segment_bytes)
+            failed = send_packed(
+                iter(self.source), {"workers": self.group}, self.bucket_bytes, segment_bytes=self.segment_bytes
+            )
             if failed:
                 raise RuntimeError(failed["workers"])
             fut.result()
@@ -317,8 +362,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 def register() -> None:
     """Adds "gloo" to vLLM's worker and trainer registries (idempotent)."""
-    for factory, module, cls in ((WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
-                                 (WeightTransferTrainerFactory, __name__, "GlooTrainerWeightTransferEngine")):
+    for factory, module, cls in (
+        (WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
+        (WeightTransferTrainerFactory, __name__, "GlooTrainerWeightTransferEngine"),
+    ):
         try:
             factory.register_engine(BACKEND, module, cls)
         except ValueError:

@@ -97,8 +97,12 @@ def segment_plan(sizes: list[int], segment_bytes: float) -> list[list[int]]:
     return [r for r in runs if r]
 
 
-def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, buffers: Buffers | None = None,
-                segment_bytes: float = float("inf")) -> Iterator[list[torch.Tensor]]:
+def iter_packed(
+    pairs: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    buffers: Buffers | None = None,
+    segment_bytes: float = float("inf"),
+) -> Iterator[list[torch.Tensor]]:
     """The sender's half of ``bucket_plan``: per bucket, the uint8 tensors to broadcast in order
     (``segment_plan``), together the bytes of its tensors back to back (vLLM's ``pack_tensors``
     layout). With ``buffers``, bucket ``b`` packs into buffer ``b % 2``: the caller must be done
@@ -121,7 +125,7 @@ def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, bu
             elif buf is None:
                 out.append(torch.cat(parts))
             else:
-                out.append(torch.cat(parts, out=buf[off:off + n]))
+                out.append(torch.cat(parts, out=buf[off : off + n]))
             off += n
         return out
 
@@ -136,8 +140,9 @@ def iter_packed(pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, bu
         yield pack()
 
 
-def unpack(buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype],
-           sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+def unpack(
+    buf: torch.Tensor, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype], sizes: list[int]
+) -> list[tuple[str, torch.Tensor]]:
     """The receiver's half: views of ``buf`` as the named tensors (a copy only for a tensor whose
     bytes start unaligned for its dtype, which only mixed-dtype pushes produce)."""
     out = []
@@ -166,8 +171,17 @@ class GlooGroup:
         self.store, self.pg, self.rank, self.world_size, self.label = store, pg, rank, world_size, label
 
     @classmethod
-    def open(cls, host: str, port: int, rank: int, world_size: int, *, timeout_s: float, label: str,
-             store: TCPStore | None = None) -> GlooGroup:
+    def open(
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float,
+        label: str,
+        store: TCPStore | None = None,
+    ) -> GlooGroup:
         """Joins (rank > 0) or hosts (rank 0, ``store`` already listening) the group. Blocks until
         every rank has connected, at most ``timeout_s``."""
         timeout = timedelta(seconds=timeout_s)
@@ -176,15 +190,18 @@ class GlooGroup:
                 store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
             pg = ProcessGroupGloo(store, rank, world_size, timeout)
         except Exception as e:  # noqa: BLE001 - re-raised with who and where
-            raise RuntimeError(f"weight-transfer group {label} (tcp://{host}:{port}, rank {rank} of "
-                               f"{world_size}) could not form within {timeout_s:.0f} s: {e}") from e
+            raise RuntimeError(
+                f"weight-transfer group {label} (tcp://{host}:{port}, rank {rank} of "
+                f"{world_size}) could not form within {timeout_s:.0f} s: {e}"
+            ) from e
         return cls(store, pg, rank, world_size, label)
 
     @staticmethod
     def host_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> TCPStore:
         """The learner's store, listening before any worker is told where it is (port 0: any)."""
-        return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                        wait_for_workers=False)
+        return TCPStore(
+            host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         opts = torch.distributed.BroadcastOptions()
@@ -207,10 +224,14 @@ def wait_work(work, what: str) -> None:
         raise RuntimeError(f"{what} failed: {e}") from e
 
 
-
-
-def send_packed(pairs: Iterator[tuple[str, torch.Tensor]], groups: dict[str, Any], bucket_bytes: int,
-                on_error=None, buffers: Buffers | None = None, segment_bytes: float = float("inf")) -> dict[str, str]:
+def send_packed(
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    groups: dict[str, Any],
+    bucket_bytes: int,
+    on_error=None,
+    buffers: Buffers | None = None,
+    segment_bytes: float = float("inf"),
+) -> dict[str, str]:
     """Broadcasts ``pairs`` (in update-metadata order) bucket by bucket into every group of
     ``groups`` (name -> group with an async ``broadcast``) and returns {name: error} for groups
     that failed. A failed group is dropped and the rest carry on. The next bucket is packed

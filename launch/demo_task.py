@@ -27,7 +27,7 @@ N_TRAIN, N_EVAL = 1000, 200
 def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Disjoint train and held-out sets of distinct digit strings."""
     rng = random.Random(seed)
-    strings = rng.sample(range(10 ** DIGITS), N_TRAIN + N_EVAL)
+    strings = rng.sample(range(10**DIGITS), N_TRAIN + N_EVAL)
     rows = [{"input": f"{s:0{DIGITS}d}>", "label": f"{s:0{DIGITS}d}"[::-1]} for s in strings]
     return rows[:N_TRAIN], rows[N_TRAIN:]
 
@@ -46,6 +46,6 @@ def score(response: str, label: str) -> float:
 
 def reward_func(queries, prompts, labels, **kwargs):
     """1.0 when the response (query minus prompt) is exactly the reversed string, else 0.0."""
-    rewards = [score(q[len(p):] if q.startswith(p) else q, lab) for q, p, lab in zip(queries, prompts, labels)]
+    rewards = [score(q[len(p) :] if q.startswith(p) else q, lab) for q, p, lab in zip(queries, prompts, labels)]
     t = torch.tensor(rewards, dtype=torch.float32)
     return {"rewards": t, "scores": t, "extra_logs": {"accuracy": t}}

@@ -38,25 +38,34 @@ class LocalConfig:
     reward_services: int = flag(1, "how many reward_service processes")
     reward_args: str = flag("", "extra flags for each reward_service (e.g. --reward_func FILE)")
     learner_nproc: int = flag(1, "learner ranks (torchrun --nproc_per_node when > 1)")
-    learner_args: str = flag("", "flags for learner.train_ppo (--prompt_data etc.); its --reward_pretrain, "
-                                 "--ref_pretrain and --normalize_reward also configure the reward services")
+    learner_args: str = flag(
+        "",
+        "flags for learner.train_ppo (--prompt_data etc.); its --reward_pretrain, "
+        "--ref_pretrain and --normalize_reward also configure the reward services",
+    )
     port: int = flag(0, "controller port on 127.0.0.1 (0: pick a free one)")
     threads_per_process: int = flag(1, "OMP_NUM_THREADS of each process (CPU runs: cores / processes)")
-    learner_threads: int = flag(0, "OMP_NUM_THREADS of each learner rank (0: --threads_per_process). In the "
-                                   "lockstep schedule the learner trains while the services wait, so on a "
-                                   "CPU host it may use the cores they idle on -- when a step lasts well over "
-                                   "1 s: an idle vLLM engine busy-polls for 1 s, and OpenMP threads sharing "
-                                   "a core with it crawl")
+    learner_threads: int = flag(
+        0,
+        "OMP_NUM_THREADS of each learner rank (0: --threads_per_process). In the "
+        "lockstep schedule the learner trains while the services wait, so on a "
+        "CPU host it may use the cores they idle on -- when a step lasts well over "
+        "1 s: an idle vLLM engine busy-polls for 1 s, and OpenMP threads sharing "
+        "a core with it crawl",
+    )
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
-    connect_timeout_s: float = flag(900.0, "how long services wait for the learner's controller to answer "
-                                           "(it loads its model and DeepSpeed first)")
+    connect_timeout_s: float = flag(
+        900.0, "how long services wait for the learner's controller to answer (it loads its model and DeepSpeed first)"
+    )
     quiet: bool = flag(False, "no progress line (logs only)")
 
     def __post_init__(self) -> None:
         if self.threads_per_process < 1:
             raise ValueError(f"--threads_per_process must be >= 1, got {self.threads_per_process}")
         if self.learner_threads < 0:
-            raise ValueError(f"--learner_threads must be >= 1 (or 0: --threads_per_process), got {self.learner_threads}")
+            raise ValueError(
+                f"--learner_threads must be >= 1 (or 0: --threads_per_process), got {self.learner_threads}"
+            )
 
 
 @dataclass
@@ -83,23 +92,77 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     py = sys.executable
     roles: list[Role] = []
     for i in range(cfg.rollout_servers):
-        roles.append(Role(f"rollout-{i}", [py, "-m", "rollout_service", "--model", cfg.pretrain,
-                                             "--controller", controller, "--name", f"rollout-{i}",
-                                             "--connect_timeout_s", str(cfg.connect_timeout_s),
-                                             *shlex.split(cfg.rollout_args)], logs / f"rollout-{i}.log", kind="rollout"))
+        roles.append(
+            Role(
+                f"rollout-{i}",
+                [
+                    py,
+                    "-m",
+                    "rollout_service",
+                    "--model",
+                    cfg.pretrain,
+                    "--controller",
+                    controller,
+                    "--name",
+                    f"rollout-{i}",
+                    "--connect_timeout_s",
+                    str(cfg.connect_timeout_s),
+                    *shlex.split(cfg.rollout_args),
+                ],
+                logs / f"rollout-{i}.log",
+                kind="rollout",
+            )
+        )
     reward_extra = _reward_flags_from_learner(shlex.split(cfg.learner_args), cfg.pretrain)
     for i in range(cfg.reward_services):
-        roles.append(Role(f"reward-{i}", [py, "-m", "reward_service", "--controller", controller,
-                                           "--name", f"reward-{i}", "--connect_timeout_s", str(cfg.connect_timeout_s),
-                                           *reward_extra, *shlex.split(cfg.reward_args)],
-                          logs / f"reward-{i}.log", kind="reward"))
-    learner_flags = ["--pretrain", cfg.pretrain, "--save_path", str(run / "model"),
-                     "--controller_bind", controller, "--min_rollout_servers", str(cfg.rollout_servers),
-                     "--min_reward_services", str(cfg.reward_services), "--metrics_file", str(run / "metrics.jsonl"),
-                     "--use_tensorboard", str(run / "tensorboard"), *shlex.split(cfg.learner_args)]
+        roles.append(
+            Role(
+                f"reward-{i}",
+                [
+                    py,
+                    "-m",
+                    "reward_service",
+                    "--controller",
+                    controller,
+                    "--name",
+                    f"reward-{i}",
+                    "--connect_timeout_s",
+                    str(cfg.connect_timeout_s),
+                    *reward_extra,
+                    *shlex.split(cfg.reward_args),
+                ],
+                logs / f"reward-{i}.log",
+                kind="reward",
+            )
+        )
+    learner_flags = [
+        "--pretrain",
+        cfg.pretrain,
+        "--save_path",
+        str(run / "model"),
+        "--controller_bind",
+        controller,
+        "--min_rollout_servers",
+        str(cfg.rollout_servers),
+        "--min_reward_services",
+        str(cfg.reward_services),
+        "--metrics_file",
+        str(run / "metrics.jsonl"),
+        "--use_tensorboard",
+        str(run / "tensorboard"),
+        *shlex.split(cfg.learner_args),
+    ]
     if cfg.learner_nproc > 1:
-        cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.learner_nproc}",
-               "-m", "learner.train_ppo", *learner_flags]
+        cmd = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cfg.learner_nproc}",
+            "-m",
+            "learner.train_ppo",
+            *learner_flags,
+        ]
     else:
         cmd = [py, "-m", "learner.train_ppo", *learner_flags]
     roles.append(Role("learner", cmd, logs / "learner.log", kind="learner"))
@@ -109,6 +172,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
 def _reward_flags_from_learner(args: list[str], pretrain: str) -> list[str]:
     """OpenRLHF puts reward/reference model flags on the trainer; here a reward service serves
     them, so the learner's flags are passed on to it (one place to say it, as users expect)."""
+
     def value(name: str) -> str | None:
         return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
 
@@ -135,8 +199,12 @@ class Supervisor:
         self.last: dict = {}
 
     def start(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.cfg.threads_per_process), PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(self.cfg.threads_per_process),
+            PYTHONUNBUFFERED="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         learner_env = dict(env, OMP_NUM_THREADS=str(self.cfg.learner_threads or self.cfg.threads_per_process))
         for r in self.roles:
             r.log.parent.mkdir(parents=True, exist_ok=True)
@@ -145,8 +213,13 @@ class Supervisor:
             fh.flush()
             # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
             # e.g. vLLM's engine core) as a whole.
-            r.proc = subprocess.Popen(r.cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                      env=learner_env if r.kind == "learner" else env, start_new_session=True)
+            r.proc = subprocess.Popen(
+                r.cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=learner_env if r.kind == "learner" else env,
+                start_new_session=True,
+            )
             print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
 
     def watch(self) -> int:
@@ -161,8 +234,10 @@ class Supervisor:
                 if r is learner:
                     self._progress(final=True)
                     if code != 0:
-                        print(f"\nthe learner exited with code {code}; see its log: {r.log}\n{_tail(r.log)}",
-                              file=sys.stderr)
+                        print(
+                            f"\nthe learner exited with code {code}; see its log: {r.log}\n{_tail(r.log)}",
+                            file=sys.stderr,
+                        )
                     return code
                 if code == 0:
                     if not r.finished:
@@ -216,9 +291,11 @@ class Supervisor:
         self._shown = self.last["step"]
         m = self.last
         total = int(m.get("time/total_steps", 0)) or "?"
-        line = (f"step {m['step']}/{total}  reward {m.get('rollout/reward', float('nan')):.3f}  "
-                f"tokens/s {m.get('perf/rollout_tokens_per_s', 0):.0f}  "
-                f"left {_fmt_s(m.get('time/eta_s', 0))}  re-issued {int(m.get('ledger/reissued', 0))}")
+        line = (
+            f"step {m['step']}/{total}  reward {m.get('rollout/reward', float('nan')):.3f}  "
+            f"tokens/s {m.get('perf/rollout_tokens_per_s', 0):.0f}  "
+            f"left {_fmt_s(m.get('time/eta_s', 0))}  re-issued {int(m.get('ledger/reissued', 0))}"
+        )
         if "eval/accuracy" in m:
             line += f"  eval acc (start) {m['eval/accuracy']:.2f}"
         print("\r" + line.ljust(100), end="\n" if final else "", flush=True)

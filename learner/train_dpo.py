@@ -26,25 +26,24 @@ from learner.supervised.config import TrainerConfig
 
 @dataclass
 class DPOConfig(TrainerConfig):
-    save_path: str = flag("./ckpt/dpo", "where the final HF-format model (and train_log.jsonl) are written",
-                          group="model")
+    save_path: str = flag(
+        "./ckpt/dpo", "where the final HF-format model (and train_log.jsonl) are written", group="model"
+    )
     ref_pretrain: str = flag("", "reference model (default: --pretrain)", group="model")
-    ref_offload: bool = flag(False, "keep the reference model's parameters in CPU memory (ZeRO-3 offload)",
-                             group="deepspeed")
-    prompt_key: str = flag("", "column with the prompt; empty: chosen/rejected hold whole chats",
-                           group="data")
+    ref_offload: bool = flag(
+        False, "keep the reference model's parameters in CPU memory (ZeRO-3 offload)", group="deepspeed"
+    )
+    prompt_key: str = flag("", "column with the prompt; empty: chosen/rejected hold whole chats", group="data")
     chosen_key: str = flag("chosen", "column with the preferred response", group="data")
     rejected_key: str = flag("rejected", "column with the dispreferred response", group="data")
-    input_template: str = flag("User: {}\nAssistant: ", "template with one {} for the prompt when not "
-                               "using the chat template", group="data")
+    input_template: str = flag(
+        "User: {}\nAssistant: ", "template with one {} for the prompt when not using the chat template", group="data"
+    )
     max_len: int = flag(512, "max tokens per sequence; longer ones are truncated", group="data")
-    beta: float = flag(0.1, "DPO beta: strength of the KL anchor to the reference (IPO's tau)",
-                       group="optim")
-    label_smoothing: float = flag(0.0, "cDPO: assumed probability that a preference label is flipped",
-                                  group="optim")
+    beta: float = flag(0.1, "DPO beta: strength of the KL anchor to the reference (IPO's tau)", group="optim")
+    label_smoothing: float = flag(0.0, "cDPO: assumed probability that a preference label is flipped", group="optim")
     ipo: bool = flag(False, "use the IPO loss instead of DPO", group="optim")
-    nll_loss_coef: float = flag(0.0, "weight of the per-token NLL of the chosen response (RPO)",
-                                group="optim")
+    nll_loss_coef: float = flag(0.0, "weight of the per-token NLL of the chosen response (RPO)", group="optim")
     learning_rate: float = flag(1e-5, "peak learning rate", group="optim")
 
 

@@ -31,20 +31,20 @@ from learner.supervised.config import TrainerConfig
 
 @dataclass
 class RMConfig(TrainerConfig):
-    save_path: str = flag("./ckpt/rm", "where the final HF-format reward model (and train_log.jsonl) "
-                          "are written", group="model")
-    prompt_key: str = flag("", "column with the prompt; empty: chosen/rejected hold whole texts or chats",
-                           group="data")
+    save_path: str = flag(
+        "./ckpt/rm", "where the final HF-format reward model (and train_log.jsonl) are written", group="model"
+    )
+    prompt_key: str = flag("", "column with the prompt; empty: chosen/rejected hold whole texts or chats", group="data")
     chosen_key: str = flag("chosen", "column with the preferred response", group="data")
     rejected_key: str = flag("rejected", "column with the dispreferred response", group="data")
     margin_key: str = flag("margin", "column with a per-pair margin (used with --margin_loss)", group="data")
     max_len: int = flag(512, "max tokens per sequence; longer ones are cut and end in EOS", group="data")
     loss: str = flag("sigmoid", "pairwise loss", choices=("sigmoid", "logexp"), group="optim")
-    margin_loss: bool = flag(False, "subtract the --margin_key margin inside the loss (Llama 2)",
-                             group="optim")
+    margin_loss: bool = flag(False, "subtract the --margin_key margin inside the loss (Llama 2)", group="optim")
     learning_rate: float = flag(9e-6, "peak learning rate", group="optim")
-    value_head_prefix: str = flag("score", "name of the scalar head (transformers' classifiers use 'score')",
-                                  choices=("score",), group="model")
+    value_head_prefix: str = flag(
+        "score", "name of the scalar head (transformers' classifiers use 'score')", choices=("score",), group="model"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

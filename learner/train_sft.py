@@ -29,18 +29,18 @@ from learner.supervised.config import TrainerConfig
 
 @dataclass
 class SFTConfig(TrainerConfig):
-    save_path: str = flag("./ckpt/sft", "where the final HF-format model (and train_log.jsonl) are written",
-                          group="model")
-    input_key: str = flag("input", "column with the prompt (or the whole chat without --output_key)",
-                          group="data")
-    output_key: str = flag("", "column with the response; empty: --input_key holds chat messages",
-                           group="data")
-    input_template: str = flag("User: {}\nAssistant: ", "template with one {} for the prompt when not "
-                               "using the chat template", group="data")
-    pretrain_mode: bool = flag(False, "loss on every token (continued pre-training), not just responses",
-                               group="data")
-    packing_samples: bool = flag(False, "pack each micro-batch into one row, attention kept within samples",
-                                 group="data")
+    save_path: str = flag(
+        "./ckpt/sft", "where the final HF-format model (and train_log.jsonl) are written", group="model"
+    )
+    input_key: str = flag("input", "column with the prompt (or the whole chat without --output_key)", group="data")
+    output_key: str = flag("", "column with the response; empty: --input_key holds chat messages", group="data")
+    input_template: str = flag(
+        "User: {}\nAssistant: ", "template with one {} for the prompt when not using the chat template", group="data"
+    )
+    pretrain_mode: bool = flag(False, "loss on every token (continued pre-training), not just responses", group="data")
+    packing_samples: bool = flag(
+        False, "pack each micro-batch into one row, attention kept within samples", group="data"
+    )
     max_epochs: int = flag(2, "passes over the training data", group="optim")
 
 

@@ -14,8 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     from reward_service.config import parse_config
 
     cfg = parse_config(argv)
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s reward[%(process)d] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s reward[%(process)d] %(name)s: %(message)s",
+    )
     logging.getLogger(__name__).info("config %s", cfg.to_json())
     from reward_service.server import serve  # the heavy imports start here
 

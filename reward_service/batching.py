@@ -19,11 +19,12 @@ import torch
 def length_sorted_chunks(lengths: Sequence[int], micro_batch_size: int) -> list[list[int]]:
     """Indices into ``lengths``, grouped longest first into chunks of ``micro_batch_size``."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+    return [order[i : i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
 
 
-def pad(seqs: Sequence[torch.Tensor], pad_id: int, side: str, device: torch.device | str = "cpu"
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad(
+    seqs: Sequence[torch.Tensor], pad_id: int, side: str, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """1-D int tensors -> ``(input_ids, attention_mask, position_ids)``, each ``(B, T)``.
 
     ``side`` is "left" (every sequence ends at column T-1) or "right" (every sequence starts

@@ -28,33 +28,53 @@ class RewardConfig:
     name: str = _f("", "this service's name at the controller (its ZMQ identity); default reward-HOST-PID")
     heartbeat_s: float = _f(2.0, "seconds between Heartbeat messages to the controller")
     connect_timeout_s: float = _f(60.0, "give up if the controller does not answer Hello within this many seconds")
-    capacity: int = _f(64, "prompts the controller may have in flight here (announced in Hello as capabilities['capacity'])")
+    capacity: int = _f(
+        64, "prompts the controller may have in flight here (announced in Hello as capabilities['capacity'])"
+    )
     max_pending: int = _f(64, "ScoreRequests queued beyond this are refused with Error(code='overloaded')")
 
     # -- reference model (KL term)
     ref_pretrain: str | None = _f(None, "HF causal LM path: return per-token reference log-probs of each response")
-    temperature: float = _f(1.0, "divide reference logits by this before log-softmax (use the policy's sampling temperature)")
+    temperature: float = _f(
+        1.0, "divide reference logits by this before log-softmax (use the policy's sampling temperature)"
+    )
 
     # -- reward model
     reward_pretrain: str | None = _f(None, "HF reward model path (sequence classifier or OpenRLHF value-head format)")
-    value_head_prefix: str = _f("auto", "name of the RM's scalar head in the checkpoint; auto: config's value_head_prefix, then 'score', 'value_head'")
+    value_head_prefix: str = _f(
+        "auto",
+        "name of the RM's scalar head in the checkpoint; auto: config's value_head_prefix, then 'score', 'value_head'",
+    )
     normalize_reward: bool = _f(False, "RM rewards become (r - config.mean) / config.std, from the RM's config.json")
-    rm_from_text: bool = _f(False, "feed the RM the query text re-tokenised by its own tokenizer (RM tokenizer differs from policy's)")
+    rm_from_text: bool = _f(
+        False, "feed the RM the query text re-tokenised by its own tokenizer (RM tokenizer differs from policy's)"
+    )
 
     # -- rule / function rewards and remote rewards
-    reward_func: str | None = _f(None, "path to a .py defining reward_func(queries, prompts, labels, **kw) (OpenRLHF contract)")
-    remote_rm_url: str | None = _f(None, "comma-separated http(s) URLs of reward servers (OpenRLHF serve_rm format); a .py entry is a reward_func file")
+    reward_func: str | None = _f(
+        None, "path to a .py defining reward_func(queries, prompts, labels, **kw) (OpenRLHF contract)"
+    )
+    remote_rm_url: str | None = _f(
+        None,
+        "comma-separated http(s) URLs of reward servers (OpenRLHF serve_rm format); a .py entry is a reward_func file",
+    )
     timeout_s: float = _f(30.0, "per-call deadline of a reward function or one HTTP attempt; past it the samples fail")
     retries: int = _f(3, "HTTP retries after the first attempt (rotating over the URLs), with exponential backoff")
-    retry_backoff_s: float = _f(0.5, "first HTTP retry waits this long; each further retry waits twice as long (capped at 8 s)")
+    retry_backoff_s: float = _f(
+        0.5, "first HTTP retry waits this long; each further retry waits twice as long (capped at 8 s)"
+    )
     func_workers: int = _f(1, "worker processes running reward_func; a batch is split across them")
 
     # -- models
-    tokenizer: str | None = _f(None, "tokenizer of the policy, to decode token ids into text (default: --ref_pretrain, else --reward_pretrain)")
+    tokenizer: str | None = _f(
+        None, "tokenizer of the policy, to decode token ids into text (default: --ref_pretrain, else --reward_pretrain)"
+    )
     micro_batch_size: int = _f(8, "sequences per forward pass of the reference / reward model (length-sorted, padded)")
     bf16: bool = _f(False, "load models in bfloat16 (log-probs and rewards are still returned in float32)")
     device: str = _f("auto", "torch device for the models: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    attn_implementation: str | None = _f(None, "passed to from_pretrained (sdpa, eager, flash_attention_2); default: transformers' choice")
+    attn_implementation: str | None = _f(
+        None, "passed to from_pretrained (sdpa, eager, flash_attention_2); default: transformers' choice"
+    )
 
     log_level: str = _f("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -75,7 +95,9 @@ class RewardConfig:
         if not self.controller:
             raise ValueError("--controller is required (the controller's address, e.g. tcp://127.0.0.1:5555)")
         if not (self.ref_pretrain or self.reward_pretrain or self.func_files() or self.urls()):
-            raise ValueError("nothing to score with: give --ref_pretrain, --reward_pretrain, --reward_func or --remote_rm_url")
+            raise ValueError(
+                "nothing to score with: give --ref_pretrain, --reward_pretrain, --reward_func or --remote_rm_url"
+            )
         if self.normalize_reward and not self.reward_pretrain:
             raise ValueError("--normalize_reward applies to a reward model: give --reward_pretrain")
         if self.rm_from_text and not (self.tokenizer or self.ref_pretrain):
@@ -112,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m reward_service",
         description="Reward service: reference log-probs, reward models, rule functions and remote HTTP rewards "
-                    "for the rayless controller. See docs/reward.md.",
+        "for the rayless controller. See docs/reward.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     hints = typing.get_type_hints(RewardConfig)

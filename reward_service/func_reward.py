@@ -78,22 +78,28 @@ class FuncWorker:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, func_worker.__file__, "--fd", str(theirs.fileno()), self.path],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.restarts += 1
         if not self.conn.poll(self.start_timeout_s):
             self.stop()
-            raise FuncLoadError(f"{self.path}: reward function worker did not load the file within "
-                                f"{self.start_timeout_s:.0f} s (does importing it hang?)")
+            raise FuncLoadError(
+                f"{self.path}: reward function worker did not load the file within "
+                f"{self.start_timeout_s:.0f} s (does importing it hang?)"
+            )
         try:
             msg = self._dec.decode(self.conn.recv_bytes())
         except (EOFError, OSError):
             code = self.proc.wait(5)
             self.stop()
-            raise FuncLoadError(f"{self.path}: reward function worker exited with code {code} while loading "
-                                "the file (see its output above)") from None
+            raise FuncLoadError(
+                f"{self.path}: reward function worker exited with code {code} while loading "
+                "the file (see its output above)"
+            ) from None
         if "error" in msg:
             self.stop()
             raise FuncLoadError(msg["error"])
@@ -117,13 +123,17 @@ class FuncWorker:
             log.debug("send to reward_func worker failed: %s", e)
         if not ready:
             self.stop()
-            raise CallFailed(f"reward_func timed out after {timeout_s:g} s on {n} samples (worker killed and restarted)")
+            raise CallFailed(
+                f"reward_func timed out after {timeout_s:g} s on {n} samples (worker killed and restarted)"
+            )
         try:
             msg = self._dec.decode(self.conn.recv_bytes())
         except (EOFError, OSError):
             code = self.proc.wait(5) if self.proc else None
             self.stop()
-            raise CallFailed(f"reward_func worker died (exit code {code}) after {time.monotonic() - t0:.1f} s") from None
+            raise CallFailed(
+                f"reward_func worker died (exit code {code}) after {time.monotonic() - t0:.1f} s"
+            ) from None
         if "error" in msg:
             if msg.get("traceback") and self._tracebacks_logged < 5:  # enough to debug, not a flood
                 self._tracebacks_logged += 1
@@ -145,8 +155,9 @@ class FunctionReward:
 
     needs_text = True
 
-    def __init__(self, path: str, *, timeout_s: float = 30.0, workers: int = 1,
-                 start_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, path: str, *, timeout_s: float = 30.0, workers: int = 1, start_timeout_s: float | None = None
+    ) -> None:
         if not os.path.isfile(path):
             raise FuncLoadError(f"reward function file {path} does not exist")
         self.path = os.path.abspath(path)
@@ -171,13 +182,19 @@ class FunctionReward:
         k = min(len(self.workers), n)
         bounds = [(j * n // k, (j + 1) * n // k) for j in range(k)]
         with self._lock:
-            futs = [self._pool.submit(self._slice, self.workers[j], queries, prompts, labels, kw, lo, hi)
-                    for j, (lo, hi) in enumerate(bounds)]
+            futs = [
+                self._pool.submit(self._slice, self.workers[j], queries, prompts, labels, kw, lo, hi)
+                for j, (lo, hi) in enumerate(bounds)
+            ]
             return SourceResult.concat([f.result() for f in futs])
 
     def _slice(self, worker: FuncWorker, queries, prompts, labels, kw, lo: int, hi: int) -> SourceResult:
-        payload = {"queries": queries[lo:hi], "prompts": prompts[lo:hi], "labels": labels[lo:hi],
-                   "kw": {k: v[lo:hi] for k, v in kw.items() if k in KWARGS and v is not None}}
+        payload = {
+            "queries": queries[lo:hi],
+            "prompts": prompts[lo:hi],
+            "labels": labels[lo:hi],
+            "kw": {k: v[lo:hi] for k, v in kw.items() if k in KWARGS and v is not None},
+        }
         try:
             raw = worker.call(payload, hi - lo, self.timeout_s)
         except CallFailed as e:

@@ -50,7 +50,9 @@ def load_reward_func(path: str):
         raise RuntimeError(f"importing {path} raised {type(e).__name__}: {e}\n{traceback.format_exc()}") from None
     fn = getattr(module, "reward_func", None)
     if fn is None:
-        raise RuntimeError(f"{path} defines no `reward_func` (expected def reward_func(queries, prompts, labels, **kw))")
+        raise RuntimeError(
+            f"{path} defines no `reward_func` (expected def reward_func(queries, prompts, labels, **kw))"
+        )
     if not callable(fn):
         raise RuntimeError(f"{path}: `reward_func` is a {type(fn).__name__}, not a function")
     return fn

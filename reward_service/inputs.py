@@ -63,11 +63,15 @@ def from_request(req: ScoreRequest) -> ScoringInput:
                 raise BadRequest(f"samples.prompt_token_ids[{i}] is empty (prompt id {sb.prompt_ids[i]})")
         prompt_tokens = [torch.tensor(p, dtype=torch.long) for p in sb.prompt_token_ids]
     return ScoringInput(
-        prompt_ids=list(sb.prompt_ids), sample_indices=list(sb.sample_indices),
+        prompt_ids=list(sb.prompt_ids),
+        sample_indices=list(sb.sample_indices),
         finish_reasons=list(sb.finish_reasons) or None,
-        response_tokens=sb.split_responses(), prompt_tokens=prompt_tokens,
+        response_tokens=sb.split_responses(),
+        prompt_tokens=prompt_tokens,
         labels=list(req.labels) if req.labels else [None] * n,
-        prompts=list(req.prompts) or None, queries=list(req.queries) or None)
+        prompts=list(req.prompts) or None,
+        queries=list(req.queries) or None,
+    )
 
 
 def with_text(inp: ScoringInput, tokenizer) -> ScoringInput:
@@ -80,7 +84,7 @@ def with_text(inp: ScoringInput, tokenizer) -> ScoringInput:
         if tokenizer is not None:
             inp.responses = tokenizer.batch_decode([r.tolist() for r in inp.response_tokens], skip_special_tokens=True)
         elif inp.queries is not None and all(q.startswith(p) for q, p in zip(inp.queries, inp.prompts)):
-            inp.responses = [q[len(p):] for q, p in zip(inp.queries, inp.prompts)]
+            inp.responses = [q[len(p) :] for q, p in zip(inp.queries, inp.prompts)]
         else:
             raise BadRequest(_missing("queries", "", tokenizer))
     if inp.queries is None:
@@ -90,6 +94,8 @@ def with_text(inp: ScoringInput, tokenizer) -> ScoringInput:
 
 def _missing(field: str, tokens: str, tokenizer) -> str:
     if tokenizer is None:
-        return (f"reward functions need text: send ScoreRequest.{field}, or start the service with --tokenizer "
-                "(the policy's) so it can decode token ids")
+        return (
+            f"reward functions need text: send ScoreRequest.{field}, or start the service with --tokenizer "
+            "(the policy's) so it can decode token ids"
+        )
     return f"reward functions need text: send ScoreRequest.{field} or {tokens}"

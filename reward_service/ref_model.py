@@ -26,17 +26,25 @@ log = logging.getLogger(__name__)
 
 
 class ReferenceScorer:
-    def __init__(self, model: torch.nn.Module, *, micro_batch_size: int = 8, temperature: float = 1.0,
-                 pad_id: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, micro_batch_size: int = 8, temperature: float = 1.0, pad_id: int = 0
+    ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.temperature = temperature
         self.pad_id = pad_id
 
     @classmethod
-    def load(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             attn_implementation: str | None = None, micro_batch_size: int = 8,
-             temperature: float = 1.0) -> ReferenceScorer:
+    def load(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        attn_implementation: str | None = None,
+        micro_batch_size: int = 8,
+        temperature: float = 1.0,
+    ) -> ReferenceScorer:
         from transformers import AutoModelForCausalLM
 
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -83,8 +91,9 @@ class ReferenceScorer:
         ids, mask, pos = pad(seqs, self.pad_id, "left", self.device)  # (B, T)
         # Logits at columns T-1-max_r .. T-2 predict the last max_r tokens of every row; the
         # last column (predicting past the end) is computed too, cheaper than slicing inputs.
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            logits_to_keep=max_r + 1, use_cache=False).logits  # (B, max_r + 1, V)
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=max_r + 1, use_cache=False
+        ).logits  # (B, max_r + 1, V)
         res = []
         for b, r in enumerate(responses):
             n = len(r)
@@ -93,7 +102,7 @@ class ReferenceScorer:
                 continue
             # Row b's response occupies the last n columns of the input; the logits that
             # predict them are the n columns before the final one.
-            lg = logits[b, max_r - n:max_r].float()  # (n, V); log-softmax in fp32 even for bf16 models
+            lg = logits[b, max_r - n : max_r].float()  # (n, V); log-softmax in fp32 even for bf16 models
             if self.temperature != 1.0:
                 lg = lg / self.temperature
             lp = lg.log_softmax(-1).gather(-1, r.to(lg.device).long()[:, None])[:, 0]  # (n,)

@@ -40,8 +40,7 @@ class RemoteReward:
 
     needs_text = True
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 30.0, retries: int = 3,
-                 backoff_s: float = 0.5) -> None:
+    def __init__(self, urls: list[str], *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5) -> None:
         if not urls:
             raise ValueError("RemoteReward needs at least one URL")
         self.urls = list(urls)
@@ -59,8 +58,10 @@ class RemoteReward:
         k = min(len(self.urls), n)
         first = next(self._rr)
         bounds = [(j * n // k, (j + 1) * n // k) for j in range(k)]
-        futs = [self._pool.submit(self._slice, (first + j) % len(self.urls), queries[lo:hi], prompts[lo:hi],
-                                  labels[lo:hi]) for j, (lo, hi) in enumerate(bounds)]
+        futs = [
+            self._pool.submit(self._slice, (first + j) % len(self.urls), queries[lo:hi], prompts[lo:hi], labels[lo:hi])
+            for j, (lo, hi) in enumerate(bounds)
+        ]
         return SourceResult.concat([f.result() for f in futs])
 
     def _slice(self, url_index: int, queries, prompts, labels) -> SourceResult:
@@ -84,8 +85,9 @@ class RemoteReward:
         return SourceResult.all_failed(n, f"remote reward failed after {self.retries + 1} attempts; last: {err}")
 
     def _post(self, url: str, body: bytes):
-        req = urllib.request.Request(url, data=body, method="POST",
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        req = urllib.request.Request(
+            url, data=body, method="POST", headers={"Content-Type": "application/json", "Accept": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 data = resp.read()

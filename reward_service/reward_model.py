@@ -39,8 +39,9 @@ class RewardModelError(RuntimeError):
     """The reward model checkpoint cannot be used (missing head, bad normalisation keys)."""
 
 
-def load_head(path: str, prefix: str = "auto", config_prefix: str | None = None
-              ) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+def load_head(
+    path: str, prefix: str = "auto", config_prefix: str | None = None
+) -> tuple[str, torch.Tensor, torch.Tensor | None]:
     """Finds the scalar head in a checkpoint dir: ``(prefix, weight (1, H), bias (1,) | None)``.
 
     ``auto`` tries the prefix the checkpoint's config names (``value_head_prefix``, as our RM
@@ -55,11 +56,14 @@ def load_head(path: str, prefix: str = "auto", config_prefix: str | None = None
         if w is None:
             continue
         if w.ndim != 2 or w.shape[0] != 1:
-            raise RewardModelError(f"{path}: head {p}.weight has shape {tuple(w.shape)}; a reward model needs "
-                                   "one output (num_labels=1)")
+            raise RewardModelError(
+                f"{path}: head {p}.weight has shape {tuple(w.shape)}; a reward model needs one output (num_labels=1)"
+            )
         return p, w, tensors.get(f"{p}.bias")
-    raise RewardModelError(f"{path}: no reward head found (looked for {', '.join(t + '.weight' for t in tried)}); "
-                           "pass --value_head_prefix NAME if the checkpoint names it differently")
+    raise RewardModelError(
+        f"{path}: no reward head found (looked for {', '.join(t + '.weight' for t in tried)}); "
+        "pass --value_head_prefix NAME if the checkpoint names it differently"
+    )
 
 
 def _checkpoint_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -96,8 +100,10 @@ def normalization(config, path: str) -> tuple[float, float]:
         if isinstance(v, (list, tuple)):
             v = v[0] if len(v) == 1 else None
         if not isinstance(v, (int, float)):
-            raise RewardModelError(f"--normalize_reward: {path}/config.json has no numeric '{key}' "
-                                   f"(got {getattr(config, key, None)!r}); the RM trainer writes 'mean' and 'std'")
+            raise RewardModelError(
+                f"--normalize_reward: {path}/config.json has no numeric '{key}' "
+                f"(got {getattr(config, key, None)!r}); the RM trainer writes 'mean' and 'std'"
+            )
         vals.append(float(v))
     if not vals[1] > 0:
         raise RewardModelError(f"--normalize_reward: {path}/config.json has std={vals[1]}, must be > 0")
@@ -105,8 +111,17 @@ def normalization(config, path: str) -> tuple[float, float]:
 
 
 class RewardModelScorer:
-    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Linear, *, micro_batch_size: int = 8,
-                 pad_id: int = 0, padding_side: str = "right", mean: float = 0.0, std: float = 1.0) -> None:
+    def __init__(
+        self,
+        backbone: torch.nn.Module,
+        head: torch.nn.Linear,
+        *,
+        micro_batch_size: int = 8,
+        pad_id: int = 0,
+        padding_side: str = "right",
+        mean: float = 0.0,
+        std: float = 1.0,
+    ) -> None:
         self.backbone = backbone.eval().requires_grad_(False)
         self.head = head.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
@@ -115,9 +130,18 @@ class RewardModelScorer:
         self.mean, self.std = mean, std
 
     @classmethod
-    def load(cls, path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             attn_implementation: str | None = None, micro_batch_size: int = 8, value_head_prefix: str = "auto",
-             normalize: bool = False, padding_side: str = "right") -> RewardModelScorer:
+    def load(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        attn_implementation: str | None = None,
+        micro_batch_size: int = 8,
+        value_head_prefix: str = "auto",
+        normalize: bool = False,
+        padding_side: str = "right",
+    ) -> RewardModelScorer:
         from transformers import AutoConfig, AutoModel
         from transformers.utils import logging as hf_logging
 
@@ -137,10 +161,23 @@ class RewardModelScorer:
             if b is not None:
                 head.bias.copy_(b)
         pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-        log.info("reward model %s loaded (head %r, %s, %s%s)", path, prefix, dtype, device,
-                 f", normalised with mean={mean} std={std}" if normalize else "")
-        return cls(backbone, head, micro_batch_size=micro_batch_size, pad_id=int(pad_id),
-                   padding_side=padding_side, mean=mean, std=std)
+        log.info(
+            "reward model %s loaded (head %r, %s, %s%s)",
+            path,
+            prefix,
+            dtype,
+            device,
+            f", normalised with mean={mean} std={std}" if normalize else "",
+        )
+        return cls(
+            backbone,
+            head,
+            micro_batch_size=micro_batch_size,
+            pad_id=int(pad_id),
+            padding_side=padding_side,
+            mean=mean,
+            std=std,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -159,8 +196,9 @@ class RewardModelScorer:
         out = torch.empty(len(seqs), dtype=torch.float32)
         for chunk in length_sorted_chunks([len(s) for s in seqs], self.micro_batch_size):
             ids, mask, pos = pad([seqs[i].long() for i in chunk], self.pad_id, self.padding_side, self.device)
-            hidden = self.backbone(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                   use_cache=False).last_hidden_state  # (B, T, H)
+            hidden = self.backbone(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
+            ).last_hidden_state  # (B, T, H)
             last = hidden[torch.arange(len(chunk), device=hidden.device), last_token_index(mask)]  # (B, H)
             r = self.head(last)[:, 0].float().cpu()  # (B,)
             out[chunk] = (r - self.mean) / self.std

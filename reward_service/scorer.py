@@ -90,8 +90,15 @@ class TextSource:
         self.impl, self.name = impl, impl.name
 
     def score(self, inp: ScoringInput) -> SourceResult:
-        return self.impl(inp.queries, inp.prompts, inp.labels, responses=inp.responses, prompt_ids=inp.prompt_ids,
-                         sample_indices=inp.sample_indices, finish_reasons=inp.finish_reasons)
+        return self.impl(
+            inp.queries,
+            inp.prompts,
+            inp.labels,
+            responses=inp.responses,
+            prompt_ids=inp.prompt_ids,
+            sample_indices=inp.sample_indices,
+            finish_reasons=inp.finish_reasons,
+        )
 
     def close(self) -> None:
         self.impl.close()
@@ -112,9 +119,15 @@ def _rm_sources(cfg: RewardConfig) -> list[RewardSource]:
         return []
     from reward_service.reward_model import RewardModelScorer
 
-    rm = RewardModelScorer.load(cfg.reward_pretrain, dtype=_dtype(cfg), device=device_of(cfg),
-                                attn_implementation=cfg.attn_implementation, micro_batch_size=cfg.micro_batch_size,
-                                value_head_prefix=cfg.value_head_prefix, normalize=cfg.normalize_reward)
+    rm = RewardModelScorer.load(
+        cfg.reward_pretrain,
+        dtype=_dtype(cfg),
+        device=device_of(cfg),
+        attn_implementation=cfg.attn_implementation,
+        micro_batch_size=cfg.micro_batch_size,
+        value_head_prefix=cfg.value_head_prefix,
+        normalize=cfg.normalize_reward,
+    )
     tok = None
     if cfg.rm_from_text:
         from transformers import AutoTokenizer
@@ -141,8 +154,11 @@ def _remote_sources(cfg: RewardConfig) -> list[RewardSource]:
     from reward_service.remote import RemoteReward
 
     urls = cfg.urls()
-    return [TextSource(RemoteReward(urls, timeout_s=cfg.timeout_s, retries=cfg.retries,
-                                    backoff_s=cfg.retry_backoff_s))] if urls else []
+    return (
+        [TextSource(RemoteReward(urls, timeout_s=cfg.timeout_s, retries=cfg.retries, backoff_s=cfg.retry_backoff_s))]
+        if urls
+        else []
+    )
 
 
 # name -> builder(config) -> sources. Cheap checks first: a bad reward file fails start-up
@@ -158,8 +174,14 @@ SOURCES: dict[str, Callable[[RewardConfig], list[RewardSource]]] = {
 
 
 class Scorer:
-    def __init__(self, *, ref: ReferenceScorer | None = None, sources: list[RewardSource] = (),
-                 tokenizer=None, name: str = "reward") -> None:
+    def __init__(
+        self,
+        *,
+        ref: ReferenceScorer | None = None,
+        sources: list[RewardSource] = (),
+        tokenizer=None,
+        name: str = "reward",
+    ) -> None:
         self.ref = ref
         self.sources = list(sources)
         self.tokenizer = tokenizer  # the policy's: decodes token ids for text sources
@@ -177,9 +199,14 @@ class Scorer:
                 sources += build(cfg)
             ref = None
             if cfg.ref_pretrain:
-                ref = ReferenceScorer.load(cfg.ref_pretrain, dtype=_dtype(cfg), device=device_of(cfg),
-                                           attn_implementation=cfg.attn_implementation,
-                                           micro_batch_size=cfg.micro_batch_size, temperature=cfg.temperature)
+                ref = ReferenceScorer.load(
+                    cfg.ref_pretrain,
+                    dtype=_dtype(cfg),
+                    device=device_of(cfg),
+                    attn_implementation=cfg.attn_implementation,
+                    micro_batch_size=cfg.micro_batch_size,
+                    temperature=cfg.temperature,
+                )
             tokenizer = None
             if cfg.tokenizer_path() and any(s.needs_text for s in sources):
                 from transformers import AutoTokenizer
@@ -193,9 +220,11 @@ class Scorer:
 
     def capabilities(self) -> dict:
         """What the Hello announces: which sources this service computes."""
-        return {"sources": (["ref"] if self.ref else []) + [s.name for s in self.sources],
-                "ref_logprobs": self.ref is not None,
-                "rewards": bool(self.sources)}
+        return {
+            "sources": (["ref"] if self.ref else []) + [s.name for s in self.sources],
+            "ref_logprobs": self.ref is not None,
+            "rewards": bool(self.sources),
+        }
 
     def score(self, req: ScoreRequest) -> ScoredBatch:
         """Scores every sample. Raises BadRequest for a request that cannot be scored as sent;
@@ -232,11 +261,14 @@ class Scorer:
         lo, hi = int(flat.min()), int(flat.max())
         for v, what in vocabs:
             if lo < 0 or hi >= v:
-                raise BadRequest(f"token ids span [{lo}, {hi}], outside the {what}'s vocabulary of {v}: "
-                                 "is this service loaded with the policy's model family?")
+                raise BadRequest(
+                    f"token ids span [{lo}, {hi}], outside the {what}'s vocabulary of {v}: "
+                    "is this service loaded with the policy's model family?"
+                )
 
-    def _combine(self, inp: ScoringInput, results: list[tuple[RewardSource, SourceResult]],
-                 ref_logprobs: torch.Tensor | None) -> ScoredBatch:
+    def _combine(
+        self, inp: ScoringInput, results: list[tuple[RewardSource, SourceResult]], ref_logprobs: torch.Tensor | None
+    ) -> ScoredBatch:
         n = len(inp)
         rewards, scores = [0.0] * n, [0.0] * n
         failed: list[str | None] = [None] * n
@@ -260,10 +292,16 @@ class Scorer:
             elif not math.isfinite(rewards[i]):  # e.g. an RM that overflowed in bf16
                 failed[i], rewards[i], scores[i] = f"reward is {rewards[i]}", NAN, NAN
                 self.counters["samples_failed"] += 1
-        return ScoredBatch(prompt_ids=inp.prompt_ids, sample_indices=inp.sample_indices,
-                           rewards=torch.tensor(rewards, dtype=torch.float32),
-                           ref_logprobs=ref_logprobs, failed=failed,
-                           scores=torch.tensor(scores, dtype=torch.float32), extra_logs=extra, server=self.name)
+        return ScoredBatch(
+            prompt_ids=inp.prompt_ids,
+            sample_indices=inp.sample_indices,
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            ref_logprobs=ref_logprobs,
+            failed=failed,
+            scores=torch.tensor(scores, dtype=torch.float32),
+            extra_logs=extra,
+            server=self.name,
+        )
 
     def stats(self) -> dict[str, float]:
         """Counters for the heartbeat: requests, samples, samples_failed, failed:<source>, last_batch_s."""

@@ -48,8 +48,17 @@ FATAL_SEND_S = 2.0  # how long the last words may take to leave
 
 
 class RewardServer:
-    def __init__(self, scorer: Scorer, *, controller: str, name: str = "", heartbeat_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, max_pending: int = 64, capacity: int = 64) -> None:
+    def __init__(
+        self,
+        scorer: Scorer,
+        *,
+        controller: str,
+        name: str = "",
+        heartbeat_s: float = 2.0,
+        connect_timeout_s: float = 60.0,
+        max_pending: int = 64,
+        capacity: int = 64,
+    ) -> None:
         self.scorer = scorer
         self.controller = controller
         self.name = name or default_name("reward")
@@ -115,8 +124,11 @@ class RewardServer:
             self.counters["internal_errors"] += 1
             self._consecutive_internal += 1
             log.exception("scoring call %d failed", req.call_id)
-            out = Error(code="internal", message=f"{self.name}: {type(e).__name__}: {e}",
-                        prompt_ids=list(req.samples.prompt_ids))
+            out = Error(
+                code="internal",
+                message=f"{self.name}: {type(e).__name__}: {e}",
+                prompt_ids=list(req.samples.prompt_ids),
+            )
             if self._consecutive_internal >= FATAL_AFTER:
                 fatal = f"{FATAL_AFTER} scoring calls in a row failed; last: {type(e).__name__}: {e}"
         out.call_id = req.call_id
@@ -199,13 +211,22 @@ class RewardServer:
                     continue
                 msg = got[1]
                 if isinstance(msg, Shutdown):
-                    log.info("Shutdown from the controller (%s): finishing %d queued request(s)",
-                             msg.reason or "no reason given", self._busy)
+                    log.info(
+                        "Shutdown from the controller (%s): finishing %d queued request(s)",
+                        msg.reason or "no reason given",
+                        self._busy,
+                    )
                     shutdown_call, drain_deadline = msg, time.monotonic() + DRAIN_S
                 elif drain_deadline is not None:
                     if isinstance(msg, ScoreRequest):
-                        ep.reply(msg, Error(code="shutting_down", message=f"{self.name} is shutting down",
-                                            prompt_ids=list(msg.samples.prompt_ids)))
+                        ep.reply(
+                            msg,
+                            Error(
+                                code="shutting_down",
+                                message=f"{self.name} is shutting down",
+                                prompt_ids=list(msg.samples.prompt_ids),
+                            ),
+                        )
                 else:
                     if self._handle(ep, msg) == "exit":
                         return 0
@@ -214,8 +235,14 @@ class RewardServer:
         if isinstance(msg, ScoreRequest):
             if self._busy >= self.max_pending:
                 self.counters["overloaded"] += 1
-                ep.reply(msg, Error(code="overloaded", message=f"{self.name} has {self._busy} requests queued "
-                                    f"(--max_pending {self.max_pending})", prompt_ids=list(msg.samples.prompt_ids)))
+                ep.reply(
+                    msg,
+                    Error(
+                        code="overloaded",
+                        message=f"{self.name} has {self._busy} requests queued (--max_pending {self.max_pending})",
+                        prompt_ids=list(msg.samples.prompt_ids),
+                    ),
+                )
                 return None
             self._busy += 1
             self._todo.put(msg)
@@ -226,14 +253,22 @@ class RewardServer:
             log.warning("controller sent error %s: %s", msg.code, msg.message)
         else:
             self.counters["unhandled_messages"] += 1
-            ep.reply(msg, Error(code="bad_request", message=f"{self.name} (a reward service) does not handle "
-                                f"{type(msg).__name__}"))
+            ep.reply(
+                msg,
+                Error(
+                    code="bad_request", message=f"{self.name} (a reward service) does not handle {type(msg).__name__}"
+                ),
+            )
         return None
 
     def stats(self) -> dict[str, float]:
         """Heartbeat stats: the scorer's counters plus queue depth and error counts."""
-        return {**self.scorer.stats(), **{k: float(v) for k, v in self.counters.items()},
-                "in_flight": float(self._busy), "rejected": float(self._ep.stats["rejected"] if self._ep else 0)}
+        return {
+            **self.scorer.stats(),
+            **{k: float(v) for k, v in self.counters.items()},
+            "in_flight": float(self._busy),
+            "rejected": float(self._ep.stats["rejected"] if self._ep else 0),
+        }
 
     def _last_words(self, ep: Endpoint, message: str) -> None:
         log.error("announcing fatal: %s", message)
@@ -256,6 +291,12 @@ def serve(cfg) -> int:
         log.error("reward service %s failed to start: %s", name, e)
         return 2
     log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
-    return RewardServer(scorer, controller=cfg.controller, name=name, heartbeat_s=cfg.heartbeat_s,
-                        connect_timeout_s=cfg.connect_timeout_s, max_pending=cfg.max_pending,
-                        capacity=cfg.capacity).run()
+    return RewardServer(
+        scorer,
+        controller=cfg.controller,
+        name=name,
+        heartbeat_s=cfg.heartbeat_s,
+        connect_timeout_s=cfg.connect_timeout_s,
+        max_pending=cfg.max_pending,
+        capacity=cfg.capacity,
+    ).run()

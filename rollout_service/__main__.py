@@ -15,7 +15,12 @@ from rollout_service.config import RolloutConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse(RolloutConfig, argv, description="One vLLM engine behind ZeroMQ: prompts in, samples out, live weight updates.", prog="python -m rollout_service")
+    cfg = parse(
+        RolloutConfig,
+        argv,
+        description="One vLLM engine behind ZeroMQ: prompts in, samples out, live weight updates.",
+        prog="python -m rollout_service",
+    )
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log_config(cfg, logging.getLogger("rollout_service"))
     from rollout_service.server import run  # heavy: torch, vLLM

@@ -15,38 +15,60 @@ class RolloutConfig:
     # -- engine
     model: str = flag("", "HF model directory or hub name to serve", required=True, group="engine")
     tensor_parallel_size: int = flag(1, "vLLM tensor-parallel size (workers inside this server)", group="engine")
-    gpu_memory_utilization: float = flag(0.85, "fraction of accelerator memory vLLM may use (on CPU: of host "
-                                               "memory; the KV cache size then comes from VLLM_CPU_KVCACHE_SPACE)",
-                                         group="engine")
+    gpu_memory_utilization: float = flag(
+        0.85,
+        "fraction of accelerator memory vLLM may use (on CPU: of host "
+        "memory; the KV cache size then comes from VLLM_CPU_KVCACHE_SPACE)",
+        group="engine",
+    )
     max_model_len: int = flag(4096, "longest prompt + response in tokens", group="engine")
-    max_num_seqs: int = flag(64, "sequences vLLM batches at once; also the capacity announced to the controller",
-                             group="engine")
-    dtype: str = flag("auto", "engine dtype (auto, bfloat16, float16, float32); weights are sent in it",
-                      choices=("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"), group="engine")
+    max_num_seqs: int = flag(
+        64, "sequences vLLM batches at once; also the capacity announced to the controller", group="engine"
+    )
+    dtype: str = flag(
+        "auto",
+        "engine dtype (auto, bfloat16, float16, float32); weights are sent in it",
+        choices=("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"),
+        group="engine",
+    )
     seed: int = flag(0, "engine seed (requests without a seed draw from it)", group="engine")
-    enforce_eager: bool = flag(False, "skip CUDA graphs / torch.compile (faster start, slower decode)",
-                               group="engine")
-    enable_prefix_caching: bool = flag(True, "reuse KV of shared prompt prefixes (reset after each weight update)",
-                                       group="engine")
-    enable_chunked_prefill: bool | None = flag(None, "split long prompts across engine steps; default: off on CPU "
-                                                      "(vLLM 0.32 on CPU crashes when a request with a seed is "
-                                                      "chunked), vLLM's default on GPU", group="engine")
-    enable_sleep: bool = flag(False, "enable vLLM sleep mode (GPU only) so the server can free memory on request",
-                              group="engine")
-    engine_start_attempts: int = flag(3, "start the vLLM engine up to this many times (vLLM 0.32 can fail to start "
-                                         "on an overloaded host)", group="engine")
+    enforce_eager: bool = flag(False, "skip CUDA graphs / torch.compile (faster start, slower decode)", group="engine")
+    enable_prefix_caching: bool = flag(
+        True, "reuse KV of shared prompt prefixes (reset after each weight update)", group="engine"
+    )
+    enable_chunked_prefill: bool | None = flag(
+        None,
+        "split long prompts across engine steps; default: off on CPU "
+        "(vLLM 0.32 on CPU crashes when a request with a seed is "
+        "chunked), vLLM's default on GPU",
+        group="engine",
+    )
+    enable_sleep: bool = flag(
+        False, "enable vLLM sleep mode (GPU only) so the server can free memory on request", group="engine"
+    )
+    engine_start_attempts: int = flag(
+        3,
+        "start the vLLM engine up to this many times (vLLM 0.32 can fail to start on an overloaded host)",
+        group="engine",
+    )
     # -- weights
-    weight_transfer_backend: str = flag("auto", "how weights arrive from the learner: nccl (GPU), gloo (CPU), "
-                                                "auto (nccl when CUDA is available, else gloo)",
-                                        choices=("auto", "nccl", "gloo"), group="weights")
+    weight_transfer_backend: str = flag(
+        "auto",
+        "how weights arrive from the learner: nccl (GPU), gloo (CPU), auto (nccl when CUDA is available, else gloo)",
+        choices=("auto", "nccl", "gloo"),
+        group="weights",
+    )
     # -- wire
     controller: str = flag("", "controller address, e.g. tcp://10.0.0.1:5555", required=True, group="wire")
     name: str = flag("", "name at the controller (default rollout-HOST-PID); unique per process", group="wire")
     heartbeat_s: float = flag(2.0, "seconds between heartbeats to the controller", group="wire")
-    connect_timeout_s: float = flag(120.0, "give up if the controller does not answer Hello within this",
-                                    group="wire")
-    coalesce_ms: float = flag(0.0, "gather prompts finishing within this many ms into one SampleBatch "
-                                   "(0: one SampleBatch per prompt, as soon as it finishes)", group="wire")
+    connect_timeout_s: float = flag(120.0, "give up if the controller does not answer Hello within this", group="wire")
+    coalesce_ms: float = flag(
+        0.0,
+        "gather prompts finishing within this many ms into one SampleBatch "
+        "(0: one SampleBatch per prompt, as soon as it finishes)",
+        group="wire",
+    )
     log_level: str = flag("INFO", "logging level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), group="wire")
 
     def __post_init__(self) -> None:

@@ -115,8 +115,14 @@ class RolloutCore:
         self._in_flight: dict[str, int] = {}  # vLLM request id -> prompt id
         self._waiting = 0
         self._meter = _Meter()
-        self.counters = {"prompts": 0, "samples": 0, "aborted": 0, "updates": 0, "failed_updates": 0,
-                         "samples_across_updates": 0}  # kept in flight through an update: tokens of 2+ versions
+        self.counters = {
+            "prompts": 0,
+            "samples": 0,
+            "aborted": 0,
+            "updates": 0,
+            "failed_updates": 0,
+            "samples_across_updates": 0,
+        }  # kept in flight through an update: tokens of 2+ versions
 
     # ------------------------------------------------------------------ lifecycle
     def engine_args(self):
@@ -124,9 +130,15 @@ class RolloutCore:
 
         c = self.cfg
         kwargs: dict[str, Any] = dict(
-            model=c.model, tensor_parallel_size=c.tensor_parallel_size, dtype=c.dtype, seed=c.seed,
-            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs, enforce_eager=c.enforce_eager,
-            gpu_memory_utilization=c.gpu_memory_utilization, enable_prefix_caching=c.enable_prefix_caching,
+            model=c.model,
+            tensor_parallel_size=c.tensor_parallel_size,
+            dtype=c.dtype,
+            seed=c.seed,
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            enforce_eager=c.enforce_eager,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            enable_prefix_caching=c.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="rollout_service.worker_ext.RolloutWorkerExtension",
             weight_transfer_config={"backend": self.backend},
@@ -155,16 +167,26 @@ class RolloutCore:
                 # which happens on an overloaded host (seen on a busy 2-core CI box): retry.
                 if "initialization failed" not in str(e) or attempt == self.cfg.engine_start_attempts:
                     raise
-                log.warning("vLLM engine failed to start (attempt %d of %d): %s; retrying", attempt,
-                            self.cfg.engine_start_attempts, e)
+                log.warning(
+                    "vLLM engine failed to start (attempt %d of %d): %s; retrying",
+                    attempt,
+                    self.cfg.engine_start_attempts,
+                    e,
+                )
         engines = await self.llm.collective_rpc("rayless_weight_transfer_engine")
         if not all(engines):
             raise RuntimeError(f"vLLM workers have no weight-transfer engine for backend {self.backend!r}: {engines}")
         self.workers = len(engines)
         self.engine_dtype = str(self.llm.model_config.dtype).removeprefix("torch.")
         await self.llm.update_weight_version(str(self.version))
-        log.info("engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s)", self.cfg.model, self.workers,
-                 self.engine_dtype, self.backend, engines[0])
+        log.info(
+            "engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s)",
+            self.cfg.model,
+            self.workers,
+            self.engine_dtype,
+            self.backend,
+            engines[0],
+        )
 
     async def shutdown(self) -> None:
         if self.llm is not None:
@@ -174,22 +196,35 @@ class RolloutCore:
     def capabilities(self) -> dict[str, Any]:
         import torch
 
-        return {"capacity": self.cfg.max_num_seqs, "model": self.cfg.model, "tp": self.cfg.tensor_parallel_size,
-                "workers": self.workers, "dtype": self.engine_dtype, "weight_transfer_backend": self.backend,
-                "sleep": self.sleep_supported(), "policy_version": self.version,
-                "platform": "cuda" if torch.cuda.is_available() else "cpu"}
+        return {
+            "capacity": self.cfg.max_num_seqs,
+            "model": self.cfg.model,
+            "tp": self.cfg.tensor_parallel_size,
+            "workers": self.workers,
+            "dtype": self.engine_dtype,
+            "weight_transfer_backend": self.backend,
+            "sleep": self.sleep_supported(),
+            "policy_version": self.version,
+            "platform": "cuda" if torch.cuda.is_available() else "cpu",
+        }
 
     # ------------------------------------------------------------------ generation
     def _vllm_params(self, sp: P.SamplingParams, prompt_id: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        return SamplingParams(n=sp.n, temperature=sp.temperature, top_p=sp.top_p,
-                              top_k=0 if sp.top_k in (-1, 0) else sp.top_k, max_tokens=sp.max_new_tokens,
-                              stop_token_ids=list(sp.stop_token_ids),
-                              seed=None if sp.seed is None else sp.seed + prompt_id,
-                              logprobs=0 if sp.logprobs else None, detokenize=False,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+        return SamplingParams(
+            n=sp.n,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=0 if sp.top_k in (-1, 0) else sp.top_k,
+            max_tokens=sp.max_new_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            seed=None if sp.seed is None else sp.seed + prompt_id,
+            logprobs=0 if sp.logprobs else None,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
     def validate(self, token_ids: list[int], sp: P.SamplingParams) -> None:
         """Raises BadRequest for a prompt this engine cannot serve (checked before queueing, so
@@ -202,8 +237,9 @@ class RolloutCore:
         # As vLLM: the prompt must leave room for one token; a response that reaches the limit
         # ends early with finish reason "length" (max_new_tokens is an upper bound, not a promise).
         if len(token_ids) >= self.cfg.max_model_len:
-            raise BadRequest(f"prompt of {len(token_ids)} tokens leaves no room under --max_model_len "
-                             f"{self.cfg.max_model_len}")
+            raise BadRequest(
+                f"prompt of {len(token_ids)} tokens leaves no room under --max_model_len {self.cfg.max_model_len}"
+            )
 
     async def _admit(self, min_version: int) -> None:
         min_version = max(min_version, self.version_floor)
@@ -214,8 +250,9 @@ class RolloutCore:
             finally:
                 self._waiting -= 1
 
-    async def generate(self, prompt_id: int, token_ids: list[int], sampling: P.SamplingParams,
-                       min_version: int = 0) -> PromptResult:
+    async def generate(
+        self, prompt_id: int, token_ids: list[int], sampling: P.SamplingParams, min_version: int = 0
+    ) -> PromptResult:
         """All ``sampling.n`` samples of one prompt, once the last of them finishes."""
         from vllm import TokensPrompt
 
@@ -272,8 +309,10 @@ class RolloutCore:
 
     async def stream(self, batch: P.PromptBatch) -> AsyncIterator[PromptResult]:
         """Results of a batch as each prompt finishes (continuous batching inside vLLM)."""
-        tasks = [asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version))
-                 for pid, toks in zip(batch.prompt_ids, batch.token_ids)]
+        tasks = [
+            asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version))
+            for pid, toks in zip(batch.prompt_ids, batch.token_ids)
+        ]
         try:
             for fut in asyncio.as_completed(tasks):
                 yield await fut
@@ -312,8 +351,11 @@ class RolloutCore:
 
     def _check_sleep(self) -> None:
         if not self.sleep_supported():
-            why = ("this server was started without --enable_sleep" if self.cfg.enable_sleep is False
-                   else "vLLM sleep mode needs a GPU; the CPU worker ignores it")
+            why = (
+                "this server was started without --enable_sleep"
+                if self.cfg.enable_sleep is False
+                else "vLLM sleep mode needs a GPU; the CPU worker ignores it"
+            )
             raise NotSupported(f"sleep/wake not supported: {why}")
 
     async def sleep(self, level: int = 1) -> None:
@@ -333,14 +375,17 @@ class RolloutCore:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         if backend != self.backend:
-            raise BadRequest(f"learner pushes weights over {backend!r}, this server was started with "
-                             f"--weight_transfer_backend {self.backend!r}")
+            raise BadRequest(
+                f"learner pushes weights over {backend!r}, this server was started with "
+                f"--weight_transfer_backend {self.backend!r}"
+            )
         async with self._update_lock:
             if self._update_open:
                 raise BadRequest("a weight update is open; finish it before re-forming the group")
             # The group's own timeouts (in init_info) end a stuck rendezvous; this is a backstop.
-            await asyncio.wait_for(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)),
-                                   timeout_s + 10)
+            await asyncio.wait_for(
+                self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), timeout_s + 10
+            )
         return self.workers
 
     async def close_weight_transfer(self) -> None:
@@ -367,8 +412,11 @@ class RolloutCore:
                 raise BadRequest("WeightUpdate without WeightUpdateStart")
             t0 = time.perf_counter()
             try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(
-                    update_info={"names": names, "dtype_names": dtype_names, "shapes": shapes}))
+                await self.llm.update_weights(
+                    WeightTransferUpdateRequest(
+                        update_info={"names": names, "dtype_names": dtype_names, "shapes": shapes}
+                    )
+                )
             except BaseException:
                 await self._fail_update()
                 raise
@@ -404,8 +452,12 @@ class RolloutCore:
     # ------------------------------------------------------------------ metrics
     @property
     def state(self) -> str:
-        for reason, name in (("update_failed", "update_failed"), ("sleep", "sleeping"), ("update", "updating"),
-                             ("pause", "paused")):
+        for reason, name in (
+            ("update_failed", "update_failed"),
+            ("sleep", "sleeping"),
+            ("update", "updating"),
+            ("pause", "paused"),
+        ):
             if reason in self._holds:
                 return name
         return "serving"
@@ -415,6 +467,11 @@ class RolloutCore:
         return len(self._in_flight)
 
     def metrics(self) -> dict[str, float]:
-        return {"in_flight": float(len(self._in_flight)), "waiting": float(self._waiting),
-                "tokens_per_s": round(self._meter.rate(), 2), "generated_tokens": float(self._meter.total),
-                "policy_version": float(self.version), **{k: float(v) for k, v in self.counters.items()}}
+        return {
+            "in_flight": float(len(self._in_flight)),
+            "waiting": float(self._waiting),
+            "tokens_per_s": round(self._meter.rate(), 2),
+            "generated_tokens": float(self._meter.total),
+            "policy_version": float(self.version),
+            **{k: float(v) for k, v in self.counters.items()},
+        }

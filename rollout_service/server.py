@@ -56,10 +56,16 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
                 lps.extend(s.logprobs)
             reasons.append(s.finish_reason)
             versions.append(s.policy_version)
-    return P.SampleBatch(prompt_ids=pids, sample_indices=idx, response_lengths=lens,
-                         response_ids=np.asarray(toks, dtype=np.int32),
-                         logprobs=np.asarray(lps, dtype=np.float32) if with_lp else None,
-                         finish_reasons=reasons, policy_versions=versions, server=server)
+    return P.SampleBatch(
+        prompt_ids=pids,
+        sample_indices=idx,
+        response_lengths=lens,
+        response_ids=np.asarray(toks, dtype=np.int32),
+        logprobs=np.asarray(lps, dtype=np.float32) if with_lp else None,
+        finish_reasons=reasons,
+        policy_versions=versions,
+        server=server,
+    )
 
 
 class RolloutServer:
@@ -75,10 +81,16 @@ class RolloutServer:
         self._rehello = 0  # call id of a Hello sent again, until its Welcome
         self._rehello_at = 0.0
         self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
-            P.WeightSyncInit: self._on_sync_init, P.WeightUpdateStart: self._on_update_start,
-            P.WeightUpdate: self._on_update, P.WeightUpdateFinish: self._on_update_finish,
-            P.WeightSyncClose: self._on_sync_close, P.Pause: self._on_pause, P.Resume: self._on_resume,
-            P.Sleep: self._on_sleep, P.WakeUp: self._on_wake_up, P.GetHealth: self._on_health,
+            P.WeightSyncInit: self._on_sync_init,
+            P.WeightUpdateStart: self._on_update_start,
+            P.WeightUpdate: self._on_update,
+            P.WeightUpdateFinish: self._on_update_finish,
+            P.WeightSyncClose: self._on_sync_close,
+            P.Pause: self._on_pause,
+            P.Resume: self._on_resume,
+            P.Sleep: self._on_sleep,
+            P.WakeUp: self._on_wake_up,
+            P.GetHealth: self._on_health,
             P.Shutdown: self._on_shutdown,
         }
 
@@ -86,8 +98,12 @@ class RolloutServer:
     async def serve(self) -> int:
         welcome = await self._handshake()
         self.core.version_floor = welcome.policy_version
-        log.info("%s welcomed by the controller (its policy version %d, ours %d)", self.name,
-                 welcome.policy_version, self.core.version)
+        log.info(
+            "%s welcomed by the controller (its policy version %d, ours %d)",
+            self.name,
+            welcome.policy_version,
+            self.core.version,
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: self._spawn(self._fatal(f"received {signal.Signals(s).name}")))
@@ -116,8 +132,10 @@ class RolloutServer:
                 return await ahandshake(self.ep, "rollout", self.core.capabilities(), max(1.0, min(left, 30.0)))
             except (PeerUnavailable, CallTimeout) as e:
                 if time.monotonic() >= deadline:
-                    raise TransportError(f"{self.name}: no Welcome from the controller at {self.cfg.controller} "
-                                         f"within {self.cfg.connect_timeout_s:.0f} s: {e}") from None
+                    raise TransportError(
+                        f"{self.name}: no Welcome from the controller at {self.cfg.controller} "
+                        f"within {self.cfg.connect_timeout_s:.0f} s: {e}"
+                    ) from None
                 log.info("controller not answering yet (%s); trying again", e)
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -147,8 +165,13 @@ class RolloutServer:
             elif isinstance(msg, P.Error):
                 log.error("controller reported an error: %s: %s", msg.code, msg.message)
             else:
-                await self._send(P.Error(code="bad_request", call_id=msg.call_id,
-                                         message=f"a rollout server does not take {type(msg).__name__}"))
+                await self._send(
+                    P.Error(
+                        code="bad_request",
+                        call_id=msg.call_id,
+                        message=f"a rollout server does not take {type(msg).__name__}",
+                    )
+                )
 
     async def _hello_again(self) -> None:
         """The controller declared us dead (we were silent too long, or a weight push to us
@@ -157,8 +180,9 @@ class RolloutServer:
         if self._rehello and time.monotonic() - self._rehello_at < 10.0:
             return  # one Hello at a time (again after 10 s if its Welcome never came)
         log.warning("the controller no longer knows this server; saying Hello again")
-        hello = P.Hello(role="rollout", name=self.name, capabilities=self.core.capabilities(),
-                        call_id=self.ep.core.new_call_id())
+        hello = P.Hello(
+            role="rollout", name=self.name, capabilities=self.core.capabilities(), call_id=self.ep.core.new_call_id()
+        )
         self._rehello, self._rehello_at = hello.call_id, time.monotonic()
         await self._send(hello)
 
@@ -168,8 +192,9 @@ class RolloutServer:
             if self.core.llm is not None and self.core.llm.errored:
                 await self._fatal("vLLM engine died (see its log above)")
                 return
-            await self._send(P.Heartbeat(name=self.name, seq=seq, policy_version=self.core.version,
-                                         stats=self.core.metrics()))
+            await self._send(
+                P.Heartbeat(name=self.name, seq=seq, policy_version=self.core.version, stats=self.core.metrics())
+            )
             seq += 1
             await asyncio.sleep(self.cfg.heartbeat_s)
 
@@ -275,8 +300,9 @@ class RolloutServer:
         return P.Ack()
 
     async def _on_health(self, m: P.GetHealth) -> P.Message:
-        return P.Health(name=self.name, state=self.core.state, policy_version=self.core.version,
-                        stats=self.core.metrics())
+        return P.Health(
+            name=self.name, state=self.core.state, policy_version=self.core.version, stats=self.core.metrics()
+        )
 
     async def _on_shutdown(self, m: P.Shutdown) -> P.Message:
         log.info("shutdown requested by the controller: %s", m.reason or "(no reason given)")

@@ -21,8 +21,10 @@ _ANSWER_LINE = re.compile(r"^\s*answer\s*:", re.IGNORECASE | re.MULTILINE)
 def checks(response: str, finish_reason: str | None) -> dict[str, bool]:
     opens, closes = response.count("<think>"), response.count("</think>")
     think_ok = (opens == closes == 0) or (
-        opens == closes == 1 and response.index("<think>") < response.index("</think>")
-        and response[:response.index("<think>")].strip() == "")
+        opens == closes == 1
+        and response.index("<think>") < response.index("</think>")
+        and response[: response.index("<think>")].strip() == ""
+    )
     thought, _, after = response.rpartition("</think>")
     n_answers = after.count("\\boxed{") + len(_ANSWER_LINE.findall(after))
     in_think = thought.count("\\boxed{") + len(_ANSWER_LINE.findall(thought))
@@ -36,7 +38,7 @@ def checks(response: str, finish_reason: str | None) -> dict[str, bool]:
 
 def reward_func(queries, prompts, labels, responses=None, finish_reasons=None, **kw):
     if responses is None:  # OpenRLHF passes only queries (= prompt + response) and prompts
-        responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
     finish_reasons = finish_reasons or [None] * len(responses)
     rewards, logs = [], {}
     for resp, fr in zip(responses, finish_reasons):

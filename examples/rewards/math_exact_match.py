@@ -75,12 +75,15 @@ def is_equal(answer: str, label) -> bool:
 
 def reward_func(queries, prompts, labels, responses=None, **kw):
     if responses is None:  # OpenRLHF passes only queries (= prompt + response) and prompts
-        responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
     rewards, has_answer, has_label = [], [], []
     for resp, label in zip(responses, labels):
         answer = extract_answer(resp)
         has_answer.append(float(answer is not None))
         has_label.append(float(label is not None))
         rewards.append(float(answer is not None and label is not None and is_equal(answer, label)))
-    return {"rewards": rewards, "scores": rewards,
-            "extra_logs": {"math/has_answer": has_answer, "math/has_label": has_label}}
+    return {
+        "rewards": rewards,
+        "scores": rewards,
+        "extra_logs": {"math/has_answer": has_answer, "math/has_label": has_label},
+    }

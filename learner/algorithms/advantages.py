@@ -235,8 +235,19 @@ def _check_shapes(rewards: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def gae(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0,
-        std_norm=True, dist_reduce=None):
+def gae(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """PPO with a critic: GAE on KL-penalised token rewards, then global whitening.
 
     A = whiten(GAE(V, -beta*kl + r*[last])), ret = GAE advantages + V (un-whitened).
@@ -254,8 +265,19 @@ def gae(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma
 
 
 @torch.no_grad()
-def reinforce(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0,
-              std_norm=True, dist_reduce=None):
+def reinforce(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, globally whitened.
 
     ret_t = sum_{s>=t} gamma^(s-t) (-beta*kl_s + r*[s last]);  A = whiten_global(ret).
@@ -268,8 +290,19 @@ def reinforce(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0,
 
 
 @torch.no_grad()
-def reinforce_baseline(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0,
-                       lambd=1.0, std_norm=True, dist_reduce=None):
+def reinforce_baseline(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """REINFORCE++-baseline (Hu 2025): subtract the group mean, then whiten globally.
 
     r'_i = r_i - mean_{j in group(i)} r_j;  ret = returns(-beta*kl + r'*[last]);
@@ -285,8 +318,19 @@ def reinforce_baseline(rewards, mask, *, group_size=1, values=None, kl=None, kl_
 
 
 @torch.no_grad()
-def rloo(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0,
-         std_norm=True, dist_reduce=None):
+def rloo(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740; Kool et al. 2019): leave-one-out baseline.
 
     r'_i = r_i - (sum_{j in group(i)} r_j - r_i) / (G - 1);  A = ret = returns(-beta*kl + r'*[last]).
@@ -314,8 +358,19 @@ def _group_centred(name: str, rewards, mask, group_size, kl, kl_coef, gamma, std
 
 
 @torch.no_grad()
-def group_norm(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0,
-               std_norm=True, dist_reduce=None):
+def group_norm(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): group-normalised outcome reward.
 
     r'_i = (r_i - mean_g) / (std_g + 1e-9), std_g the UNBIASED (G - 1) sample std as in
@@ -328,8 +383,19 @@ def group_norm(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0
 
 
 @torch.no_grad()
-def dr_grpo(rewards, mask, *, group_size=1, values=None, kl=None, kl_coef=0.0, gamma=1.0, lambd=1.0,
-            std_norm=True, dist_reduce=None):
+def dr_grpo(
+    rewards,
+    mask,
+    *,
+    group_size=1,
+    values=None,
+    kl=None,
+    kl_coef=0.0,
+    gamma=1.0,
+    lambd=1.0,
+    std_norm=True,
+    dist_reduce=None,
+):
     """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): GRPO without the std division.
 
     r'_i = r_i - mean_g;  A = ret = returns(-beta*kl + r'*[last]). ``std_norm`` is ignored

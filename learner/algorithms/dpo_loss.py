@@ -26,10 +26,18 @@ import torch.nn.functional as F
 Metrics = dict[str, torch.Tensor]
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, *, beta: float, label_smoothing: float = 0.0, ipo: bool = False,
-             nll_loss_coef: float = 0.0, chosen_tokens: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, Metrics]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    ipo: bool = False,
+    nll_loss_coef: float = 0.0,
+    chosen_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
     """Mean preference loss over the (B,) pairs, and detached metrics.
 
     Args:
@@ -60,8 +68,11 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         loss = loss + nll_loss_coef * nll
         metrics["nll"] = nll.detach()
     chosen_reward, rejected_reward = beta * (pc - rc).detach(), beta * (pr - rr).detach()
-    metrics.update(preference_loss=per_pair.mean().detach(), chosen_reward=chosen_reward.mean(),
-                   rejected_reward=rejected_reward.mean(),
-                   reward_margin=(chosen_reward - rejected_reward).mean(),
-                   acc=(chosen_reward > rejected_reward).float().mean())
+    metrics.update(
+        preference_loss=per_pair.mean().detach(),
+        chosen_reward=chosen_reward.mean(),
+        rejected_reward=rejected_reward.mean(),
+        reward_margin=(chosen_reward - rejected_reward).mean(),
+        acc=(chosen_reward > rejected_reward).float().mean(),
+    )
     return loss, metrics

@@ -194,8 +194,12 @@ class AggSpec:
 
     def __call__(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return aggregate(
-            per_token, mask, self.mode,
-            global_tokens=self.global_tokens, global_seqs=self.global_seqs, max_len=self.max_len,
+            per_token,
+            mask,
+            self.mode,
+            global_tokens=self.global_tokens,
+            global_seqs=self.global_seqs,
+            max_len=self.max_len,
         )
 
 
@@ -438,8 +442,9 @@ def policy_loss(
         raise ValueError(f"unknown policy loss {loss_type!r}; choose one of {sorted(POLICY_LOSSES)}")
     required = REQUIRED_AGGREGATION.get(loss_type)
     if required is not None and agg.mode != required:
-        raise ValueError(f"policy loss {loss_type!r} is a sequence-level objective: use aggregation {required!r}, "
-                         f"got {agg.mode!r}")
+        raise ValueError(
+            f"policy loss {loss_type!r} is a sequence-level objective: use aggregation {required!r}, got {agg.mode!r}"
+        )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     el = eps_clip if eps_clip_low is None else eps_clip_low
@@ -480,7 +485,8 @@ def policy_loss(
             clip_frac_low=masked_mean(low_clip.float(), mask),
             clip_frac_high=masked_mean(high_clip.float(), mask),
             dual_clip_frac=masked_mean(((adv < 0) & (r > dual_clip)).float(), mask)
-            if dual_clip is not None else torch.zeros(()),
+            if dual_clip is not None
+            else torch.zeros(()),
             # KL[pi_old || pi] from tokens sampled by pi_old: k1 (OpenRLHF's ppo_kl) and k3.
             ppo_kl=masked_mean(-log_ratio.detach(), mask),
             approx_kl=masked_mean(torch.expm1(log_ratio.detach()) - log_ratio.detach(), mask),
@@ -530,7 +536,8 @@ def value_loss(
     with torch.no_grad():
         clip_frac = (
             masked_mean(((v - old_values.float()).abs() > value_clip).float(), mask)
-            if value_clip is not None else torch.zeros(())
+            if value_clip is not None
+            else torch.zeros(())
         )
         metrics = {
             "value_loss": masked_mean(per_token.detach(), mask),

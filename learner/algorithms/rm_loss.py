@@ -43,14 +43,19 @@ def logexp_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
 RM_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sigmoid": sigmoid_loss, "logexp": logexp_loss}
 
 
-def reward_model_loss(chosen: torch.Tensor, rejected: torch.Tensor, *, loss: str = "sigmoid",
-                      margin: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
+def reward_model_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, *, loss: str = "sigmoid", margin: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Metrics]:
     """Mean pairwise loss and metrics (detached): ``acc`` (share of pairs with chosen >
     rejected), ``chosen_reward``, ``rejected_reward``, ``reward_margin`` (means)."""
     if loss not in RM_LOSSES:
         raise ValueError(f"unknown --loss {loss!r}; choose from {sorted(RM_LOSSES)}")
     per_pair = RM_LOSSES[loss](chosen, rejected, margin)  # (B,)
     c, r = chosen.detach().float(), rejected.detach().float()
-    metrics = {"acc": (c > r).float().mean(), "chosen_reward": c.mean(), "rejected_reward": r.mean(),
-               "reward_margin": (c - r).mean()}
+    metrics = {
+        "acc": (c > r).float().mean(),
+        "chosen_reward": c.mean(),
+        "rejected_reward": r.mean(),
+        "reward_margin": (c - r).mean(),
+    }
     return per_pair.mean(), metrics

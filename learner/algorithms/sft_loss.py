@@ -28,8 +28,9 @@ from learner.algorithms.losses import log_probs_from_logits
 IGNORE_INDEX = -100
 
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor, *, global_tokens: float
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def sft_loss(
+    logits: torch.Tensor, labels: torch.Tensor, *, global_tokens: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``sum_t -log p(labels_t) [labels_t != IGNORE] / global_tokens``.
 
     Args:

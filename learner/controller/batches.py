@@ -26,7 +26,7 @@ def _take_flat(flat: torch.Tensor | None, lengths: list[int], rows: list[int]) -
     if flat is None:
         return None
     offs = _offsets(lengths)
-    parts = [flat[offs[r]:offs[r] + lengths[r]] for r in rows]
+    parts = [flat[offs[r] : offs[r] + lengths[r]] for r in rows]
     return torch.cat(parts) if parts else flat[:0]
 
 
@@ -40,7 +40,8 @@ def select_samples(b: SampleBatch, rows: list[int]) -> SampleBatch:
         finish_reasons=[b.finish_reasons[r] for r in rows] if b.finish_reasons else [],
         policy_versions=[b.policy_versions[r] for r in rows] if b.policy_versions else [],
         prompt_token_ids=[b.prompt_token_ids[r] for r in rows] if b.prompt_token_ids is not None else None,
-        server=b.server)
+        server=b.server,
+    )
 
 
 def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
@@ -49,13 +50,15 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
 
     lps = [b.logprobs for b in batches]
     return SampleBatch(
-        prompt_ids=cat("prompt_ids"), sample_indices=cat("sample_indices"),
+        prompt_ids=cat("prompt_ids"),
+        sample_indices=cat("sample_indices"),
         response_lengths=cat("response_lengths"),
         response_ids=torch.cat([b.response_ids.to(torch.int64) for b in batches]),
         logprobs=torch.cat([lp.float() for lp in lps]) if all(lp is not None for lp in lps) else None,
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
-        server=",".join(sorted({b.server for b in batches})))
+        server=",".join(sorted({b.server for b in batches})),
+    )
 
 
 def split_by_prompt(b: SampleBatch) -> dict[int, SampleBatch]:
@@ -73,11 +76,15 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
     out = {}
     for pid, r in rows.items():
         out[pid] = ScoredBatch(
-            prompt_ids=[pid] * len(r), sample_indices=[s.sample_indices[i] for i in r],
+            prompt_ids=[pid] * len(r),
+            sample_indices=[s.sample_indices[i] for i in r],
             rewards=s.rewards[r].float(),
-            ref_logprobs=_take_flat(s.ref_logprobs.reshape(-1), response_lengths, r) if s.ref_logprobs is not None else None,
+            ref_logprobs=_take_flat(s.ref_logprobs.reshape(-1), response_lengths, r)
+            if s.ref_logprobs is not None
+            else None,
             failed=[s.failed[i] for i in r] if s.failed else [],
             scores=s.scores[r].float() if s.scores is not None else None,
             extra_logs={k: [v[i] for i in r] for k, v in s.extra_logs.items()},
-            server=s.server)
+            server=s.server,
+        )
     return out

@@ -58,9 +58,16 @@ class ServicesMissing(RuntimeError):
 
 
 class Controller:
-    def __init__(self, rollout: RolloutClient, ledger: PromptLedger, *, sampling: SamplingParams,
-                 max_prompts_per_request: int = 16, sync_joiners_in_pump: bool = True,
-                 detokenize: Callable[[list[list[int]]], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        rollout: RolloutClient,
+        ledger: PromptLedger,
+        *,
+        sampling: SamplingParams,
+        max_prompts_per_request: int = 16,
+        sync_joiners_in_pump: bool = True,
+        detokenize: Callable[[list[list[int]]], list[str]] | None = None,
+    ) -> None:
         self.rollout = rollout
         self.endpoint: Endpoint = rollout.endpoint
         self.pool: ServicePool = rollout.pool
@@ -95,7 +102,8 @@ class Controller:
                 raise ServicesMissing(
                     f"after {timeout_s:.0f} s only {n_roll}/{min_rollout} rollout server(s) and {n_rew}/{min_reward} "
                     f"reward service(s) have connected to {self.endpoint.address}; start them with "
-                    f"--controller pointing here (see their logs if they were started)")
+                    f"--controller pointing here (see their logs if they were started)"
+                )
 
     # ------------------------------------------------------------------ the loop
     def pump(self, timeout: float = 0.05) -> None:
@@ -146,9 +154,15 @@ class Controller:
         if not queued or self.pool.pick("rollout") is None:
             return
         for start in range(0, len(queued), self.max_prompts_per_request):
-            chunk = queued[start:start + self.max_prompts_per_request]
-            unplaced = set(self.rollout.submit([e.prompt_id for e in chunk], [e.payload.tokens for e in chunk],
-                                               self.sampling, policy_version=self.policy_version))
+            chunk = queued[start : start + self.max_prompts_per_request]
+            unplaced = set(
+                self.rollout.submit(
+                    [e.prompt_id for e in chunk],
+                    [e.payload.tokens for e in chunk],
+                    self.sampling,
+                    policy_version=self.policy_version,
+                )
+            )
             for e in chunk:
                 if e.prompt_id not in unplaced:
                     self.ledger.start_generation([e.prompt_id], self.pool.holder(e.prompt_id).name)
@@ -171,8 +185,9 @@ class Controller:
             if self.detokenize is not None:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
                 queries = [p + r for p, r in zip(prompts, responses)]
-            req = build_score_request(samples, [e.payload.tokens for e in per_sample], prompts,
-                                      [e.payload.label for e in per_sample], queries)
+            req = build_score_request(
+                samples, [e.payload.tokens for e in per_sample], prompts, [e.payload.label for e in per_sample], queries
+            )
             if self.pool.send_work(peer, req, ids):
                 self.ledger.start_scoring(ids, peer.name)
 
@@ -199,8 +214,14 @@ class Controller:
         return unconfirmed
 
     # ------------------------------------------------------------------ collect
-    def collect(self, n_prompts: int, items: list[PromptItem], *, timeout_s: float,
-                on_progress: Callable[[int, int], None] | None = None) -> CollectResult:
+    def collect(
+        self,
+        n_prompts: int,
+        items: list[PromptItem],
+        *,
+        timeout_s: float,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> CollectResult:
         """Generates and scores ``items`` (``n_prompts`` of them); returns them as a Rollout of
         complete groups, in prompt order. Raises TimeoutError naming what is missing."""
         ids = self.add_prompts(items)
@@ -220,7 +241,8 @@ class Controller:
                 raise TimeoutError(
                     f"collect: {len(missing)} of {len(ids)} prompts not done after {timeout_s:.0f} s "
                     f"(e.g. {holders}); rollout servers alive: {[p.name for p in self.pool.alive('rollout')]}, "
-                    f"reward services alive: {[p.name for p in self.pool.alive('reward')]}")
+                    f"reward services alive: {[p.name for p in self.pool.alive('reward')]}"
+                )
         return self._to_rollout([done[i] for i in ids])
 
     def _to_rollout(self, entries: list[Entry]) -> CollectResult:
@@ -252,13 +274,20 @@ class Controller:
                 ref = None
                 if ref_offsets is not None:
                     a, n = ref_offsets[idx]
-                    ref = sc.ref_logprobs.reshape(-1)[a:a + n].float()
-                samples.append(Sample(
-                    prompt_id=e.prompt_id, sample_index=idx, prompt=list(e.payload.tokens),
-                    response=resp[i].tolist(), rollout_logprobs=lps[i].float().clone(), ref_logprobs=ref,
-                    reward=float(sc.rewards[score_row[idx]]),
-                    finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
-                    policy_version=sb.policy_versions[i] if sb.policy_versions else 0))
+                    ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
+                samples.append(
+                    Sample(
+                        prompt_id=e.prompt_id,
+                        sample_index=idx,
+                        prompt=list(e.payload.tokens),
+                        response=resp[i].tolist(),
+                        rollout_logprobs=lps[i].float().clone(),
+                        ref_logprobs=ref,
+                        reward=float(sc.rewards[score_row[idx]]),
+                        finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
+                        policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
+                    )
+                )
         if failed_groups:
             log.warning("dropped %d group(s) whose scoring failed (first reason: %s)", failed_groups, reasons[0])
         return CollectResult(Rollout(samples, self.sampling.n), kept, failed_groups, reasons)

@@ -48,8 +48,14 @@ class LedgerError(RuntimeError):
 
 
 class PromptLedger:
-    def __init__(self, *, generate_timeout_s: float, score_timeout_s: float, max_attempts: int = 5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        generate_timeout_s: float,
+        score_timeout_s: float,
+        max_attempts: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.generate_timeout_s = generate_timeout_s
         self.score_timeout_s = score_timeout_s
         self.max_attempts = max_attempts
@@ -80,8 +86,10 @@ class PromptLedger:
         for pid in prompt_ids:
             e = self._get(pid, State.QUEUED, "start generation")
             if e.attempts >= self.max_attempts:
-                raise LedgerError(f"prompt {pid} was handed out {e.attempts} times and never came back "
-                                  f"(history: {', '.join(e.history)}); giving up rather than looping")
+                raise LedgerError(
+                    f"prompt {pid} was handed out {e.attempts} times and never came back "
+                    f"(history: {', '.join(e.history)}); giving up rather than looping"
+                )
             e.state, e.holder, e.deadline = State.GENERATING, peer, now + self.generate_timeout_s
             e.attempts += 1
             e.history.append(f"generating@{peer}")
@@ -102,8 +110,10 @@ class PromptLedger:
         for pid in prompt_ids:
             e = self._get(pid, State.SCORING, "start scoring")
             if e.score_attempts >= self.max_attempts:
-                raise LedgerError(f"prompt {pid} was sent for scoring {e.score_attempts} times and never scored "
-                                  f"(history: {', '.join(e.history)}); giving up rather than looping")
+                raise LedgerError(
+                    f"prompt {pid} was sent for scoring {e.score_attempts} times and never scored "
+                    f"(history: {', '.join(e.history)}); giving up rather than looping"
+                )
             e.score_attempts += 1
             e.holder, e.deadline = peer, deadline
             e.history.append(f"scoring@{peer}")

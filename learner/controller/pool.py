@@ -69,10 +69,15 @@ class LostWork:
 class ServicePool:
     """Registry + liveness + per-peer in-flight work. Not thread-safe: one controller loop owns it."""
 
-    def __init__(self, endpoint: Endpoint, *, peer_timeout_s: float = 30.0,
-                 needs_preparation: Iterable[str] = ("rollout",),
-                 welcome_config: Callable[[Hello], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        peer_timeout_s: float = 30.0,
+        needs_preparation: Iterable[str] = ("rollout",),
+        welcome_config: Callable[[Hello], dict[str, Any]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.endpoint = endpoint
         self.peer_timeout_s = peer_timeout_s
         self.needs_preparation = set(needs_preparation)
@@ -97,8 +102,11 @@ class ServicePool:
             # A message from a peer we never met or already declared dead: its work was
             # re-issued, so a late result would be a duplicate. The caller's ledger drops
             # duplicates anyway; tell the peer to re-introduce itself.
-            log.warning("message %s from unknown or dead peer %s; asking it to say Hello again",
-                        type(msg).__name__, identity.decode("utf-8", "replace"))
+            log.warning(
+                "message %s from unknown or dead peer %s; asking it to say Hello again",
+                type(msg).__name__,
+                identity.decode("utf-8", "replace"),
+            )
             self._try_send(Error(code="unknown_peer", message="say Hello first (or again)"), identity)
             return None
         if isinstance(msg, Heartbeat):
@@ -121,15 +129,24 @@ class ServicePool:
         if old is not None and old.alive:
             # Same identity says Hello again: it restarted before we noticed. What it held is gone.
             self._declare_dead(old, "restarted (said Hello again)")
-        peer = Peer(identity=identity, name=hello.name, role=hello.role, capabilities=dict(hello.capabilities),
-                    last_seen=self.clock(), ready=hello.role not in self.needs_preparation)
+        peer = Peer(
+            identity=identity,
+            name=hello.name,
+            role=hello.role,
+            capabilities=dict(hello.capabilities),
+            last_seen=self.clock(),
+            ready=hello.role not in self.needs_preparation,
+        )
         self.peers[identity] = peer
         self.endpoint.set_peer_name(identity, hello.name)
         self.counters["joined"] += 1
         self.joined.append(peer)
         log.info("%s joined as %s (capabilities %s)", hello.name, hello.role, hello.capabilities)
-        self.endpoint.reply(hello, Welcome(peer_id=hello.name, policy_version=self.policy_version,
-                                           config=self.welcome_config(hello)), to=identity)
+        self.endpoint.reply(
+            hello,
+            Welcome(peer_id=hello.name, policy_version=self.policy_version, config=self.welcome_config(hello)),
+            to=identity,
+        )
 
     # ------------------------------------------------------------------ liveness
     def _declare_dead(self, peer: Peer, reason: str) -> None:
@@ -141,8 +158,9 @@ class ServicePool:
         peer.in_flight.clear()
         self.counters["died"] += 1
         self.counters["lost_keys"] += len(keys)
-        log.error("%s (%s) is gone: %s; %d work item(s) it held will be re-issued",
-                  peer.name, peer.role, reason, len(keys))
+        log.error(
+            "%s (%s) is gone: %s; %d work item(s) it held will be re-issued", peer.name, peer.role, reason, len(keys)
+        )
         self.lost.append(LostWork(peer, keys, reason))
 
     def reap(self) -> list[LostWork]:
@@ -150,8 +168,9 @@ class ServicePool:
         now = self.clock()
         for peer in list(self.peers.values()):
             if peer.alive and now - peer.last_seen > self.peer_timeout_s:
-                self._declare_dead(peer, f"no message for {now - peer.last_seen:.1f} s "
-                                         f"(peer timeout {self.peer_timeout_s:.1f} s)")
+                self._declare_dead(
+                    peer, f"no message for {now - peer.last_seen:.1f} s (peer timeout {self.peer_timeout_s:.1f} s)"
+                )
         lost, self.lost = self.lost, []
         return lost
 

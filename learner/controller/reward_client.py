@@ -40,22 +40,34 @@ from learner.controller.pool import LostWork, Peer, ServicePool
 log = logging.getLogger(__name__)
 
 
-def build_score_request(samples: SampleBatch, prompt_tokens: Sequence[Sequence[int]] | dict[int, Sequence[int]],
-                        prompts: Sequence[str] | dict[int, str] = (), labels: Sequence[Any] | dict[int, Any] = (),
-                        queries: Sequence[str] = ()) -> ScoreRequest:
+def build_score_request(
+    samples: SampleBatch,
+    prompt_tokens: Sequence[Sequence[int]] | dict[int, Sequence[int]],
+    prompts: Sequence[str] | dict[int, str] = (),
+    labels: Sequence[Any] | dict[int, Any] = (),
+    queries: Sequence[str] = (),
+) -> ScoreRequest:
     """A ScoreRequest for ``samples``, with the prompt tokens set on the batch.
 
     ``prompt_tokens`` / ``prompts`` / ``labels`` are per sample (length N) or per prompt id
     (a dict looked up with each sample's ``prompt_id``); text and labels may be omitted.
     """
+
     def per_sample(x):
         return [x[pid] for pid in samples.prompt_ids] if isinstance(x, dict) else list(x)
 
     toks = [list(t) for t in per_sample(prompt_tokens)]
-    sb = SampleBatch(prompt_ids=samples.prompt_ids, sample_indices=samples.sample_indices,
-                     response_lengths=samples.response_lengths, response_ids=samples.response_ids,
-                     logprobs=samples.logprobs, finish_reasons=samples.finish_reasons,
-                     policy_versions=samples.policy_versions, prompt_token_ids=toks, server=samples.server)
+    sb = SampleBatch(
+        prompt_ids=samples.prompt_ids,
+        sample_indices=samples.sample_indices,
+        response_lengths=samples.response_lengths,
+        response_ids=samples.response_ids,
+        logprobs=samples.logprobs,
+        finish_reasons=samples.finish_reasons,
+        policy_versions=samples.policy_versions,
+        prompt_token_ids=toks,
+        server=samples.server,
+    )
     return ScoreRequest(samples=sb, prompts=per_sample(prompts), labels=per_sample(labels), queries=list(queries))
 
 
@@ -120,8 +132,9 @@ class RewardClient:
         if p is None or p.peer.identity != identity:
             if isinstance(msg, ScoredBatch):
                 self.counters["late"] += 1
-                log.info("dropping a late ScoredBatch (call %d) from %s", msg.call_id,
-                         identity.decode("utf-8", "replace"))
+                log.info(
+                    "dropping a late ScoredBatch (call %d) from %s", msg.call_id, identity.decode("utf-8", "replace")
+                )
             return None
         del self.pending[msg.call_id]
         self.pool.complete(identity, p.keys)
@@ -161,23 +174,29 @@ class RewardClient:
         reply raises RemoteError; no answer within ``timeout_s`` raises CallTimeout. For a client
         with nothing else in flight (scripts, tests, a lockstep loop scoring one batch)."""
         if self.pending:
-            raise RuntimeError("RewardClient.score() is for a client with nothing else in flight; "
-                               "drive submit / on_message / on_lost from your loop instead")
+            raise RuntimeError(
+                "RewardClient.score() is for a client with nothing else in flight; "
+                "drive submit / on_message / on_lost from your loop instead"
+            )
         deadline = self.clock() + timeout_s
         attempts = 0
         ours: PendingScore | None = None
         while True:
             if ours is None:
                 if attempts >= max_attempts:
-                    raise RemoteError("reward services", Error(code="lost", message=(
-                        f"ScoreRequest lost {attempts} times (services died holding it)")))
+                    raise RemoteError(
+                        "reward services",
+                        Error(code="lost", message=(f"ScoreRequest lost {attempts} times (services died holding it)")),
+                    )
                 ours = self.submit(request)
                 if ours is not None:
                     attempts += 1
             left = deadline - self.clock()
             if left <= 0:
-                raise CallTimeout(f"no ScoredBatch within {timeout_s:.1f} s; reward services alive: "
-                                  f"{[p.name for p in self.pool.alive(self.role)]}")
+                raise CallTimeout(
+                    f"no ScoredBatch within {timeout_s:.1f} s; reward services alive: "
+                    f"{[p.name for p in self.pool.alive(self.role)]}"
+                )
             got = self.pool.endpoint.recv(timeout=min(left, 0.1))
             if got is not None:
                 msg = self.pool.handle(*got)

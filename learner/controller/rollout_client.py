@@ -58,8 +58,9 @@ class _Pending:
                 peer = c.peer(self.server)
                 if peer is not None and not peer.alive:
                     # Declared dead while we waited (a fatal notice, silence): no reply will come.
-                    raise PeerUnavailable(f"{self.server} is gone (declared dead) while waiting for its reply "
-                                          f"to {self.what}")
+                    raise PeerUnavailable(
+                        f"{self.server} is gone (declared dead) while waiting for its reply to {self.what}"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CallTimeout(f"no reply from {self.server} to {self.what} within {timeout:.1f} s")
@@ -73,8 +74,14 @@ class _Pending:
 
 
 class RolloutClient:
-    def __init__(self, endpoint: Endpoint, pool: ServicePool, publisher: WeightPublisher | None = None, *,
-                 call_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        pool: ServicePool,
+        publisher: WeightPublisher | None = None,
+        *,
+        call_timeout_s: float = 30.0,
+    ) -> None:
         self.endpoint, self.pool, self.publisher = endpoint, pool, publisher
         if publisher is not None and publisher.control is None:
             publisher.control = self
@@ -97,8 +104,9 @@ class RolloutClient:
         if msg.call_id in self._waiting:
             self._replies[msg.call_id] = msg
         elif msg.call_id:
-            log.info("dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id,
-                     ident.decode("utf-8", "replace"))
+            log.info(
+                "dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id, ident.decode("utf-8", "replace")
+            )
         else:
             if isinstance(msg, P.SampleBatch):
                 self.pool.complete(ident, set(msg.prompt_ids))
@@ -163,8 +171,14 @@ class RolloutClient:
         peers = self.pool.ready(ROLE) if ready_only else self.pool.alive(ROLE)
         return [p.name for p in peers]
 
-    def submit(self, prompt_ids: Sequence[int], token_ids: Sequence[list[int]], sampling: P.SamplingParams, *,
-               policy_version: int = 0) -> list[int]:
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        token_ids: Sequence[list[int]],
+        sampling: P.SamplingParams,
+        *,
+        policy_version: int = 0,
+    ) -> list[int]:
         """Spreads prompts over the ready servers by free capacity (least loaded first, an even
         share each). Returns the prompt ids no server had room for; submit them again later."""
         todo = list(zip(prompt_ids, token_ids))
@@ -175,8 +189,12 @@ class RolloutClient:
                 break
             take = min(peer.capacity - len(peer.in_flight), math.ceil(len(todo) / len(room)))
             chunk, rest = todo[:take], todo[take:]
-            batch = P.PromptBatch(prompt_ids=[p for p, _ in chunk], token_ids=[list(t) for _, t in chunk],
-                                  sampling=sampling, policy_version=policy_version)
+            batch = P.PromptBatch(
+                prompt_ids=[p for p, _ in chunk],
+                token_ids=[list(t) for _, t in chunk],
+                sampling=sampling,
+                policy_version=policy_version,
+            )
             if self.pool.send_work(peer, batch, batch.prompt_ids):
                 todo = rest
         return [p for p, _ in todo]
@@ -202,8 +220,9 @@ class RolloutClient:
             try:
                 if self.publisher is not None:
                     caps = peer.capabilities
-                    self.publisher.connect(peer.name, workers=int(caps.get("workers", caps.get("tp", 1))),
-                                           dtype=caps.get("dtype") or None)
+                    self.publisher.connect(
+                        peer.name, workers=int(caps.get("workers", caps.get("tp", 1))), dtype=caps.get("dtype") or None
+                    )
                     if push and self.publisher.version is not None:
                         self.publisher.push(self.publisher.version, [peer.name])
                         peer.policy_version = self.publisher.version

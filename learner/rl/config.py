@@ -14,27 +14,51 @@ from common.config import flag
 
 log = logging.getLogger("learner")
 
-RAY_PLACEMENT_FLAGS = ("ref_num_nodes", "ref_num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node",
-                       "critic_num_nodes", "critic_num_gpus_per_node", "reward_num_nodes",
-                       "reward_num_gpus_per_node", "vllm_num_engines", "colocate_all_models",
-                       "colocate_actor_ref", "colocate_critic_reward")
+RAY_PLACEMENT_FLAGS = (
+    "ref_num_nodes",
+    "ref_num_gpus_per_node",
+    "actor_num_nodes",
+    "actor_num_gpus_per_node",
+    "critic_num_nodes",
+    "critic_num_gpus_per_node",
+    "reward_num_nodes",
+    "reward_num_gpus_per_node",
+    "vllm_num_engines",
+    "colocate_all_models",
+    "colocate_actor_ref",
+    "colocate_critic_reward",
+)
 
 
 @dataclass
 class PPOConfig:
     # ---- models and data
     pretrain: str = flag("", "policy model: HF hub name or local path", required=True, group="model")
-    reward_pretrain: str = flag("", "reward model: served by reward_service (launch.local passes it on); the "
-                                    "learner checks a connected reward service scores with a reward model", group="model")
-    critic_pretrain: str = flag("", "critic (--advantage_estimator gae): default --reward_pretrain if set, else "
-                                    "--pretrain; a causal LM gets a fresh value head", group="model")
-    ref_pretrain: str = flag("", "reference model for KL: served by reward_service --ref_pretrain (launch.local "
-                                 "passes it on, default --pretrain when KL is on)", group="model")
+    reward_pretrain: str = flag(
+        "",
+        "reward model: served by reward_service (launch.local passes it on); the "
+        "learner checks a connected reward service scores with a reward model",
+        group="model",
+    )
+    critic_pretrain: str = flag(
+        "",
+        "critic (--advantage_estimator gae): default --reward_pretrain if set, else "
+        "--pretrain; a causal LM gets a fresh value head",
+        group="model",
+    )
+    ref_pretrain: str = flag(
+        "",
+        "reference model for KL: served by reward_service --ref_pretrain (launch.local "
+        "passes it on, default --pretrain when KL is on)",
+        group="model",
+    )
     save_path: str = flag("./ckpt/ppo", "where the final HF-format policy is written", group="model")
-    save_value_network: bool = flag(False, "also write the trained critic (gae) in HF format to SAVE_PATH_critic",
-                                    group="model")
-    prompt_data: str = flag("", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name",
-                            required=True, group="data")
+    save_value_network: bool = flag(
+        False, "also write the trained critic (gae) in HF format to SAVE_PATH_critic", group="model"
+    )
+    prompt_data: str = flag(
+        "", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name", required=True, group="data"
+    )
     prompt_data_probs: str = flag("", "mixing probabilities for comma-separated --prompt_data", group="data")
     prompt_split: str = flag("train", "dataset split", group="data")
     eval_data: str = flag("", "held-out prompts: accuracy before/after is reported", group="data")
@@ -43,8 +67,11 @@ class PPOConfig:
     input_template: str = flag("", "template with one {} for the prompt, e.g. 'Q: {}\\nA:'", group="data")
     apply_chat_template: bool = flag(False, "wrap each prompt with the tokenizer's chat template", group="data")
     max_samples: int = flag(10**9, "use at most this many prompts", group="data")
-    skip_bad_rows: bool = flag(False, "skip rows with a missing key or an over-long prompt (counted) "
-                                      "instead of failing with the file, row and key", group="data")
+    skip_bad_rows: bool = flag(
+        False,
+        "skip rows with a missing key or an over-long prompt (counted) instead of failing with the file, row and key",
+        group="data",
+    )
     prompt_max_len: int = flag(1024, "prompts longer than this (tokens) are an error or skipped", group="data")
     generate_max_len: int = flag(1024, "max new tokens per sample", group="data")
 
@@ -74,51 +101,76 @@ class PPOConfig:
     seed: int = flag(42, "seed of data order, sampling and init", group="optim")
 
     # ---- algorithm
-    advantage_estimator: str = flag("group_norm", "advantage estimator",
-                                    choices=("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"),
-                                    group="algorithm")
+    advantage_estimator: str = flag(
+        "group_norm",
+        "advantage estimator",
+        choices=("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"),
+        group="algorithm",
+    )
     no_advantage_std_norm: bool = flag(False, "group_norm without dividing by the group std", group="algorithm")
-    policy_loss_type: str = flag("ppo", "ppo (token ratio) or gspo (sequence ratio)", choices=("ppo", "gspo"),
-                                 group="algorithm")
-    loss_agg_mode: str = flag("token_mean", "how per-token losses are averaged",
-                              choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                       "seq_mean_token_sum_norm"), group="algorithm")
+    policy_loss_type: str = flag(
+        "ppo", "ppo (token ratio) or gspo (sequence ratio)", choices=("ppo", "gspo"), group="algorithm"
+    )
+    loss_agg_mode: str = flag(
+        "token_mean",
+        "how per-token losses are averaged",
+        choices=("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+        group="algorithm",
+    )
     eps_clip: float = flag(0.2, "PPO clip range", group="algorithm")
-    eps_clip_low_high: list[float] = flag([], "asymmetric clip (low high), e.g. 0.2 0.28 (clip-higher)",
-                                          group="algorithm")
+    eps_clip_low_high: list[float] = flag(
+        [], "asymmetric clip (low high), e.g. 0.2 0.28 (clip-higher)", group="algorithm"
+    )
     dual_clip: float = flag(0.0, "dual-clip constant c > 1 (0: off)", group="algorithm")
-    init_kl_coef: float = flag(0.01, "KL coefficient (in the reward, or of the loss with --use_kl_loss)",
-                               group="algorithm")
+    init_kl_coef: float = flag(
+        0.01, "KL coefficient (in the reward, or of the loss with --use_kl_loss)", group="algorithm"
+    )
     kl_target: float = flag(0.0, "adaptive KL controller target (0: fixed coefficient)", group="algorithm")
     kl_horizon: int = flag(10000, "adaptive KL controller horizon", group="algorithm")
     use_kl_loss: bool = flag(False, "KL as a loss term instead of in the reward", group="algorithm")
     kl_estimator: str = flag("k1", "KL estimator", choices=("k1", "k2", "k3"), group="algorithm")
-    entropy_loss_coef: float = flag(0.0, "entropy bonus coefficient (entropy is logged regardless)",
-                                    group="algorithm")
-    value_clip: float = flag(0.5, "critic value clipping around the old values (<= 0: off; gae)",
-                             group="algorithm")
-    freezing_actor_steps: int = flag(0, "critic-only warm-up: the policy is not updated for this many rollout "
-                                        "steps (gae)", group="algorithm")
+    entropy_loss_coef: float = flag(0.0, "entropy bonus coefficient (entropy is logged regardless)", group="algorithm")
+    value_clip: float = flag(0.5, "critic value clipping around the old values (<= 0: off; gae)", group="algorithm")
+    freezing_actor_steps: int = flag(
+        0, "critic-only warm-up: the policy is not updated for this many rollout steps (gae)", group="algorithm"
+    )
     gamma: float = flag(1.0, "discount", group="algorithm")
     lambd: float = flag(1.0, "GAE lambda", group="algorithm")
-    normalize_reward: bool = flag(False, "reward service normalises RM scores with the RM's saved mean/std "
-                                         "(launch.local passes it on)", group="algorithm")
+    normalize_reward: bool = flag(
+        False,
+        "reward service normalises RM scores with the RM's saved mean/std (launch.local passes it on)",
+        group="algorithm",
+    )
     reward_clip_range: list[float] = flag([-10.0, 10.0], "clip rewards to [low, high]", group="algorithm")
-    overlong_buffer_len: int = flag(0, "DAPO overlong penalty window (tokens before the max length)",
-                                    group="algorithm")
+    overlong_buffer_len: int = flag(0, "DAPO overlong penalty window (tokens before the max length)", group="algorithm")
     overlong_penalty_factor: float = flag(1.0, "DAPO overlong penalty at the max length", group="algorithm")
-    stop_properly_penalty_coef: float = flag(-1.0, "reward of samples cut at the max length (<0: off)",
-                                             group="algorithm")
-    is_correction: str = flag("", "vLLM-vs-learner mismatch correction: tis | icepop | '' (off)",
-                              choices=("", "tis", "icepop"), group="algorithm")
-    is_correction_low_high: list[float] = flag([0.0, 2.0], "IS ratio thresholds (low high): tis truncates at "
-                                               "high; icepop keeps ratios in [low, high]", group="algorithm")
-    dynamic_filtering: bool = flag(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
-                                          "collect more prompts to refill the batch", group="algorithm")
-    dynamic_filtering_reward_range: list[float] = flag([], "also drop groups whose mean reward is outside the "
-                                                           "open interval (low high), e.g. 0 1", group="algorithm")
-    dynamic_filtering_max_collects: int = flag(4, "extra collects per step to refill a filtered batch; then "
-                                                  "train on what was kept (a warning)", group="algorithm")
+    stop_properly_penalty_coef: float = flag(
+        -1.0, "reward of samples cut at the max length (<0: off)", group="algorithm"
+    )
+    is_correction: str = flag(
+        "",
+        "vLLM-vs-learner mismatch correction: tis | icepop | '' (off)",
+        choices=("", "tis", "icepop"),
+        group="algorithm",
+    )
+    is_correction_low_high: list[float] = flag(
+        [0.0, 2.0],
+        "IS ratio thresholds (low high): tis truncates at high; icepop keeps ratios in [low, high]",
+        group="algorithm",
+    )
+    dynamic_filtering: bool = flag(
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal and collect more prompts to refill the batch",
+        group="algorithm",
+    )
+    dynamic_filtering_reward_range: list[float] = flag(
+        [], "also drop groups whose mean reward is outside the open interval (low high), e.g. 0 1", group="algorithm"
+    )
+    dynamic_filtering_max_collects: int = flag(
+        4,
+        "extra collects per step to refill a filtered batch; then train on what was kept (a warning)",
+        group="algorithm",
+    )
 
     # ---- rollout
     temperature: float = flag(1.0, "sampling temperature", group="rollout")
@@ -126,21 +178,22 @@ class PPOConfig:
     top_k: int = flag(-1, "top-k sampling (-1: off)", group="rollout")
 
     # ---- processes and the wire (rayless's own)
-    controller_bind: str = flag("tcp://0.0.0.0:5555", "where the controller (rank 0) listens for services",
-                                group="services")
-    min_rollout_servers: int = flag(1, "wait for this many rollout servers before the first step",
-                                    group="services")
-    min_reward_services: int = flag(1, "wait for this many reward services before the first step",
-                                    group="services")
+    controller_bind: str = flag(
+        "tcp://0.0.0.0:5555", "where the controller (rank 0) listens for services", group="services"
+    )
+    min_rollout_servers: int = flag(1, "wait for this many rollout servers before the first step", group="services")
+    min_reward_services: int = flag(1, "wait for this many reward services before the first step", group="services")
     wait_for_services_s: float = flag(600.0, "give up waiting for services after this long", group="services")
-    peer_timeout_s: float = flag(30.0, "a service silent this long is declared dead; its work is re-issued",
-                                 group="services")
+    peer_timeout_s: float = flag(
+        30.0, "a service silent this long is declared dead; its work is re-issued", group="services"
+    )
     generate_timeout_s: float = flag(600.0, "re-issue a prompt not generated within this long", group="services")
     score_timeout_s: float = flag(300.0, "re-score a prompt not scored within this long", group="services")
     weight_sync_timeout_s: float = flag(300.0, "deadline of one weight push to one server", group="services")
     weight_sync_backend: str = flag("auto", "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo", group="services")
-    sync_host: str = flag("", "address rollout servers reach this rank at for weight sync (default: hostname)",
-                          group="services")
+    sync_host: str = flag(
+        "", "address rollout servers reach this rank at for weight sync (default: hostname)", group="services"
+    )
 
     # ---- logging
     logging_steps: int = flag(1, "log every N steps", group="logging")
@@ -168,15 +221,21 @@ class PPOConfig:
         if g < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")
         if self.advantage_estimator in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline") and g < 2:
-            raise ValueError(f"--advantage_estimator {self.advantage_estimator} compares samples of one prompt: "
-                             f"needs --n_samples_per_prompt >= 2, got {g}")
+            raise ValueError(
+                f"--advantage_estimator {self.advantage_estimator} compares samples of one prompt: "
+                f"needs --n_samples_per_prompt >= 2, got {g}"
+            )
         samples = self.rollout_batch_size * g
         if samples % self.train_batch_size:
-            raise ValueError(f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step must be a "
-                             f"multiple of --train_batch_size {self.train_batch_size}")
+            raise ValueError(
+                f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step must be a "
+                f"multiple of --train_batch_size {self.train_batch_size}"
+            )
         if self.train_batch_size % self.micro_train_batch_size:
-            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of "
-                             f"--micro_train_batch_size {self.micro_train_batch_size}")
+            raise ValueError(
+                f"--train_batch_size {self.train_batch_size} must be a multiple of "
+                f"--micro_train_batch_size {self.micro_train_batch_size}"
+            )
         self._check_algorithm()
 
     def _check_algorithm(self) -> None:
@@ -196,26 +255,35 @@ class PPOConfig:
             # token_mean is switched (the user did not ask for anything else); an explicit
             # other sequence mode is a contradiction and refused.
             if self.loss_agg_mode != "token_mean":
-                raise ValueError(f"--policy_loss_type gspo needs --loss_agg_mode seq_mean_token_mean, "
-                                 f"got {self.loss_agg_mode}")
-            log.warning("--policy_loss_type gspo: using --loss_agg_mode seq_mean_token_mean (GSPO's loss is a "
-                        "mean over sequences)")
+                raise ValueError(
+                    f"--policy_loss_type gspo needs --loss_agg_mode seq_mean_token_mean, got {self.loss_agg_mode}"
+                )
+            log.warning(
+                "--policy_loss_type gspo: using --loss_agg_mode seq_mean_token_mean (GSPO's loss is a "
+                "mean over sequences)"
+            )
             self.loss_agg_mode = "seq_mean_token_mean"
         if self.is_correction:
             if len(self.is_correction_low_high) != 2:
-                raise ValueError(f"--is_correction_low_high takes two numbers (low high), "
-                                 f"got {self.is_correction_low_high}")
+                raise ValueError(
+                    f"--is_correction_low_high takes two numbers (low high), got {self.is_correction_low_high}"
+                )
             low, high = self.is_correction_low_high
             if not (0 <= low < 1 < high):
-                raise ValueError(f"--is_correction {self.is_correction}: thresholds must satisfy "
-                                 f"0 <= low < 1 < high (a ratio of 1 must pass), got {low} {high}")
-        if self.reward_clip_range and (len(self.reward_clip_range) != 2
-                                       or self.reward_clip_range[0] >= self.reward_clip_range[1]):
+                raise ValueError(
+                    f"--is_correction {self.is_correction}: thresholds must satisfy "
+                    f"0 <= low < 1 < high (a ratio of 1 must pass), got {low} {high}"
+                )
+        if self.reward_clip_range and (
+            len(self.reward_clip_range) != 2 or self.reward_clip_range[0] >= self.reward_clip_range[1]
+        ):
             raise ValueError(f"--reward_clip_range takes two numbers low < high, got {self.reward_clip_range}")
         if self.dynamic_filtering:
             if self.n_samples_per_prompt < 2:
-                raise ValueError("--dynamic_filtering drops groups whose rewards are all equal: needs "
-                                 f"--n_samples_per_prompt >= 2, got {self.n_samples_per_prompt}")
+                raise ValueError(
+                    "--dynamic_filtering drops groups whose rewards are all equal: needs "
+                    f"--n_samples_per_prompt >= 2, got {self.n_samples_per_prompt}"
+                )
             r = self.dynamic_filtering_reward_range
             if r and (len(r) != 2 or r[0] >= r[1]):
                 raise ValueError(f"--dynamic_filtering_reward_range takes two numbers low < high, got {r}")
@@ -227,11 +295,15 @@ class PPOConfig:
         elif self.freezing_actor_steps:
             raise ValueError("--freezing_actor_steps warms up a critic: only with --advantage_estimator gae")
         elif self.save_value_network:
-            raise ValueError(f"--save_value_network saves the critic, and --advantage_estimator "
-                             f"{self.advantage_estimator} has none: only with --advantage_estimator gae")
+            raise ValueError(
+                f"--save_value_network saves the critic, and --advantage_estimator "
+                f"{self.advantage_estimator} has none: only with --advantage_estimator gae"
+            )
         elif self.gamma != 1.0 and self.advantage_estimator != "reinforce":
-            raise ValueError(f"--advantage_estimator {self.advantage_estimator} uses a group baseline: "
-                             f"--gamma must be 1, got {self.gamma}")
+            raise ValueError(
+                f"--advantage_estimator {self.advantage_estimator} uses a group baseline: "
+                f"--gamma must be 1, got {self.gamma}"
+            )
 
     @property
     def critic_path(self) -> str:
@@ -240,11 +312,14 @@ class PPOConfig:
     def check_world_size(self, world: int) -> None:
         """Run-time checks that need the number of learner ranks (called by ppo_loop)."""
         if self.train_batch_size % (self.micro_train_batch_size * world):
-            raise ValueError(f"--train_batch_size {self.train_batch_size} must be a multiple of "
-                             f"--micro_train_batch_size {self.micro_train_batch_size} x {world} learner ranks")
+            raise ValueError(
+                f"--train_batch_size {self.train_batch_size} must be a multiple of "
+                f"--micro_train_batch_size {self.micro_train_batch_size} x {world} learner ranks"
+            )
         if self.rollout_batch_size % world:
-            raise ValueError(f"--rollout_batch_size {self.rollout_batch_size} must be divisible by the "
-                             f"{world} learner ranks")
+            raise ValueError(
+                f"--rollout_batch_size {self.rollout_batch_size} must be divisible by the {world} learner ranks"
+            )
 
     @property
     def kl_needed(self) -> bool:

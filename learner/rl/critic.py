@@ -35,8 +35,9 @@ from learner.runtime.models import ScalarHeadModel, load_reward_model
 class ValueModel(ScalarHeadModel):
     """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position."""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         return self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
 
 
@@ -49,14 +50,15 @@ def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """(N, T) values of the states before each response token."""
     v = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])  # (N, P+T)
     P, T = batch["prompt_width"], batch["response"].shape[1]
-    return v[:, P - 1:P - 1 + T]
+    return v[:, P - 1 : P - 1 + T]
 
 
 class Critic:
     """The critic engine's two jobs in a PPO step: old values, then value-loss updates."""
 
-    def __init__(self, engine: Any, *, pad_id: int, device: torch.device, micro_rollout_batch_size: int,
-                 value_clip: float | None) -> None:
+    def __init__(
+        self, engine: Any, *, pad_id: int, device: torch.device, micro_rollout_batch_size: int, value_clip: float | None
+    ) -> None:
         self.engine = engine
         self.pad_id = pad_id
         self.device = device
@@ -65,11 +67,18 @@ class Critic:
 
     def values(self, rollout: Rollout) -> torch.Tensor:
         """(N, T) V_old of every sample on every rank (a collective)."""
-        return score_all_ranks(self.engine, rollout, response_values, micro_batch=self.micro_rollout_batch_size,
-                               pad_id=self.pad_id, device=self.device)
+        return score_all_ranks(
+            self.engine,
+            rollout,
+            response_values,
+            micro_batch=self.micro_rollout_batch_size,
+            pad_id=self.pad_id,
+            device=self.device,
+        )
 
-    def train_micro_batch(self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor,
-                          agg: AggSpec, world: int) -> dict[str, float]:
+    def train_micro_batch(
+        self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor, agg: AggSpec, world: int
+    ) -> dict[str, float]:
         """One backward/step of the value loss on a collated micro-batch (old_values and
         returns already sliced to it, (n, T)); ``agg`` counts the whole global train batch."""
         v = response_values(self.engine, batch)

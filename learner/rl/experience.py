@@ -65,18 +65,24 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
     ref_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     for i, s in enumerate(samples):
         p, t = len(s.prompt), len(s.response)
-        input_ids[i, P - p:P] = torch.tensor(s.prompt, dtype=torch.long)
-        input_ids[i, P:P + t] = torch.tensor(s.response, dtype=torch.long)
-        attention_mask[i, P - p:P + t] = 1
+        input_ids[i, P - p : P] = torch.tensor(s.prompt, dtype=torch.long)
+        input_ids[i, P : P + t] = torch.tensor(s.response, dtype=torch.long)
+        attention_mask[i, P - p : P + t] = 1
         action_mask[i, :t] = True
         rollout_lp[i, :t] = s.rollout_logprobs[:t]
         if s.ref_logprobs is not None:
             ref_lp[i, :t] = s.ref_logprobs[:t]
     # Left padding: positions count real tokens only, as in an unpadded forward.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+T)
-    out = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-               response=input_ids[:, P:], action_mask=action_mask, rollout_logprobs=rollout_lp,
-               ref_logprobs=ref_lp)
+    out = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        response=input_ids[:, P:],
+        action_mask=action_mask,
+        rollout_logprobs=rollout_lp,
+        ref_logprobs=ref_lp,
+    )
     out = {k: v.to(device) for k, v in out.items()}
     out["prompt_width"] = P
     return out
@@ -86,8 +92,9 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cp
 
 
 @torch.no_grad()
-def score_all_ranks(engine, rollout: Rollout, forward, *, micro_batch: int, pad_id: int,
-                    device: torch.device | str) -> torch.Tensor:
+def score_all_ranks(
+    engine, rollout: Rollout, forward, *, micro_batch: int, pad_id: int, device: torch.device | str
+) -> torch.Tensor:
     """(N, T) per-token scores (log-probs, values) of every sample, on every rank.
 
     Each rank runs ``forward(engine, batch) -> (n, T_b)`` over its strided slice of the
@@ -101,32 +108,45 @@ def score_all_ranks(engine, rollout: Rollout, forward, *, micro_batch: int, pad_
     out = torch.zeros((len(mine), T), dtype=torch.float32, device=device)
     engine.eval()
     for k in range(math.ceil(math.ceil(n / world) / micro_batch)):
-        idx = mine[k * micro_batch:(k + 1) * micro_batch]
+        idx = mine[k * micro_batch : (k + 1) * micro_batch]
         batch = collate([rollout.samples[i] for i in (idx or mine[:1])], pad_id, device)
         scores = forward(engine, batch)
         if idx:
-            out[k * micro_batch:k * micro_batch + len(idx), :scores.shape[1]] = scores.float()
+            out[k * micro_batch : k * micro_batch + len(idx), : scores.shape[1]] = scores.float()
     engine.train()
     if world == 1:
         return out.cpu()
     rows = math.ceil(n / world)
     padded = torch.zeros((rows, T), dtype=torch.float32, device=device)
-    padded[:len(mine)] = out
+    padded[: len(mine)] = out
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
     full = torch.zeros((n, T), dtype=torch.float32)
     for r in range(world):
         idx = list(range(r, n, world))
-        full[idx] = gathered[r][:len(idx)].cpu()
+        full[idx] = gathered[r][: len(idx)].cpu()
     return full
+
 
 _META_COLS = 6  # prompt_len, response_len, prompt_id, sample_index, policy_version, finish code
 
 
 def _pack(rollout: Rollout) -> list[torch.Tensor]:
     s = rollout.samples
-    meta = torch.tensor([[len(x.prompt), len(x.response), x.prompt_id, x.sample_index, x.policy_version,
-                          FINISH_CODES.get(x.finish_reason, 2)] for x in s], dtype=torch.long).reshape(-1, _META_COLS)
+    meta = torch.tensor(
+        [
+            [
+                len(x.prompt),
+                len(x.response),
+                x.prompt_id,
+                x.sample_index,
+                x.policy_version,
+                FINISH_CODES.get(x.finish_reason, 2),
+            ]
+            for x in s
+        ],
+        dtype=torch.long,
+    ).reshape(-1, _META_COLS)
     tokens = torch.tensor([t for x in s for t in (*x.prompt, *x.response)], dtype=torch.long)
     lp = torch.cat([x.rollout_logprobs.float().reshape(-1) for x in s]) if s else torch.zeros(0)
     has_ref = all(x.ref_logprobs is not None for x in s)
@@ -140,18 +160,29 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
     codes = {v: k for k, v in FINISH_CODES.items()}
     samples, tok_off, lp_off = [], 0, 0
     for i, (p, t, pid, idx, ver, fin) in enumerate(meta.tolist()):
-        prompt = tokens[tok_off:tok_off + p].tolist()
-        response = tokens[tok_off + p:tok_off + p + t].tolist()
+        prompt = tokens[tok_off : tok_off + p].tolist()
+        response = tokens[tok_off + p : tok_off + p + t].tolist()
         tok_off += p + t
-        samples.append(Sample(pid, idx, prompt, response, lp[lp_off:lp_off + t].clone(),
-                              ref[lp_off:lp_off + t].clone() if ref.numel() else None,
-                              float(rewards[i]), codes.get(fin, "abort"), ver))
+        samples.append(
+            Sample(
+                pid,
+                idx,
+                prompt,
+                response,
+                lp[lp_off : lp_off + t].clone(),
+                ref[lp_off : lp_off + t].clone() if ref.numel() else None,
+                float(rewards[i]),
+                codes.get(fin, "abort"),
+                ver,
+            )
+        )
         lp_off += t
     return Rollout(samples, group_size)
 
 
-def broadcast_rollout(rollout: Rollout | None, group_size: int, src: int = 0,
-                      device: torch.device | str = "cpu") -> Rollout:
+def broadcast_rollout(
+    rollout: Rollout | None, group_size: int, src: int = 0, device: torch.device | str = "cpu"
+) -> Rollout:
     """Every rank gets rank ``src``'s rollout. A collective: all ranks call it together."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert rollout is not None

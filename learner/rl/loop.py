@@ -27,8 +27,9 @@ log = logging.getLogger("learner")
 
 
 def setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s learner[{rank}] %(levelname)s %(name)s: %(message)s", force=True
+    )
 
 
 class MetricsSink:
@@ -88,8 +89,11 @@ def run(cfg: PPOConfig) -> int:
     if rank0:
         log_config(cfg, log)
         for name in cfg.ray_flags_used():
-            log.warning("--%s is a Ray placement flag; rayless has no placement: start the processes you want "
-                        "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)", name)
+            log.warning(
+                "--%s is a Ray placement flag; rayless has no placement: start the processes you want "
+                "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
+                name,
+            )
     torch.manual_seed(cfg.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
@@ -107,30 +111,49 @@ def run(cfg: PPOConfig) -> int:
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     if total_steps == 0:
-        raise SystemExit(f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
-                         f"({cfg.rollout_batch_size}); nothing to train")
+        raise SystemExit(
+            f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
+            f"({cfg.rollout_batch_size}); nothing to train"
+        )
     samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     optimizer_steps = total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
 
-    model = E.load_causal_lm(cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                             gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    model = E.load_causal_lm(
+        cfg.pretrain,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
     engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
-    critic = _make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) \
-        if cfg.advantage_estimator == "gae" else None
+    critic = (
+        _make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) if cfg.advantage_estimator == "gae" else None
+    )
     trainer = PolicyTrainer(engine, cfg, pad_id, info.device, critic=critic)
-    sampling = SamplingParams(n=cfg.n_samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, max_new_tokens=cfg.generate_max_len,
-                              stop_token_ids=_stop_ids(tokenizer), seed=None)
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.generate_max_len,
-                            stop_token_ids=sampling.stop_token_ids)
+    sampling = SamplingParams(
+        n=cfg.n_samples_per_prompt,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.generate_max_len,
+        stop_token_ids=_stop_ids(tokenizer),
+        seed=None,
+    )
+    greedy = SamplingParams(
+        n=1, temperature=0.0, max_new_tokens=cfg.generate_max_len, stop_token_ids=sampling.stop_token_ids
+    )
     weights = WeightPush(cfg, engine)
     code = 0
     try:
         if rank0:
             controller = _make_controller(cfg, sampling, weights, tokenizer)
             sink = MetricsSink(cfg)
-            log.info("controller listening on %s; waiting for %d rollout server(s) and %d reward service(s)",
-                     controller.endpoint.address, cfg.min_rollout_servers, cfg.min_reward_services)
+            log.info(
+                "controller listening on %s; waiting for %d rollout server(s) and %d reward service(s)",
+                controller.endpoint.address,
+                cfg.min_rollout_servers,
+                cfg.min_reward_services,
+            )
             controller.wait_for_services(cfg.min_rollout_servers, cfg.min_reward_services, cfg.wait_for_services_s)
             check_reward_sources(cfg, controller.pool.alive("reward"))
         weights.push(0, controller)  # servers may have loaded other weights: everyone starts equal
@@ -144,7 +167,7 @@ def run(cfg: PPOConfig) -> int:
             rollout = None
             if rank0:
                 offset = ((step - 1) % steps_per_episode) * cfg.rollout_batch_size
-                batch = train_items[offset:offset + cfg.rollout_batch_size]
+                batch = train_items[offset : offset + cfg.rollout_batch_size]
                 res = controller.collect(len(batch), batch, timeout_s=cfg.generate_timeout_s + cfg.score_timeout_s)
                 rollout = res.rollout
                 if cfg.dynamic_filtering:
@@ -165,22 +188,31 @@ def run(cfg: PPOConfig) -> int:
                 continue
             t_gen = time.time() - t0
             rollout = broadcast_rollout(rollout, cfg.n_samples_per_prompt, device=info.device)
-            rollout.samples = rollout.samples[:len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
+            rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
             metrics = trainer.step(rollout)
             t_train = time.time() - t0 - t_gen
             weights.push(step, controller)
             if rank0:
-                metrics.update(_run_metrics(controller, res, len(rollout), t_gen, t_train, time.time() - t0,
-                                            step, total_steps, t_start))
+                metrics.update(
+                    _run_metrics(
+                        controller, res, len(rollout), t_gen, t_train, time.time() - t0, step, total_steps, t_start
+                    )
+                )
                 if cfg.dynamic_filtering:
                     metrics.update(filter_stats)
                 if step % cfg.logging_steps == 0 or step == total_steps:
                     sink.write(step, metrics)
-                    log.info("step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs%s", step,
-                             total_steps, metrics["rollout/reward"], metrics["rollout/logprob_diff"],
-                             metrics["policy/kl_to_ref"], t_gen, t_train,
-                             f" value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics
-                             else "")
+                    log.info(
+                        "step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs%s",
+                        step,
+                        total_steps,
+                        metrics["rollout/reward"],
+                        metrics["rollout/logprob_diff"],
+                        metrics["policy/kl_to_ref"],
+                        t_gen,
+                        t_train,
+                        f" value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics else "",
+                    )
             if cfg.save_steps and step % cfg.save_steps == 0:
                 E.save_hf(engine, tokenizer, Path(cfg.save_path) / f"step_{step}")
         if rank0 and eval_items:
@@ -232,7 +264,7 @@ def filter_and_refill(controller: Any, cfg: PPOConfig, rollout: Any, more_items:
         filtered += keep.count(False)
         for g, k in enumerate(keep):
             if k:
-                kept.extend(ro.samples[g * G:(g + 1) * G])
+                kept.extend(ro.samples[g * G : (g + 1) * G])
 
     absorb(rollout)
     while len(kept) < want * G and extra < cfg.dynamic_filtering_max_collects:
@@ -241,13 +273,28 @@ def filter_and_refill(controller: Any, cfg: PPOConfig, rollout: Any, more_items:
         res = controller.collect(len(items), items, timeout_s=cfg.generate_timeout_s + cfg.score_timeout_s)
         absorb(res.rollout)
     if len(kept) < want * G:
-        log.warning("dynamic filtering: %d of %d groups kept after %d extra collect(s) "
-                    "(--dynamic_filtering_max_collects); training on fewer", len(kept) // G, want, extra)
-    kept = kept[:want * G]
-    stats = {"filter/groups_seen": seen, "filter/groups_filtered": filtered, "filter/groups_kept": len(kept) // G,
-             "filter/extra_collects": extra, "filter/kept_frac": (seen - filtered) / max(1, seen)}
-    log.info("dynamic filtering: %d of %d groups filtered (all rewards equal%s), %d extra collect(s)", filtered,
-             seen, f" or mean outside {reward_range}" if reward_range else "", extra)
+        log.warning(
+            "dynamic filtering: %d of %d groups kept after %d extra collect(s) "
+            "(--dynamic_filtering_max_collects); training on fewer",
+            len(kept) // G,
+            want,
+            extra,
+        )
+    kept = kept[: want * G]
+    stats = {
+        "filter/groups_seen": seen,
+        "filter/groups_filtered": filtered,
+        "filter/groups_kept": len(kept) // G,
+        "filter/extra_collects": extra,
+        "filter/kept_frac": (seen - filtered) / max(1, seen),
+    }
+    log.info(
+        "dynamic filtering: %d of %d groups filtered (all rewards equal%s), %d extra collect(s)",
+        filtered,
+        seen,
+        f" or mean outside {reward_range}" if reward_range else "",
+        extra,
+    )
     return Rollout(kept, G), stats
 
 
@@ -261,24 +308,50 @@ def _make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devi
     from learner.rl.critic import Critic, load_critic
 
     path = cfg.critic_path
-    log.info("critic: value model from %s (lr %g, value_clip %g, actor frozen for %d step(s))", path,
-             cfg.critic_learning_rate, cfg.value_clip, cfg.freezing_actor_steps)
-    model = load_critic(path, tokenizer=tokenizer, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                        gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    log.info(
+        "critic: value model from %s (lr %g, value_clip %g, actor frozen for %d step(s))",
+        path,
+        cfg.critic_learning_rate,
+        cfg.value_clip,
+        cfg.freezing_actor_steps,
+    )
+    model = load_critic(
+        path,
+        tokenizer=tokenizer,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
     engine = train_engine(cfg, model, cfg.critic_learning_rate, optimizer_steps)
-    return Critic(engine, pad_id=pad_id, device=device, micro_rollout_batch_size=cfg.micro_rollout_batch_size,
-                  value_clip=cfg.value_clip)
+    return Critic(
+        engine,
+        pad_id=pad_id,
+        device=device,
+        micro_rollout_batch_size=cfg.micro_rollout_batch_size,
+        value_clip=cfg.value_clip,
+    )
 
 
 def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_steps: int) -> Any:
     """The DeepSpeed engine of a trained model (policy or critic) with train_ppo's optimizer flags."""
     from learner.runtime import engine as E
 
-    return E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16, train_batch_size=cfg.train_batch_size,
-                         micro_train_batch_size=cfg.micro_train_batch_size, learning_rate=learning_rate,
-                         num_training_steps=max(1, optimizer_steps), weight_decay=cfg.l2,
-                         betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload, grad_clip=cfg.max_norm,
-                         lr_scheduler="constant_with_warmup", lr_warmup_ratio=cfg.lr_warmup_ratio)
+    return E.make_engine(
+        model,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        train_batch_size=cfg.train_batch_size,
+        micro_train_batch_size=cfg.micro_train_batch_size,
+        learning_rate=learning_rate,
+        num_training_steps=max(1, optimizer_steps),
+        weight_decay=cfg.l2,
+        betas=tuple(cfg.adam_betas),
+        adam_offload=cfg.adam_offload,
+        grad_clip=cfg.max_norm,
+        lr_scheduler="constant_with_warmup",
+        lr_warmup_ratio=cfg.lr_warmup_ratio,
+    )
 
 
 def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
@@ -287,8 +360,13 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     sources = {p.name: set(p.capabilities.get("sources", [])) for p in peers}
     want = []
     if cfg.kl_needed:
-        want.append(("ref", "KL (--init_kl_coef > 0 or --use_kl_loss) needs reference log-probs: start a reward "
-                            "service with --ref_pretrain"))
+        want.append(
+            (
+                "ref",
+                "KL (--init_kl_coef > 0 or --use_kl_loss) needs reference log-probs: start a reward "
+                "service with --ref_pretrain",
+            )
+        )
     if cfg.reward_pretrain:
         want.append(("rm", "--reward_pretrain is set: start a reward service with --reward_pretrain"))
     for source, why in want:
@@ -310,9 +388,13 @@ def _make_controller(cfg: PPOConfig, sampling: SamplingParams, weights: Any, tok
     endpoint = Endpoint.bind(cfg.controller_bind)
     pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
     ledger = PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s)
-    return Controller(weights.rollout_client(endpoint, pool), ledger, sampling=sampling,
-                      sync_joiners_in_pump=weights.rank0_can_push_alone,
-                      detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return Controller(
+        weights.rollout_client(endpoint, pool),
+        ledger,
+        sampling=sampling,
+        sync_joiners_in_pump=weights.rank0_can_push_alone,
+        detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+    )
 
 
 def _evaluate(controller, items, greedy: SamplingParams, cfg: PPOConfig) -> float:
@@ -331,8 +413,11 @@ def _run_metrics(controller, res, n_samples, t_gen, t_train, t_step, step, total
     toks = sum(len(s.response) for s in res.rollout.samples)
     elapsed = time.time() - t_start
     return {
-        "time/generate_s": t_gen, "time/train_s": t_train, "time/step_s": t_step,
-        "time/eta_s": elapsed / step * (total_steps - step), "time/total_steps": total_steps,
+        "time/generate_s": t_gen,
+        "time/train_s": t_train,
+        "time/step_s": t_step,
+        "time/eta_s": elapsed / step * (total_steps - step),
+        "time/total_steps": total_steps,
         "perf/rollout_tokens_per_s": toks / max(t_gen, 1e-6),
         "ledger/reissued": controller.ledger.counters["reissued"],
         "ledger/duplicates": controller.ledger.counters["duplicates"],

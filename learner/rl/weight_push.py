@@ -43,8 +43,9 @@ class WeightPush:
         backend = cfg.weight_sync_backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.publisher = WeightPublisher(engine, rank=self.rank, backend=backend, host=_sync_host(cfg),
-                                         timeout_s=cfg.weight_sync_timeout_s)
+        self.publisher = WeightPublisher(
+            engine, rank=self.rank, backend=backend, host=_sync_host(cfg), timeout_s=cfg.weight_sync_timeout_s
+        )
         # Under ZeRO-3 on several ranks a push is a collective: rank 0 cannot serve a joiner alone.
         self.rank0_can_push_alone = not (cfg.zero_stage == 3 and world > 1)
         self.last_report = None
@@ -63,8 +64,13 @@ class WeightPush:
         self.last_report = controller.rollout.push_weights(version)
         controller.policy_version = version
         r = self.last_report
-        log.info("weights v%d -> %d server(s) in %.2f s%s", version, len(r.updated), r.seconds.get("total", 0.0),
-                 f" (failed: {sorted(r.failed)})" if r.failed else "")
+        log.info(
+            "weights v%d -> %d server(s) in %.2f s%s",
+            version,
+            len(r.updated),
+            r.seconds.get("total", 0.0),
+            f" (failed: {sorted(r.failed)})" if r.failed else "",
+        )
 
     def close(self) -> None:
         self.publisher.close()

@@ -30,25 +30,28 @@ def grad_accum_steps(train_batch_size: int, micro_train_batch_size: int, world_s
     """Micro-steps per optimizer step; raises ValueError unless the batch divides exactly."""
     per_step = micro_train_batch_size * world_size
     if micro_train_batch_size < 1 or train_batch_size < 1:
-        raise ValueError(f"batch sizes must be positive (train_batch_size={train_batch_size}, "
-                         f"micro_train_batch_size={micro_train_batch_size})")
+        raise ValueError(
+            f"batch sizes must be positive (train_batch_size={train_batch_size}, "
+            f"micro_train_batch_size={micro_train_batch_size})"
+        )
     if train_batch_size % per_step:
         raise ValueError(
             f"--train_batch_size {train_batch_size} is not a multiple of "
             f"--micro_train_batch_size {micro_train_batch_size} x world size {world_size} "
-            f"= {per_step}; pick a train_batch_size such as {max(per_step, train_batch_size // per_step * per_step)}")
+            f"= {per_step}; pick a train_batch_size such as {max(per_step, train_batch_size // per_step * per_step)}"
+        )
     return train_batch_size // per_step
 
 
-def _zero_section(stage: int, *, offload_optimizer: bool, offload_params: bool,
-                  overlap_comm: bool) -> dict[str, Any]:
+def _zero_section(stage: int, *, offload_optimizer: bool, offload_params: bool, overlap_comm: bool) -> dict[str, Any]:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {stage}")
     zero: dict[str, Any] = {"stage": stage}
     if offload_optimizer:
         if stage == 0:
-            raise ValueError("--adam_offload needs --zero_stage 1, 2 or 3 (DeepSpeed offloads "
-                             "optimizer state only under ZeRO)")
+            raise ValueError(
+                "--adam_offload needs --zero_stage 1, 2 or 3 (DeepSpeed offloads optimizer state only under ZeRO)"
+            )
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
         if stage != 3:
@@ -64,18 +67,25 @@ def _zero_section(stage: int, *, offload_optimizer: bool, offload_params: bool,
     return zero
 
 
-def train_ds_config(*, zero_stage: int, bf16: bool, train_batch_size: int,
-                    micro_train_batch_size: int, world_size: int, grad_clip: float = 1.0,
-                    adam_offload: bool = False, overlap_comm: bool = False,
-                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_ds_config(
+    *,
+    zero_stage: int,
+    bf16: bool,
+    train_batch_size: int,
+    micro_train_batch_size: int,
+    world_size: int,
+    grad_clip: float = 1.0,
+    adam_offload: bool = False,
+    overlap_comm: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The DeepSpeed config of a trained engine (policy, critic, SFT/RM/DPO model).
 
     ``grad_clip`` <= 0 turns clipping off. ``extra`` is merged last (shallow, per top-level
     key) for settings this function does not model.
     """
     accum = grad_accum_steps(train_batch_size, micro_train_batch_size, world_size)
-    zero = _zero_section(zero_stage, offload_optimizer=adam_offload, offload_params=False,
-                         overlap_comm=overlap_comm)
+    zero = _zero_section(zero_stage, offload_optimizer=adam_offload, offload_params=False, overlap_comm=overlap_comm)
     if zero.get("reduce_bucket_size") == "auto":
         zero.pop("reduce_bucket_size")  # "auto" needs an HF model config; DeepSpeed's default is fine
     config: dict[str, Any] = {
@@ -100,8 +110,9 @@ def train_ds_config(*, zero_stage: int, bf16: bool, train_batch_size: int,
     return config
 
 
-def frozen_ds_config(*, zero_stage: int, bf16: bool, offload: bool = False,
-                     micro_batch_size: int = 1) -> dict[str, Any]:
+def frozen_ds_config(
+    *, zero_stage: int, bf16: bool, offload: bool = False, micro_batch_size: int = 1
+) -> dict[str, Any]:
     """Config of an inference-only engine (reference model, frozen reward model).
 
     A frozen model has no gradients or optimizer state to shard, so only ZeRO-3 (sharded

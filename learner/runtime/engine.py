@@ -44,13 +44,26 @@ from deepspeed.accelerator import get_accelerator
 from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
-    "DistInfo", "init_distributed", "device", "is_rank0", "barrier",
-    "load_pretrained", "load_causal_lm", "attn_implementation",
-    "make_optimizer", "LR_SCHEDULERS", "make_lr_scheduler",
-    "make_engine", "make_frozen_engine", "unwrap",
-    "full_named_parameters", "save_hf",
-    "save_checkpoint", "load_checkpoint",
-    "all_reduce_mean", "all_reduce_sum",
+    "DistInfo",
+    "init_distributed",
+    "device",
+    "is_rank0",
+    "barrier",
+    "load_pretrained",
+    "load_causal_lm",
+    "attn_implementation",
+    "make_optimizer",
+    "LR_SCHEDULERS",
+    "make_lr_scheduler",
+    "make_engine",
+    "make_frozen_engine",
+    "unwrap",
+    "full_named_parameters",
+    "save_hf",
+    "save_checkpoint",
+    "load_checkpoint",
+    "all_reduce_mean",
+    "all_reduce_sum",
 ]
 
 log = logging.getLogger("rayless.engine")
@@ -58,6 +71,7 @@ Number = int | float | torch.Tensor
 
 
 # --------------------------------------------------------------------------- process group
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -128,10 +142,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         if accel.device_name() == "cuda":
             # Before the process group exists: NCCL binds each rank to its current device.
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                                   timeout=timedelta(seconds=timeout_s), verbose=False)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
-                    device())
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
+        )
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device())
 
 
 def device() -> torch.device:
@@ -153,6 +167,7 @@ def barrier() -> None:
 
 # --------------------------------------------------------------------------- loading models
 
+
 def attn_implementation(flash_attn: bool) -> str:
     """``flash_attention_2`` when asked for and usable (CUDA + the flash_attn package), else SDPA.
 
@@ -164,14 +179,24 @@ def attn_implementation(flash_attn: bool) -> str:
     if get_accelerator().device_name() == "cuda" and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
     if is_rank0():
-        log.warning("--flash_attn: flash_attention_2 needs CUDA and the flash_attn package; "
-                    "using SDPA attention instead (same results, packed rows included)")
+        log.warning(
+            "--flash_attn: flash_attention_2 needs CUDA and the flash_attn package; "
+            "using SDPA attention instead (same results, packed rows included)"
+        )
     return "sdpa"
 
 
-def load_pretrained(path: str, *, auto_class: Any = None, zero_stage: int = 0, bf16: bool = False,
-                    gradient_checkpointing: bool = False, flash_attn: bool = False,
-                    offload: bool = False, **from_pretrained_kwargs: Any) -> torch.nn.Module:
+def load_pretrained(
+    path: str,
+    *,
+    auto_class: Any = None,
+    zero_stage: int = 0,
+    bf16: bool = False,
+    gradient_checkpointing: bool = False,
+    flash_attn: bool = False,
+    offload: bool = False,
+    **from_pretrained_kwargs: Any,
+) -> torch.nn.Module:
     """``auto_class.from_pretrained(path)`` the way DeepSpeed needs it (default: causal LM).
 
     Under ZeRO-3 (or ``offload``) the model is built inside ``zero.Init`` through
@@ -185,8 +210,7 @@ def load_pretrained(path: str, *, auto_class: Any = None, zero_stage: int = 0, b
 
     ds_config = load_ds_config(zero_stage=zero_stage, bf16=bf16, offload=offload)
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
-    kwargs = dict(dtype=torch.bfloat16 if bf16 else torch.float32,
-                  attn_implementation=attn_implementation(flash_attn))
+    kwargs = dict(dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=attn_implementation(flash_attn))
     kwargs.update(from_pretrained_kwargs)
     model = auto_class.from_pretrained(path, **kwargs)
     model._rayless_hf_ds_config = hf_ds_config  # keep transformers' weak reference alive
@@ -208,8 +232,14 @@ def load_causal_lm(path: str, **kwargs: Any) -> torch.nn.Module:
 _NO_DECAY = ("bias", "norm.weight", "layernorm.weight", "ln_f.weight")
 
 
-def make_optimizer(model: torch.nn.Module, *, learning_rate: float, betas: tuple[float, float] = (0.9, 0.95),
-                   weight_decay: float = 0.0, adam_offload: bool = False) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: torch.nn.Module,
+    *,
+    learning_rate: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.0,
+    adam_offload: bool = False,
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; biases and norm weights get no weight decay.
 
     ``adam_offload`` uses DeepSpeedCPUAdam (the optimizer step runs on CPU next to the
@@ -219,11 +249,11 @@ def make_optimizer(model: torch.nn.Module, *, learning_rate: float, betas: tuple
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if name.endswith(_NO_DECAY) else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if adam_offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
+
         return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
     fused = get_accelerator().device_name() == "cuda"
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
@@ -235,6 +265,7 @@ def _cosine_with_min_lr(warmup: int, total: int, min_lr_ratio: float) -> Callabl
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -244,6 +275,7 @@ def _linear(warmup: int, total: int, min_lr_ratio: float) -> Callable[[int], flo
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 1 - (1 - min_lr_ratio) * progress
+
     return factor
 
 
@@ -259,9 +291,14 @@ LR_SCHEDULERS: dict[str, Callable[[int, int, float], Callable[[int], float]]] = 
 }
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, *, name: str = "cosine_with_min_lr",
-                      num_training_steps: int, warmup_ratio: float = 0.03,
-                      min_lr_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+def make_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    name: str = "cosine_with_min_lr",
+    num_training_steps: int,
+    warmup_ratio: float = 0.03,
+    min_lr_ratio: float = 0.1,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup (``ceil(warmup_ratio * num_training_steps)`` optimizer steps) then ``name``."""
     if name not in LR_SCHEDULERS:
         raise ValueError(f"unknown --lr_scheduler {name!r}; choose from {sorted(LR_SCHEDULERS)}")
@@ -271,13 +308,25 @@ def make_lr_scheduler(optimizer: torch.optim.Optimizer, *, name: str = "cosine_w
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, train_batch_size: int,
-                micro_train_batch_size: int, learning_rate: float, num_training_steps: int,
-                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-                adam_offload: bool = False, grad_clip: float = 1.0,
-                lr_scheduler: str = "cosine_with_min_lr", lr_warmup_ratio: float = 0.03,
-                min_lr_ratio: float = 0.1, overlap_comm: bool = False,
-                ds_extra: dict[str, Any] | None = None):
+def make_engine(
+    model: torch.nn.Module,
+    *,
+    zero_stage: int,
+    bf16: bool,
+    train_batch_size: int,
+    micro_train_batch_size: int,
+    learning_rate: float,
+    num_training_steps: int,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    adam_offload: bool = False,
+    grad_clip: float = 1.0,
+    lr_scheduler: str = "cosine_with_min_lr",
+    lr_warmup_ratio: float = 0.03,
+    min_lr_ratio: float = 0.1,
+    overlap_comm: bool = False,
+    ds_extra: dict[str, Any] | None = None,
+):
     """A trainable DeepSpeed engine around ``model`` (from ``load_pretrained``).
 
     ``train_batch_size`` is global (see ``learner.runtime.deepspeed_config``); gradient
@@ -286,16 +335,30 @@ def make_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, train_ba
     micro-batch. ``num_training_steps`` counts optimizer steps (for the LR schedule).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    config = train_ds_config(zero_stage=zero_stage, bf16=bf16, train_batch_size=train_batch_size,
-                             micro_train_batch_size=micro_train_batch_size, world_size=world,
-                             grad_clip=grad_clip, adam_offload=adam_offload,
-                             overlap_comm=overlap_comm, extra=ds_extra)
-    optimizer = make_optimizer(model, learning_rate=learning_rate, betas=betas,
-                               weight_decay=weight_decay, adam_offload=adam_offload)
-    scheduler = make_lr_scheduler(optimizer, name=lr_scheduler, num_training_steps=num_training_steps,
-                                  warmup_ratio=lr_warmup_ratio, min_lr_ratio=min_lr_ratio)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=config, dist_init_required=False)
+    config = train_ds_config(
+        zero_stage=zero_stage,
+        bf16=bf16,
+        train_batch_size=train_batch_size,
+        micro_train_batch_size=micro_train_batch_size,
+        world_size=world,
+        grad_clip=grad_clip,
+        adam_offload=adam_offload,
+        overlap_comm=overlap_comm,
+        extra=ds_extra,
+    )
+    optimizer = make_optimizer(
+        model, learning_rate=learning_rate, betas=betas, weight_decay=weight_decay, adam_offload=adam_offload
+    )
+    scheduler = make_lr_scheduler(
+        optimizer,
+        name=lr_scheduler,
+        num_training_steps=num_training_steps,
+        warmup_ratio=lr_warmup_ratio,
+        min_lr_ratio=min_lr_ratio,
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
+    )
     return engine
 
 
@@ -326,12 +389,12 @@ def unwrap(model: Any) -> torch.nn.Module:
 
 # --------------------------------------------------------------------------- saving
 
+
 def _is_zero3(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
 
 
-def full_named_parameters(model: Any, *, names: Sequence[str] | None = None
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_parameters(model: Any, *, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, full tensor)`` for each parameter, gathering ZeRO-3 shards one at a time.
 
     A COLLECTIVE under ZeRO-3: every rank must iterate the same names in the same order,
@@ -347,8 +410,9 @@ def full_named_parameters(model: Any, *, names: Sequence[str] | None = None
             yield name, p.detach()
 
 
-def save_hf(model: Any, tokenizer: Any, path: str | os.PathLike, *,
-            config_updates: Mapping[str, Any] | None = None) -> None:
+def save_hf(
+    model: Any, tokenizer: Any, path: str | os.PathLike, *, config_updates: Mapping[str, Any] | None = None
+) -> None:
     """Write ``model`` (engine or module) in HF format to ``path``; call on ALL ranks.
 
     ZeRO-3 parameters are gathered one at a time on every rank (a collective) and copied to
@@ -378,8 +442,14 @@ def save_hf(model: Any, tokenizer: Any, path: str | os.PathLike, *,
     barrier()
 
 
-def save_checkpoint(engine: Any, save_dir: str | os.PathLike, *, tag: str,
-                    client_state: dict[str, Any] | None = None, max_keep: int | None = None) -> None:
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    *,
+    tag: str,
+    client_state: dict[str, Any] | None = None,
+    max_keep: int | None = None,
+) -> None:
     """DeepSpeed checkpoint (model, optimizer, LR schedule, ``client_state``) as ``save_dir/tag``.
 
     Call on all ranks. ``save_dir/latest`` names the newest tag, so ``load_checkpoint``
@@ -395,8 +465,9 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike, *, tag: str,
     barrier()
 
 
-def load_checkpoint(engine: Any, load_dir: str | os.PathLike, *, tag: str | None = None,
-                    load_optimizer_states: bool = True) -> dict[str, Any] | None:
+def load_checkpoint(
+    engine: Any, load_dir: str | os.PathLike, *, tag: str | None = None, load_optimizer_states: bool = True
+) -> dict[str, Any] | None:
     """Resume ``engine`` from ``load_dir`` (newest tag unless ``tag``); returns the client state.
 
     Returns None when ``load_dir`` holds no checkpoint (a fresh run), so trainers can pass
@@ -405,9 +476,12 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, *, tag: str | None
     load_dir = Path(load_dir)
     if tag is None and not (load_dir / "latest").is_file():
         return None
-    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag,
-                                                load_optimizer_states=load_optimizer_states,
-                                                load_lr_scheduler_states=load_optimizer_states)
+    path, client_state = engine.load_checkpoint(
+        str(load_dir),
+        tag=tag,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=load_optimizer_states,
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load a checkpoint from {load_dir} (tag {tag})")
     return dict(client_state or {})
@@ -415,15 +489,22 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, *, tag: str | None
 
 # --------------------------------------------------------------------------- reductions
 
+
 def _reduce(value: Number | Mapping[str, Number], op: str) -> Any:
     if isinstance(value, Mapping):
         keys = list(value)
-        reduced = _reduce(torch.stack([torch.as_tensor(value[k], dtype=torch.float64).reshape(())
-                                       for k in keys]), op) if keys else []
+        reduced = (
+            _reduce(torch.stack([torch.as_tensor(value[k], dtype=torch.float64).reshape(()) for k in keys]), op)
+            if keys
+            else []
+        )
         return {k: float(v) for k, v in zip(keys, reduced)}
     is_tensor = isinstance(value, torch.Tensor)
-    t = value.detach().to(device(), dtype=torch.float64, copy=True) if is_tensor \
+    t = (
+        value.detach().to(device(), dtype=torch.float64, copy=True)
+        if is_tensor
         else torch.tensor(float(value), dtype=torch.float64, device=device())
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         if op == "mean":

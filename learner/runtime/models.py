@@ -39,11 +39,13 @@ class ScalarHeadModel(torch.nn.Module):
     def config(self):
         return self.hf_model.config
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
-        return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False).last_hidden_state  # (B, T, H)
+        return backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, T, H)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (...) scalars, in fp32."""
@@ -75,16 +77,17 @@ def load_reward_model(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -
     pad_id = source.pad_token_id
     if pad_id is None and tokenizer is not None:
         pad_id = tokenizer.pad_token_id
-    hf = load_pretrained(path, auto_class=AutoModelForSequenceClassification, num_labels=1,
-                         pad_token_id=pad_id, **load_kwargs)
+    hf = load_pretrained(
+        path, auto_class=AutoModelForSequenceClassification, num_labels=1, pad_token_id=pad_id, **load_kwargs
+    )
     model = RewardModel(hf)
     if not has_head:
         head = getattr(hf, model.head_name)
-        with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=0,
-                                               enabled=hasattr(head.weight, "ds_id")):
+        with deepspeed.zero.GatheredParameters(
+            list(head.parameters()), modifier_rank=0, enabled=hasattr(head.weight, "ds_id")
+        ):
             gen = torch.Generator().manual_seed(0)  # the same head on every rank
-            head.weight.data.copy_(torch.randn(head.weight.shape, generator=gen)
-                                   / (hf.config.hidden_size + 1))
+            head.weight.data.copy_(torch.randn(head.weight.shape, generator=gen) / (hf.config.hidden_size + 1))
             if getattr(head, "bias", None) is not None:
                 head.bias.data.zero_()
     return model

@@ -41,8 +41,17 @@ class DPOTrainer(Trainer):
         with torch.no_grad():
             ref_c, ref_r, _ = self._logps(self.ref, batch)
         pol_c, pol_r, n_chosen = self._logps(self.engine, batch)
-        return dpo_loss(pol_c, pol_r, ref_c, ref_r, beta=self.cfg.beta, label_smoothing=self.cfg.label_smoothing,
-                        ipo=self.cfg.ipo, nll_loss_coef=self.cfg.nll_loss_coef, chosen_tokens=n_chosen)
+        return dpo_loss(
+            pol_c,
+            pol_r,
+            ref_c,
+            ref_r,
+            beta=self.cfg.beta,
+            label_smoothing=self.cfg.label_smoothing,
+            ipo=self.cfg.ipo,
+            nll_loss_coef=self.cfg.nll_loss_coef,
+            chosen_tokens=n_chosen,
+        )
 
     def loss(self, batch, ctx):
         loss, m = self._loss(batch)
@@ -67,24 +76,42 @@ def run(cfg) -> None:
     info, tok = setup_run(cfg, "dpo")
     keys = ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.chosen_key, cfg.rejected_key]
     encode = functools.partial(
-        pair_sample, tokenizer=tok, prompt_key=cfg.prompt_key or None, chosen_key=cfg.chosen_key,
-        rejected_key=cfg.rejected_key, apply_chat_template=cfg.apply_chat_template,
-        input_template=template(cfg), max_len=cfg.max_len)
+        pair_sample,
+        tokenizer=tok,
+        prompt_key=cfg.prompt_key or None,
+        chosen_key=cfg.chosen_key,
+        rejected_key=cfg.rejected_key,
+        apply_chat_template=cfg.apply_chat_template,
+        input_template=template(cfg),
+        max_len=cfg.max_len,
+    )
     train = build_samples(load_rows(cfg, keys), encode, "train")
     eval_rows = load_rows(cfg, keys, eval_split=True)
     evals = build_samples(eval_rows, encode, "eval") if eval_rows is not None else None
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                             gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    model = E.load_causal_lm(
+        cfg.pretrain,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
-    ref = E.load_causal_lm(cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                           flash_attn=cfg.flash_attn)
+    ref = E.load_causal_lm(
+        cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16, flash_attn=cfg.flash_attn
+    )
     ref_engine = E.make_frozen_engine(ref, zero_stage=cfg.zero_stage, bf16=cfg.bf16, offload=cfg.ref_offload)
     trainer = DPOTrainer(cfg, engine, ref_engine, train, collate, evals)
-    log.info("DPO: %d train / %d eval pairs, %d optimizer steps, grad accum %d, beta %g%s", len(train),
-             len(evals or []), trainer.total_steps, trainer.accum, cfg.beta,
-             " (IPO)" if cfg.ipo else f", label smoothing {cfg.label_smoothing}")
+    log.info(
+        "DPO: %d train / %d eval pairs, %d optimizer steps, grad accum %d, beta %g%s",
+        len(train),
+        len(evals or []),
+        trainer.total_steps,
+        trainer.accum,
+        cfg.beta,
+        " (IPO)" if cfg.ipo else f", label smoothing {cfg.label_smoothing}",
+    )
     trainer.fit()
     E.save_hf(engine, tok, cfg.save_path)
     log.info("saved %s", cfg.save_path)

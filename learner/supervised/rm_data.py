@@ -32,10 +32,19 @@ class Pair:
     margin: float = 0.0
 
 
-def _encode(tokenizer: Any, prompt_value: Any, response_value: Any, *, apply_chat_template: bool,
-            input_template: str | None, max_len: int, force_eos: bool) -> Sample | None:
-    prompt, response = render_response(prompt_value, response_value, tokenizer,
-                                       apply_chat_template=apply_chat_template, input_template=input_template)
+def _encode(
+    tokenizer: Any,
+    prompt_value: Any,
+    response_value: Any,
+    *,
+    apply_chat_template: bool,
+    input_template: str | None,
+    max_len: int,
+    force_eos: bool,
+) -> Sample | None:
+    prompt, response = render_response(
+        prompt_value, response_value, tokenizer, apply_chat_template=apply_chat_template, input_template=input_template
+    )
     sample = encode_prompt_response(tokenizer, prompt, response)
     if len(sample) > max_len:
         sample = truncate(sample, max_len)
@@ -44,14 +53,24 @@ def _encode(tokenizer: Any, prompt_value: Any, response_value: Any, *, apply_cha
     return sample if any(sample.loss_mask[1:]) else None
 
 
-def pair_sample(row: dict[str, Any], tokenizer: Any, *, prompt_key: str | None, chosen_key: str,
-                rejected_key: str, margin_key: str | None = None, apply_chat_template: bool = False,
-                input_template: str | None = None, max_len: int = 512, force_eos: bool = False
-                ) -> Pair | None:
+def pair_sample(
+    row: dict[str, Any],
+    tokenizer: Any,
+    *,
+    prompt_key: str | None,
+    chosen_key: str,
+    rejected_key: str,
+    margin_key: str | None = None,
+    apply_chat_template: bool = False,
+    input_template: str | None = None,
+    max_len: int = 512,
+    force_eos: bool = False,
+) -> Pair | None:
     """One row to a Pair; None when truncation leaves either side without a response token."""
     prompt_value = row[prompt_key] if prompt_key else None
-    kw = dict(apply_chat_template=apply_chat_template, input_template=input_template, max_len=max_len,
-              force_eos=force_eos)
+    kw = dict(
+        apply_chat_template=apply_chat_template, input_template=input_template, max_len=max_len, force_eos=force_eos
+    )
     chosen = _encode(tokenizer, prompt_value, row[chosen_key], **kw)
     rejected = _encode(tokenizer, prompt_value, row[rejected_key], **kw)
     if chosen is None or rejected is None:

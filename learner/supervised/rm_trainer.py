@@ -55,47 +55,85 @@ class RMTrainer(Trainer):
             sums["loss"] += float(loss) * n
             sums["margin"] += float((chosen - rejected).sum())
             sums["r_sum"] += float(both.sum())
-            sums["r_sq"] += float((both ** 2).sum())
+            sums["r_sq"] += float((both**2).sum())
         t = reduce_sums(sums)
         n, count = max(t["pairs"], 1.0), max(2 * t["pairs"], 1.0)
         mean = t["r_sum"] / count
         # Population std over every chosen and rejected reward (what normalisation divides by).
-        std = math.sqrt(max(t["r_sq"] / count - mean ** 2, 0.0))
+        std = math.sqrt(max(t["r_sq"] / count - mean**2, 0.0))
         self.reward_mean, self.reward_std = mean, std if std > 0 else 1.0
-        return {"loss": t["loss"] / n, "acc": t["correct"] / n, "reward_margin": t["margin"] / n,
-                "reward_mean": mean, "reward_std": std}
+        return {
+            "loss": t["loss"] / n,
+            "acc": t["correct"] / n,
+            "reward_margin": t["margin"] / n,
+            "reward_mean": mean,
+            "reward_std": std,
+        }
 
 
 def run(cfg) -> None:
     info, tok = setup_run(cfg, "rm")
-    keys = ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.chosen_key, cfg.rejected_key] \
+    keys = (
+        ([cfg.prompt_key] if cfg.prompt_key else [])
+        + [cfg.chosen_key, cfg.rejected_key]
         + ([cfg.margin_key] if cfg.margin_loss else [])
+    )
     encode = functools.partial(
-        pair_sample, tokenizer=tok, prompt_key=cfg.prompt_key or None, chosen_key=cfg.chosen_key,
-        rejected_key=cfg.rejected_key, margin_key=cfg.margin_key if cfg.margin_loss else None,
-        apply_chat_template=cfg.apply_chat_template, input_template=template(cfg), max_len=cfg.max_len,
-        force_eos=True)
+        pair_sample,
+        tokenizer=tok,
+        prompt_key=cfg.prompt_key or None,
+        chosen_key=cfg.chosen_key,
+        rejected_key=cfg.rejected_key,
+        margin_key=cfg.margin_key if cfg.margin_loss else None,
+        apply_chat_template=cfg.apply_chat_template,
+        input_template=template(cfg),
+        max_len=cfg.max_len,
+        force_eos=True,
+    )
     train_rows = load_rows(cfg, keys)
     train = build_samples(train_rows, encode, "train")
     eval_rows = load_rows(cfg, keys, eval_split=True)
     if eval_rows is not None:
         evals = build_samples(eval_rows, encode, "eval")
     else:  # OpenRLHF: reward statistics over 1% of the training rows
-        evals = train[:max(cfg.micro_train_batch_size * info.world_size, len(train) // 100)]
+        evals = train[: max(cfg.micro_train_batch_size * info.world_size, len(train) // 100)]
         log.info("no --eval_dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = load_reward_model(cfg.pretrain, tokenizer=tok, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                              gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    model = load_reward_model(
+        cfg.pretrain,
+        tokenizer=tok,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = RMTrainer(cfg, engine, train, collate, evals)
-    log.info("RM: %d train / %d eval pairs, %d optimizer steps, grad accum %d", len(train), len(evals),
-             trainer.total_steps, trainer.accum)
+    log.info(
+        "RM: %d train / %d eval pairs, %d optimizer steps, grad accum %d",
+        len(train),
+        len(evals),
+        trainer.total_steps,
+        trainer.accum,
+    )
     trainer.fit()
     # The statistics the saved config carries must come from the final weights.
     final = trainer.last_eval[1] if trainer.last_eval[0] == trainer.global_step else trainer.run_eval()
-    E.save_hf(engine, tok, cfg.save_path,
-              config_updates={"mean": trainer.reward_mean, "std": trainer.reward_std,
-                              "value_head_prefix": cfg.value_head_prefix})
-    log.info("saved %s (reward mean %.4g, std %.4g, eval acc %.3f)", cfg.save_path, trainer.reward_mean,
-             trainer.reward_std, final.get("acc", float("nan")))
+    E.save_hf(
+        engine,
+        tok,
+        cfg.save_path,
+        config_updates={
+            "mean": trainer.reward_mean,
+            "std": trainer.reward_std,
+            "value_head_prefix": cfg.value_head_prefix,
+        },
+    )
+    log.info(
+        "saved %s (reward mean %.4g, std %.4g, eval acc %.3f)",
+        cfg.save_path,
+        trainer.reward_mean,
+        trainer.reward_std,
+        final.get("acc", float("nan")),
+    )

@@ -72,12 +72,16 @@ def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> S
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start_text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        end_text = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        start_text = (
+            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        )
+        end_text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (full.startswith(start_text) and full.startswith(end_text)):
-            raise DataError("the chat template does not render earlier turns as a prefix of the "
-                            "conversation; cannot mark assistant turns")
-        end = len(end_with_eos(end_text, eos)) if eos and eos in end_text[len(start_text):] else len(end_text)
+            raise DataError(
+                "the chat template does not render earlier turns as a prefix of the "
+                "conversation; cannot mark assistant turns"
+            )
+        end = len(end_with_eos(end_text, eos)) if eos and eos in end_text[len(start_text) :] else len(end_text)
         spans.append((len(start_text), end))
     if not spans:
         raise DataError("a chat sample has no assistant message to learn")
@@ -88,9 +92,17 @@ def truncate(sample: Sample, max_len: int) -> Sample:
     return Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len])
 
 
-def sft_sample(row: dict[str, Any], tokenizer: Any, *, input_key: str, output_key: str | None,
-               apply_chat_template: bool, input_template: str | None, max_len: int,
-               pretrain_mode: bool = False) -> Sample | None:
+def sft_sample(
+    row: dict[str, Any],
+    tokenizer: Any,
+    *,
+    input_key: str,
+    output_key: str | None,
+    apply_chat_template: bool,
+    input_template: str | None,
+    max_len: int,
+    pretrain_mode: bool = False,
+) -> Sample | None:
     """One row to a Sample; None when truncation leaves no response token (caller counts).
 
     ``output_key`` None means ``input_key`` holds a whole chat (a list of messages, all
@@ -103,12 +115,15 @@ def sft_sample(row: dict[str, Any], tokenizer: Any, *, input_key: str, output_ke
             sample = encode_spans(tokenizer, text, [(0, len(text))])
         else:
             if not apply_chat_template:
-                raise DataError(f"without --output_key, --input_key {input_key!r} must hold chat messages "
-                                "and --apply_chat_template must be set (or use --pretrain_mode)")
+                raise DataError(
+                    f"without --output_key, --input_key {input_key!r} must hold chat messages "
+                    "and --apply_chat_template must be set (or use --pretrain_mode)"
+                )
             sample = encode_conversation(tokenizer, value)
     else:
-        prompt, response = render_response(value, row[output_key], tokenizer,
-                                           apply_chat_template=apply_chat_template, input_template=input_template)
+        prompt, response = render_response(
+            value, row[output_key], tokenizer, apply_chat_template=apply_chat_template, input_template=input_template
+        )
         sample = encode_prompt_response(tokenizer, prompt, response)
         if pretrain_mode:
             sample.loss_mask = [True] * len(sample)
@@ -119,6 +134,7 @@ def sft_sample(row: dict[str, Any], tokenizer: Any, *, input_key: str, output_ke
 
 
 # --------------------------------------------------------------------------- collation
+
 
 def shifted_labels(sample: Sample) -> list[int]:
     """Per-sample next-token targets: ``ids[t+1]`` where that token carries loss, else IGNORE."""

@@ -56,21 +56,38 @@ def run(cfg) -> None:
     info, tok = setup_run(cfg, "sft")
     keys = [cfg.input_key] + ([cfg.output_key] if cfg.output_key else [])
     encode = functools.partial(
-        sft_sample, tokenizer=tok, input_key=cfg.input_key, output_key=cfg.output_key or None,
-        apply_chat_template=cfg.apply_chat_template, input_template=template(cfg), max_len=cfg.max_len,
-        pretrain_mode=cfg.pretrain_mode)
+        sft_sample,
+        tokenizer=tok,
+        input_key=cfg.input_key,
+        output_key=cfg.output_key or None,
+        apply_chat_template=cfg.apply_chat_template,
+        input_template=template(cfg),
+        max_len=cfg.max_len,
+        pretrain_mode=cfg.pretrain_mode,
+    )
     train = build_samples(load_rows(cfg, keys), encode, "train")
     eval_rows = load_rows(cfg, keys, eval_split=True)
     evals = build_samples(eval_rows, encode, "eval") if eval_rows is not None else None
     collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                             gradient_checkpointing=cfg.gradient_checkpointing, flash_attn=cfg.flash_attn)
+    model = E.load_causal_lm(
+        cfg.pretrain,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = SFTTrainer(cfg, engine, train, collate, evals)
-    log.info("SFT: %d train / %d eval samples, %d optimizer steps (%d per epoch), grad accum %d, %s rows",
-             len(train), len(evals or []), trainer.total_steps, trainer.steps_per_epoch, trainer.accum,
-             "packed" if cfg.packing_samples else "padded")
+    log.info(
+        "SFT: %d train / %d eval samples, %d optimizer steps (%d per epoch), grad accum %d, %s rows",
+        len(train),
+        len(evals or []),
+        trainer.total_steps,
+        trainer.steps_per_epoch,
+        trainer.accum,
+        "packed" if cfg.packing_samples else "padded",
+    )
     trainer.fit()
     E.save_hf(engine, tok, cfg.save_path)
     log.info("saved %s", cfg.save_path)

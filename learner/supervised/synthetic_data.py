@@ -22,8 +22,10 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("apple banana cherry model token reward policy value learner rollout service python "
-         "string number hello world the quick brown fox jumps over lazy dog").split()
+WORDS = (
+    "apple banana cherry model token reward policy value learner rollout service python "
+    "string number hello world the quick brown fox jumps over lazy dog"
+).split()
 
 
 def _question(rng: random.Random, max_operand: int):
@@ -51,8 +53,7 @@ def pair_rows(n: int, seed: int, max_operand: int = 20, format_frac: float = 0.5
         else:
             wrong = ans + rng.choice([-3, -2, -1, 1, 2, 3])
             rejected, kind, margin = f"Answer: {abs(wrong)}", "wrong", 0.5
-        rows.append({"prompt": q, "chosen": f"Answer: {ans}", "rejected": rejected, "margin": margin,
-                     "kind": kind})
+        rows.append({"prompt": q, "chosen": f"Answer: {ans}", "rejected": rejected, "margin": margin, "kind": kind})
     return rows
 
 

@@ -36,8 +36,11 @@ def setup_run(cfg: Any, name: str):
     from common.config import log_config
 
     info = E.init_distributed()
-    logging.basicConfig(level=logging.INFO if info.rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s {name}[{info.rank}] %(levelname)s %(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if info.rank == 0 else logging.WARNING,
+        format=f"%(asctime)s {name}[{info.rank}] %(levelname)s %(message)s",
+        force=True,
+    )
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if info.rank == 0:
@@ -68,8 +71,9 @@ def build_samples(rows, encode: Callable[[dict[str, Any]], Any], what: str) -> l
         else:
             samples.append(s)
     if dropped:
-        log.warning("%s: dropped %d rows with no response token left within --max_len (first: %s)",
-                    what, dropped, first)
+        log.warning(
+            "%s: dropped %d rows with no response token left within --max_len (first: %s)", what, dropped, first
+        )
     return samples
 
 
@@ -88,10 +92,16 @@ def load_rows(cfg: Any, keys: Sequence[str], *, eval_split: bool = False):
     if not source:
         return None
     skipped = SkipCounter()
-    ds = load_mixed(source, probs=None if eval_split else cfg.dataset_probs,
-                    split=cfg.eval_split if eval_split else cfg.dataset_split,
-                    max_samples=cfg.max_samples, seed=cfg.seed, required_keys=keys,
-                    skip_bad_rows=cfg.skip_bad_rows, skipped=skipped)
+    ds = load_mixed(
+        source,
+        probs=None if eval_split else cfg.dataset_probs,
+        split=cfg.eval_split if eval_split else cfg.dataset_split,
+        max_samples=cfg.max_samples,
+        seed=cfg.seed,
+        required_keys=keys,
+        skip_bad_rows=cfg.skip_bad_rows,
+        skipped=skipped,
+    )
     if skipped.total:
         log.warning("%s: %s", source, skipped.report())
     return ds
@@ -102,15 +112,15 @@ def to_device(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def loader(samples: Sequence[Any], collate: Callable, batch_size: int, *, shuffle: bool, seed: int,
-           drop_last: bool):
+def loader(samples: Sequence[Any], collate: Callable, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool):
     """This rank's shard of ``samples`` in micro-batches (the sampler is ``loader.sampler``)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    sampler = DistributedSampler(samples, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
+    sampler = DistributedSampler(
+        samples, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     return DataLoader(samples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=drop_last)
 
 
@@ -121,8 +131,9 @@ def steps_per_epoch(n_samples: int, cfg: Any, world: int) -> int:
     accum = grad_accum_steps(cfg.train_batch_size, cfg.micro_train_batch_size, world)
     steps = (n_samples // world // cfg.micro_train_batch_size) // accum
     if steps < 1:
-        raise ValueError(f"{n_samples} training samples cannot fill one optimizer step of "
-                         f"--train_batch_size {cfg.train_batch_size}")
+        raise ValueError(
+            f"{n_samples} training samples cannot fill one optimizer step of --train_batch_size {cfg.train_batch_size}"
+        )
     return steps
 
 
@@ -138,6 +149,7 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.writer = SummaryWriter(str(Path(tensorboard_dir) / name))
 
     def write(self, step: int, metrics: dict[str, float], prefix: str) -> None:
@@ -167,14 +179,24 @@ class Trainer:
 
     name = "train"
 
-    def __init__(self, cfg: Any, engine: Any, train_samples: Sequence[Any], collate: Callable,
-                 eval_samples: Sequence[Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        engine: Any,
+        train_samples: Sequence[Any],
+        collate: Callable,
+        eval_samples: Sequence[Any] | None = None,
+    ) -> None:
         self.cfg, self.engine = cfg, engine
         self.collate = collate
-        self.train_loader = loader(train_samples, collate, cfg.micro_train_batch_size, shuffle=True,
-                                   seed=cfg.seed, drop_last=True)
-        self.eval_loader = loader(eval_samples, collate, cfg.micro_train_batch_size, shuffle=False,
-                                  seed=cfg.seed, drop_last=False) if eval_samples else None
+        self.train_loader = loader(
+            train_samples, collate, cfg.micro_train_batch_size, shuffle=True, seed=cfg.seed, drop_last=True
+        )
+        self.eval_loader = (
+            loader(eval_samples, collate, cfg.micro_train_batch_size, shuffle=False, seed=cfg.seed, drop_last=False)
+            if eval_samples
+            else None
+        )
         self.accum = engine.gradient_accumulation_steps()
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.steps_per_epoch = len(self.train_loader) // self.accum
@@ -241,8 +263,9 @@ class Trainer:
                 if self.global_step % cfg.logging_steps == 0 or self.global_step == self.total_steps:
                     m = mean_metrics(per_micro)
                     elapsed = time.time() - t0
-                    m.update(lr=self.engine.get_lr()[0], epoch=epoch + 1,
-                             samples_per_s=samples_since / max(elapsed, 1e-9))
+                    m.update(
+                        lr=self.engine.get_lr()[0], epoch=epoch + 1, samples_per_s=samples_since / max(elapsed, 1e-9)
+                    )
                     t0, samples_since = time.time(), 0
                     self.metrics.write(self.global_step, m, "train")
                 if self.global_step % eval_every == 0:
@@ -251,21 +274,34 @@ class Trainer:
                     self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
-        E.save_checkpoint(self.engine, self.ckpt_dir(), tag=f"global_step{self.global_step}",
-                          client_state={"global_step": self.global_step}, max_keep=self.cfg.max_ckpt_num)
+        E.save_checkpoint(
+            self.engine,
+            self.ckpt_dir(),
+            tag=f"global_step{self.global_step}",
+            client_state={"global_step": self.global_step},
+            max_keep=self.cfg.max_ckpt_num,
+        )
         log.info("saved DeepSpeed checkpoint global_step%d in %s", self.global_step, self.ckpt_dir())
 
 
 def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int):
     """The trained engine with the common optimizer flags; also returns steps per epoch."""
     per_epoch = steps_per_epoch(n_train, cfg, world)
-    engine = E.make_engine(model, zero_stage=cfg.zero_stage, bf16=cfg.bf16,
-                           train_batch_size=cfg.train_batch_size,
-                           micro_train_batch_size=cfg.micro_train_batch_size,
-                           learning_rate=cfg.learning_rate, num_training_steps=per_epoch * cfg.max_epochs,
-                           weight_decay=cfg.l2, betas=tuple(cfg.adam_betas), adam_offload=cfg.adam_offload,
-                           grad_clip=cfg.max_norm, lr_scheduler=cfg.lr_scheduler,
-                           lr_warmup_ratio=cfg.lr_warmup_ratio)
+    engine = E.make_engine(
+        model,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        train_batch_size=cfg.train_batch_size,
+        micro_train_batch_size=cfg.micro_train_batch_size,
+        learning_rate=cfg.learning_rate,
+        num_training_steps=per_epoch * cfg.max_epochs,
+        weight_decay=cfg.l2,
+        betas=tuple(cfg.adam_betas),
+        adam_offload=cfg.adam_offload,
+        grad_clip=cfg.max_norm,
+        lr_scheduler=cfg.lr_scheduler,
+        lr_warmup_ratio=cfg.lr_warmup_ratio,
+    )
     return engine, per_epoch
 
 

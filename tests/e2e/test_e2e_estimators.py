@@ -30,20 +30,60 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str]
 
     train, _ = problems(0)
     prompts = write_jsonl(train, tmp_path / "prompts.jsonl")
-    learner = ["--prompt_data", str(prompts), "--input_key", "input",
-               "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
-               "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128",
-               "--max_steps", str(steps), "--generate_max_len", "4", "--actor_learning_rate", "3e-3",
-               "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0", "--peer_timeout_s", "5",
-               *extra_learner]
-    cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(model),
-           "--rollout_servers", "1",
-           "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-           "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-           "--learner_args", " ".join(learner), "--stop_timeout_s", "15"]
+    learner = [
+        "--prompt_data",
+        str(prompts),
+        "--input_key",
+        "input",
+        "--n_samples_per_prompt",
+        "8",
+        "--rollout_batch_size",
+        "16",
+        "--train_batch_size",
+        "128",
+        "--micro_train_batch_size",
+        "128",
+        "--micro_rollout_batch_size",
+        "128",
+        "--max_steps",
+        str(steps),
+        "--generate_max_len",
+        "4",
+        "--actor_learning_rate",
+        "3e-3",
+        "--init_kl_coef",
+        "0",
+        "--zero_stage",
+        "2",
+        "--seed",
+        "0",
+        "--peer_timeout_s",
+        "5",
+        *extra_learner,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--pretrain",
+        str(model),
+        "--rollout_servers",
+        "1",
+        "--rollout_args",
+        "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
+        "--reward_args",
+        f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
+        "--learner_args",
+        " ".join(learner),
+        "--stop_timeout_s",
+        "15",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -60,10 +100,24 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str]
 
 def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
     steps = 6
-    rows = _launch(tmp_path, tiny_model_dir, steps=steps,
-                   extra_learner=["--advantage_estimator", "gae", "--critic_learning_rate", "1e-3",
-                                  "--value_clip", "0.5", "--gamma", "1", "--lambd", "0.95",
-                                  "--save_value_network"])
+    rows = _launch(
+        tmp_path,
+        tiny_model_dir,
+        steps=steps,
+        extra_learner=[
+            "--advantage_estimator",
+            "gae",
+            "--critic_learning_rate",
+            "1e-3",
+            "--value_clip",
+            "0.5",
+            "--gamma",
+            "1",
+            "--lambd",
+            "0.95",
+            "--save_value_network",
+        ],
+    )
     losses = [m["critic/value_loss"] for m in rows]
     # A fresh value head starts near 0 against rewards in {0, 1}; the critic learns the mean
     # and then the policy's rising reward shrinks the variance left to explain.
@@ -76,17 +130,31 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
 
     saved = AutoModelForSequenceClassification.from_pretrained(tmp_path / "run" / "model_critic", num_labels=1)
     assert saved.config.architectures[0].endswith("ForSequenceClassification")
-    fresh = torch.randn(saved.score.weight.shape, generator=torch.Generator().manual_seed(0)) \
-        / (saved.config.hidden_size + 1)  # the head the critic started from (learner.runtime.models)
+    fresh = torch.randn(saved.score.weight.shape, generator=torch.Generator().manual_seed(0)) / (
+        saved.config.hidden_size + 1
+    )  # the head the critic started from (learner.runtime.models)
     assert not torch.allclose(saved.score.weight, fresh), "the saved head is the untrained one"
 
 
-@pytest.mark.parametrize("flags", [
-    ["--advantage_estimator", "rloo", "--dynamic_filtering"],
-    ["--advantage_estimator", "group_norm", "--policy_loss_type", "gspo", "--is_correction", "tis"],
-    ["--advantage_estimator", "dr_grpo", "--loss_agg_mode", "seq_mean_token_sum_norm",
-     "--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3"],
-], ids=["rloo-dynamic_filtering", "grpo-gspo-tis", "dr_grpo-clip_higher-dual_clip"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--advantage_estimator", "rloo", "--dynamic_filtering"],
+        ["--advantage_estimator", "group_norm", "--policy_loss_type", "gspo", "--is_correction", "tis"],
+        [
+            "--advantage_estimator",
+            "dr_grpo",
+            "--loss_agg_mode",
+            "seq_mean_token_sum_norm",
+            "--eps_clip_low_high",
+            "0.2",
+            "0.28",
+            "--dual_clip",
+            "3",
+        ],
+    ],
+    ids=["rloo-dynamic_filtering", "grpo-gspo-tis", "dr_grpo-clip_higher-dual_clip"],
+)
 def test_estimator_runs_through_real_services(tmp_path, tiny_model_dir, flags):
     rows = _launch(tmp_path, tiny_model_dir, steps=2, extra_learner=flags)
     for m in rows:

@@ -32,20 +32,60 @@ def _prompts(tmp_path: Path) -> Path:
 
 
 def _launch(tmp_path: Path, model: Path, *, steps: int, servers: int, extra_learner: list[str] = ()):
-    learner = ["--prompt_data", str(_prompts(tmp_path)), "--input_key", "input",
-               "--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128",
-               "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128",
-               "--max_steps", str(steps), "--generate_max_len", "4", "--actor_learning_rate", "3e-3",
-               "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0", "--peer_timeout_s", "5",
-               *extra_learner]
-    cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(model),
-           "--rollout_servers", str(servers),
-           "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-           "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-           "--learner_args", " ".join(learner), "--stop_timeout_s", "15"]
+    learner = [
+        "--prompt_data",
+        str(_prompts(tmp_path)),
+        "--input_key",
+        "input",
+        "--n_samples_per_prompt",
+        "8",
+        "--rollout_batch_size",
+        "16",
+        "--train_batch_size",
+        "128",
+        "--micro_train_batch_size",
+        "128",
+        "--micro_rollout_batch_size",
+        "128",
+        "--max_steps",
+        str(steps),
+        "--generate_max_len",
+        "4",
+        "--actor_learning_rate",
+        "3e-3",
+        "--init_kl_coef",
+        "0",
+        "--zero_stage",
+        "2",
+        "--seed",
+        "0",
+        "--peer_timeout_s",
+        "5",
+        *extra_learner,
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--pretrain",
+        str(model),
+        "--rollout_servers",
+        str(servers),
+        "--rollout_args",
+        "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
+        "--reward_args",
+        f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
+        "--learner_args",
+        " ".join(learner),
+        "--stop_timeout_s",
+        "15",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
 
 
 def _metrics(run: Path) -> list[dict]:

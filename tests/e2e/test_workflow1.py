@@ -23,18 +23,65 @@ def workflow1_models(tiny_model_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("workflow1")
     paths = {name: str(p) for name, p in write_all(root / "data", n_train=256, n_eval=64).items()}
-    common = ["--apply_chat_template", "--train_batch_size", "16", "--micro_train_batch_size", "8",
-              "--max_epochs", "1", "--max_len", "64", "--zero_stage", "2", "--logging_steps", "4",
-              "--eval_at_start"]
+    common = [
+        "--apply_chat_template",
+        "--train_batch_size",
+        "16",
+        "--micro_train_batch_size",
+        "8",
+        "--max_epochs",
+        "1",
+        "--max_len",
+        "64",
+        "--zero_stage",
+        "2",
+        "--logging_steps",
+        "4",
+        "--eval_at_start",
+    ]
     sft, rm = root / "sft", root / "rm"
-    run_module("learner.train_sft", ["--pretrain", str(tiny_model_dir), "--dataset", paths["sft_train"],
-                                     "--eval_dataset", paths["sft_eval"], "--input_key", "input",
-                                     "--output_key", "output", "--learning_rate", "3e-3",
-                                     "--save_path", str(sft), *common])
-    run_module("learner.train_rm", ["--pretrain", str(sft), "--dataset", paths["pairs_train"],
-                                    "--eval_dataset", paths["pairs_eval"], "--prompt_key", "prompt",
-                                    "--chosen_key", "chosen", "--rejected_key", "rejected",
-                                    "--learning_rate", "1e-3", "--save_path", str(rm), *common])
+    run_module(
+        "learner.train_sft",
+        [
+            "--pretrain",
+            str(tiny_model_dir),
+            "--dataset",
+            paths["sft_train"],
+            "--eval_dataset",
+            paths["sft_eval"],
+            "--input_key",
+            "input",
+            "--output_key",
+            "output",
+            "--learning_rate",
+            "3e-3",
+            "--save_path",
+            str(sft),
+            *common,
+        ],
+    )
+    run_module(
+        "learner.train_rm",
+        [
+            "--pretrain",
+            str(sft),
+            "--dataset",
+            paths["pairs_train"],
+            "--eval_dataset",
+            paths["pairs_eval"],
+            "--prompt_key",
+            "prompt",
+            "--chosen_key",
+            "chosen",
+            "--rejected_key",
+            "rejected",
+            "--learning_rate",
+            "1e-3",
+            "--save_path",
+            str(rm),
+            *common,
+        ],
+    )
     return {"sft": sft, "rm": rm, **paths}
 
 
@@ -58,15 +105,20 @@ def test_rm_loads_in_transformers_and_reward_service_with_its_mean_and_std(workf
 
     rm_dir = workflow1_models["rm"]
     config = json.loads((rm_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and len(config["id2label"]) == 1  # num_labels = 1
+    assert (
+        config["architectures"] == ["Qwen2ForSequenceClassification"] and len(config["id2label"]) == 1
+    )  # num_labels = 1
     last_eval = [r for r in read_log(rm_dir) if "eval/reward_mean" in r][-1]
     assert config["mean"] == pytest.approx(last_eval["eval/reward_mean"])
     assert config["std"] == pytest.approx(last_eval["eval/reward_std"]) and config["std"] > 0
 
     tok = AutoTokenizer.from_pretrained(rm_dir)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                     tokenize=False).rstrip()
-             for q, a in [("What is 2 + 3?", "Answer: 5"), ("What is 2 + 3?", "lazy dog banana")]]
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+        ).rstrip()
+        for q, a in [("What is 2 + 3?", "Answer: 5"), ("What is 2 + 3?", "lazy dog banana")]
+    ]
     ids = [tok(t, add_special_tokens=False, return_tensors="pt")["input_ids"][0] for t in texts]
     hf = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -92,14 +144,50 @@ def test_ppo_hop_with_the_trained_rm_scored_by_the_reward_service(workflow1_mode
     import sys
 
     run = tmp_path / "ppo"
-    learner = ["--prompt_data", workflow1_models["prompts_train"], "--input_key", "input", "--apply_chat_template",
-               "--reward_pretrain", str(workflow1_models["rm"]), "--normalize_reward", "--init_kl_coef", "0.01",
-               "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
-               "--train_batch_size", "32", "--micro_train_batch_size", "16", "--max_steps", "3",
-               "--generate_max_len", "8", "--actor_learning_rate", "1e-4", "--zero_stage", "2"]
-    cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(workflow1_models["sft"]),
-           "--rollout_args", "--dtype float32 --max_model_len 256 --enforce_eager",
-           "--learner_args", " ".join(learner), "--quiet"]
+    learner = [
+        "--prompt_data",
+        workflow1_models["prompts_train"],
+        "--input_key",
+        "input",
+        "--apply_chat_template",
+        "--reward_pretrain",
+        str(workflow1_models["rm"]),
+        "--normalize_reward",
+        "--init_kl_coef",
+        "0.01",
+        "--advantage_estimator",
+        "rloo",
+        "--n_samples_per_prompt",
+        "4",
+        "--rollout_batch_size",
+        "8",
+        "--train_batch_size",
+        "32",
+        "--micro_train_batch_size",
+        "16",
+        "--max_steps",
+        "3",
+        "--generate_max_len",
+        "8",
+        "--actor_learning_rate",
+        "1e-4",
+        "--zero_stage",
+        "2",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--run_dir",
+        str(run),
+        "--pretrain",
+        str(workflow1_models["sft"]),
+        "--rollout_args",
+        "--dtype float32 --max_model_len 256 --enforce_eager",
+        "--learner_args",
+        " ".join(learner),
+        "--quiet",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

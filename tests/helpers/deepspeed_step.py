@@ -62,8 +62,7 @@ def main() -> None:
     result["inner_optimizer"] = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    batch = tok(["What is 2 + 3? Answer: 5", "Reverse the string: abc. Answer: cba"],
-                return_tensors="pt", padding=True)
+    batch = tok(["What is 2 + 3? Answer: 5", "Reverse the string: abc. Answer: cba"], return_tensors="pt", padding=True)
     labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)
     losses = []
     for _ in range(2):  # step, then measure the loss again on the same batch

@@ -31,9 +31,13 @@ class FakeController:
     def spawn(self, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "reward_service", "--controller", self.ep.address,
-                                     "--name", name, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **ENV})
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "reward_service", "--controller", self.ep.address, "--name", name, *args],
+                cwd=ROOT,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **ENV},
+            )
         self.procs.append(proc)
         return proc, log
 

@@ -50,8 +50,9 @@ class FakeServer:
 
         self.name, self.behaviour = name, behaviour
         self.model = RecordingModel()
-        cfg = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                              model_config=None)
+        cfg = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+        )
         self.engine = GlooWeightTransferEngine(None, cfg, torch.device("cpu"), self.model)
         self.version = 0
 

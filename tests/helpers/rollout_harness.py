@@ -25,23 +25,56 @@ from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
 
 REPO = Path(__file__).resolve().parents[2]
-ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 
 
 class Server:
-    def __init__(self, name: str, model_dir: str | Path, controller: str, log_dir: Path, *extra: str,
-                 env: dict | None = None) -> None:
+    def __init__(
+        self, name: str, model_dir: str | Path, controller: str, log_dir: Path, *extra: str, env: dict | None = None
+    ) -> None:
         self.name = name
         self.log_path = Path(log_dir) / f"{name}.log"
-        args = [sys.executable, "-m", "rollout_service", "--model", str(model_dir), "--controller", controller,
-                "--name", name, "--dtype", "float32", "--enforce_eager", "--max_model_len", "256",
-                "--max_num_seqs", "8", "--heartbeat_s", "0.5", "--gpu_memory_utilization", "0.05", *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "rollout_service",
+            "--model",
+            str(model_dir),
+            "--controller",
+            controller,
+            "--name",
+            name,
+            "--dtype",
+            "float32",
+            "--enforce_eager",
+            "--max_model_len",
+            "256",
+            "--max_num_seqs",
+            "8",
+            "--heartbeat_s",
+            "0.5",
+            "--gpu_memory_utilization",
+            "0.05",
+            *extra,
+        ]
         self._log = open(self.log_path, "w")
         self.killed = False
         # Own process group: a kill takes vLLM's EngineCore and workers with it.
-        self.proc = subprocess.Popen(args, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **ENV, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ENV, **(env or {})},
+            start_new_session=True,
+        )
 
     def log_tail(self, n: int = 4000) -> str:
         self._log.flush()
@@ -49,8 +82,10 @@ class Server:
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None and not self.killed:
-            raise RuntimeError(f"rollout server {self.name} exited with {self.proc.returncode}; "
-                               f"its log ({self.log_path}):\n{self.log_tail()}")
+            raise RuntimeError(
+                f"rollout server {self.name} exited with {self.proc.returncode}; "
+                f"its log ({self.log_path}):\n{self.log_tail()}"
+            )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         self.killed = True  # on purpose: check_alive no longer complains
@@ -79,8 +114,15 @@ class Server:
 class Controller:
     """The learner's rank 0, minus training: endpoint, pool, client, publisher."""
 
-    def __init__(self, model: torch.nn.Module, *, peer_timeout_s: float = 30.0, weight_timeout_s: float = 60.0,
-                 bucket_bytes: int = 1 << 20, backend: str = "gloo") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        peer_timeout_s: float = 30.0,
+        weight_timeout_s: float = 60.0,
+        bucket_bytes: int = 1 << 20,
+        backend: str = "gloo",
+    ) -> None:
         self.ep = Endpoint.bind("tcp://127.0.0.1:0")
         self.pool = ServicePool(self.ep, peer_timeout_s=peer_timeout_s)
         self.publisher = WeightPublisher(model, backend=backend, timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes)
@@ -118,8 +160,9 @@ class Controller:
         want = set(names)
         while not want <= set(self.client.servers(ready_only=True)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"servers {sorted(want - set(self.client.servers()))} did not join within "
-                                   f"{timeout:.0f} s")
+                raise TimeoutError(
+                    f"servers {sorted(want - set(self.client.servers()))} did not join within {timeout:.0f} s"
+                )
             self.pump(0.2)
             self.client.sync_joiners()
 
@@ -127,8 +170,9 @@ class Controller:
         deadline = time.monotonic() + timeout
         while not set(prompt_ids) <= set(self.results):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no samples for prompts {sorted(set(prompt_ids) - set(self.results))} within "
-                                   f"{timeout:.0f} s")
+                raise TimeoutError(
+                    f"no samples for prompts {sorted(set(prompt_ids) - set(self.results))} within {timeout:.0f} s"
+                )
             self.pump(0.1, allow_dead)
 
     def wait_until(self, cond, what: str, timeout: float = 60.0, allow_dead: tuple[str, ...] = ()) -> None:
@@ -153,9 +197,15 @@ def samples_of(batch: P.SampleBatch, prompt_id: int) -> list[dict]:
     out = []
     for i, pid in enumerate(batch.prompt_ids):
         if pid == prompt_id:
-            out.append({"tokens": toks[i].tolist(), "logprobs": lps[i].tolist() if lps is not None else None,
-                        "finish": batch.finish_reasons[i], "version": batch.policy_versions[i],
-                        "index": batch.sample_indices[i]})
+            out.append(
+                {
+                    "tokens": toks[i].tolist(),
+                    "logprobs": lps[i].tolist() if lps is not None else None,
+                    "finish": batch.finish_reasons[i],
+                    "version": batch.policy_versions[i],
+                    "index": batch.sample_indices[i],
+                }
+            )
     return sorted(out, key=lambda d: d["index"])
 
 

@@ -31,16 +31,25 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "steps_per_print": 1_000_000}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "steps_per_print": 1_000_000,
+    }
     hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (must outlive from_pretrained)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     server = FakeServer("r0") if rank == 0 else None
-    pub = WeightPublisher(engine, control=FakeControl([server]) if server else None, rank=rank, backend="gloo",
-                          bucket_bytes=256 * 1024, timeout_s=60)
+    pub = WeightPublisher(
+        engine,
+        control=FakeControl([server]) if server else None,
+        rank=rank,
+        backend="gloo",
+        bucket_bytes=256 * 1024,
+        timeout_s=60,
+    )
     partitioned = all(p.numel() == 0 for _, p in pub.source._params)
     if rank == 0:
         pub.connect("r0", workers=1, dtype="float32")
@@ -50,8 +59,19 @@ def main() -> None:
         disk.setdefault("lm_head.weight", disk["model.embed_tokens.weight"])  # tied: not saved twice
         loaded = server.model.loaded
         same = sorted(loaded) == sorted(disk) and all(torch.equal(loaded[k], disk[k]) for k in disk)
-        print("RESULT " + json.dumps({"zero3": pub.source.zero3, "partitioned": partitioned, "equal": same,
-                                      "tensors": len(loaded), "updated": report.updated}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "zero3": pub.source.zero3,
+                    "partitioned": partitioned,
+                    "equal": same,
+                    "tensors": len(loaded),
+                    "updated": report.updated,
+                }
+            ),
+            flush=True,
+        )
         pub.close()
 
 

@@ -20,13 +20,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=256,
-              max_num_seqs=8, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(args.prompt_ids)]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-              "dtype": str(llm.llm_engine.model_config.dtype)}
+    result = {
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "dtype": str(llm.llm_engine.model_config.dtype),
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -159,8 +159,12 @@ def test_group_estimator_with_kl_in_reward():
     # row 1 kl = 0: returns [0.7071, 0.7071]
     s = 1 / math.sqrt(2.0)
     adv, _ = compute_advantages(
-        "group_norm", torch.tensor([0.0, 2.0]), torch.ones(2, 2), group_size=2,
-        kl=torch.tensor([[1.0, 1.0], [0.0, 0.0]]), kl_coef=0.5,
+        "group_norm",
+        torch.tensor([0.0, 2.0]),
+        torch.ones(2, 2),
+        group_size=2,
+        kl=torch.tensor([[1.0, 1.0], [0.0, 0.0]]),
+        kl_coef=0.5,
     )
     close(adv, torch.tensor([[-1.0 - s, -0.5 - s], [s, s]]))
 
@@ -219,8 +223,16 @@ def test_group_estimators_reject_discount(name):
 
 def test_registry_has_uniform_signature():
     assert set(ADVANTAGE_ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"}
-    kwargs = dict(group_size=2, values=torch.zeros(4, 3), kl=torch.zeros(4, 3), kl_coef=0.0, gamma=1.0,
-                  lambd=1.0, std_norm=True, dist_reduce=None)
+    kwargs = dict(
+        group_size=2,
+        values=torch.zeros(4, 3),
+        kl=torch.zeros(4, 3),
+        kl_coef=0.0,
+        gamma=1.0,
+        lambd=1.0,
+        std_norm=True,
+        dist_reduce=None,
+    )
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         adv, ret = fn(torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.ones(4, 3), **kwargs)
         assert adv.shape == ret.shape == (4, 3), name

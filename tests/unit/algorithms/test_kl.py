@@ -86,9 +86,7 @@ def test_kl_penalized_rewards_by_hand():
 def test_kl_penalized_rewards_negative_coef_is_zero_and_empty_row():
     # beta < 0 counts as 0 (OpenRLHF): only the scalar reward at the last token remains.
     # row 1 has no valid token: it stays all zero (its reward has nowhere to go).
-    out = kl_penalized_rewards(
-        torch.tensor([1.0, 5.0]), torch.ones(2, 2), torch.tensor([[1, 1], [0, 0]]), kl_coef=-1.0
-    )
+    out = kl_penalized_rewards(torch.tensor([1.0, 5.0]), torch.ones(2, 2), torch.tensor([[1, 1], [0, 0]]), kl_coef=-1.0)
     torch.testing.assert_close(out, torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
 
 

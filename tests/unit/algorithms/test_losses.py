@@ -242,8 +242,9 @@ def test_gspo_gradient_spreads_over_the_sequence():
     # loss = -s; d loss / d log pi_t = -s / 2 = -0.55 for both tokens
     new = torch.full((1, 2), LN(1.1), requires_grad=True)
     mask = torch.ones(1, 2)
-    loss, _ = policy_loss(new, torch.zeros(1, 2), torch.ones(1, 2), mask, local_agg(mask, "seq_mean_token_mean"),
-                          loss_type="gspo")
+    loss, _ = policy_loss(
+        new, torch.zeros(1, 2), torch.ones(1, 2), mask, local_agg(mask, "seq_mean_token_mean"), loss_type="gspo"
+    )
     (grad,) = torch.autograd.grad(loss, new)
     close(grad, torch.tensor([[-0.55, -0.55]]))
 
@@ -257,8 +258,9 @@ def test_tis_caps_the_importance_weight():
     new = old.clone().requires_grad_(True)
     rollout = -torch.tensor([[LN(0.5), 0.0, LN(3.0)]])
     mask = torch.ones(1, 3)
-    loss, m = policy_loss(new, old, torch.ones(1, 3), mask, local_agg(mask),
-                          rollout_log_probs=rollout, is_correction="tis", is_high=2.0)
+    loss, m = policy_loss(
+        new, old, torch.ones(1, 3), mask, local_agg(mask), rollout_log_probs=rollout, is_correction="tis", is_high=2.0
+    )
     close(loss, torch.tensor(-3.5 / 3))
     (grad,) = torch.autograd.grad(loss, new)
     close(grad, torch.tensor([[-0.5, -1.0, -2.0]]) / 3)
@@ -274,8 +276,17 @@ def test_icepop_masks_tokens_outside_the_band():
     new = old.clone().requires_grad_(True)
     rollout = -torch.tensor([[LN(0.5), 0.0, LN(3.0)]])
     mask = torch.ones(1, 3)
-    loss, m = policy_loss(new, old, torch.ones(1, 3), mask, local_agg(mask),
-                          rollout_log_probs=rollout, is_correction="icepop", is_low=0.6, is_high=2.5)
+    loss, m = policy_loss(
+        new,
+        old,
+        torch.ones(1, 3),
+        mask,
+        local_agg(mask),
+        rollout_log_probs=rollout,
+        is_correction="icepop",
+        is_low=0.6,
+        is_high=2.5,
+    )
     close(loss, torch.tensor(-1 / 3))
     close(m["is_filter_frac"], torch.tensor(2 / 3))
 
@@ -287,8 +298,17 @@ def test_seq_mask_tis_drops_whole_sequences():
     old = torch.zeros(2, 2)
     rollout = -torch.tensor([[LN(0.5), LN(2.0)], [LN(3.0), LN(3.0)]])
     mask = torch.ones(2, 2)
-    loss, m = policy_loss(old.clone().requires_grad_(True), old, torch.ones(2, 2), mask, local_agg(mask),
-                          rollout_log_probs=rollout, is_correction="seq_mask_tis", is_low=0.5, is_high=2.0)
+    loss, m = policy_loss(
+        old.clone().requires_grad_(True),
+        old,
+        torch.ones(2, 2),
+        mask,
+        local_agg(mask),
+        rollout_log_probs=rollout,
+        is_correction="seq_mask_tis",
+        is_low=0.5,
+        is_high=2.0,
+    )
     close(loss, torch.tensor(-0.625))
     close(m["is_filter_frac"], torch.tensor(0.5))
 

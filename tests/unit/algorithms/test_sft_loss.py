@@ -30,7 +30,7 @@ def test_shares_of_two_simulated_ranks_sum_to_the_whole_batch():
     total = int((labels != IGNORE_INDEX).sum())
     whole, _ = sft_loss(logits, labels, global_tokens=total)
     (g_whole,) = torch.autograd.grad(whole, logits)
-    parts = [sft_loss(logits[i:i + 2], labels[i:i + 2], global_tokens=total)[0] for i in (0, 2)]
+    parts = [sft_loss(logits[i : i + 2], labels[i : i + 2], global_tokens=total)[0] for i in (0, 2)]
     (g_parts,) = torch.autograd.grad(sum(parts), logits)
     assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-6)
     assert torch.allclose(g_parts, g_whole, atol=1e-7)

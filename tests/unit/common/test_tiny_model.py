@@ -53,12 +53,16 @@ def test_digits_are_one_token_each(hf_tokenizer):
 def test_special_tokens_and_chat_template(tiny_model_dir, hf_tokenizer):
     assert len(hf_tokenizer) <= tiny.TARGET_VOCAB
     assert hf_tokenizer.convert_tokens_to_ids(list(tiny.SPECIAL_TOKENS)) == [
-        tiny.ENDOFTEXT_ID, tiny.IM_START_ID, tiny.IM_END_ID]
+        tiny.ENDOFTEXT_ID,
+        tiny.IM_START_ID,
+        tiny.IM_END_ID,
+    ]
     assert (hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id) == (tiny.IM_END_ID, tiny.ENDOFTEXT_ID)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == tiny.IM_START_ID and ids.count(tiny.IM_END_ID) == 2
@@ -87,9 +91,8 @@ def test_transformers_generates_deterministically(tiny_model_dir, hf_tokenizer):
     for _ in range(2):  # two independent loads: the weights on disk fix the output
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         with torch.no_grad():
-            out = model.generate(**prompt, max_new_tokens=16, do_sample=False,
-                                 pad_token_id=hf_tokenizer.pad_token_id)
-        outs.append(out[0, prompt.input_ids.shape[1]:].tolist())
+            out = model.generate(**prompt, max_new_tokens=16, do_sample=False, pad_token_id=hf_tokenizer.pad_token_id)
+        outs.append(out[0, prompt.input_ids.shape[1] :].tolist())
     assert outs[0] == outs[1]
     assert len(outs[0]) >= 1
 
@@ -116,7 +119,8 @@ def test_entry_point_prints_path(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "common.tiny", str(tmp_path / "m")],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "common.tiny", str(tmp_path / "m")], check=True, capture_output=True, text=True
+    ).stdout
     assert out.strip().splitlines()[-1] == str(tmp_path / "m")
     assert (tmp_path / "m" / "model.safetensors").is_file()

@@ -49,8 +49,15 @@ def test_handshake_and_batches_both_ways(ctrl):
     ctrl.send(P.PromptBatch(prompt_ids=[1], token_ids=[[4, 5]]), to=b"rollout-a")
     _, got = svc.recv(timeout=5)
     assert got.token_ids == [[4, 5]]
-    svc.send(P.SampleBatch(prompt_ids=[1], sample_indices=[0], response_lengths=[3],
-                           response_ids=torch.tensor([1, 2, 3]), logprobs=torch.tensor([-1.0, -2.0, -3.0])))
+    svc.send(
+        P.SampleBatch(
+            prompt_ids=[1],
+            sample_indices=[0],
+            response_lengths=[3],
+            response_ids=torch.tensor([1, 2, 3]),
+            logprobs=torch.tensor([-1.0, -2.0, -3.0]),
+        )
+    )
     ident, sb = ctrl.recv(timeout=5)
     assert ident == b"rollout-a" and sb.response_ids.tolist() == [1, 2, 3]
     svc.close(0)
@@ -93,8 +100,15 @@ def test_fuzz_malformed_frames_endpoint_survives(ctrl):
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.IDENTITY, b"fuzzer")
     raw.connect(ctrl.address)
-    good = P.Codec().encode(P.SampleBatch(prompt_ids=[1, 2], sample_indices=[0, 0], response_lengths=[2, 1],
-                                          response_ids=torch.tensor([5, 6, 7]), logprobs=torch.zeros(3)))
+    good = P.Codec().encode(
+        P.SampleBatch(
+            prompt_ids=[1, 2],
+            sample_indices=[0, 0],
+            response_lengths=[2, 1],
+            response_ids=torch.tensor([5, 6, 7]),
+            logprobs=torch.zeros(3),
+        )
+    )
     good = [bytes(memoryview(f)) for f in good]
     tags = sorted(P.message_types())
 

@@ -60,12 +60,18 @@ def test_bucket_plan_matches_vllm_pack_tensors():
 
 def test_pack_unpack_round_trip_dtypes_views_and_empty():
     base = torch.randn(6, 8)
-    tensors = [("bf16", torch.randn(3, 5).to(torch.bfloat16)), ("noncontig", base.t()), ("empty", torch.zeros(0, 4)),
-               ("scalar", torch.tensor(3.5)), ("int", torch.arange(7, dtype=torch.int64))]
+    tensors = [
+        ("bf16", torch.randn(3, 5).to(torch.bfloat16)),
+        ("noncontig", base.t()),
+        ("empty", torch.zeros(0, 4)),
+        ("scalar", torch.tensor(3.5)),
+        ("int", torch.arange(7, dtype=torch.int64)),
+    ]
     sizes = [t.numel() * t.element_size() for _, t in tensors]
     ((buf,),) = list(iter_packed(tensors, 1 << 20))
-    got = unpack(buf, [n for n, _ in tensors], [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors],
-                 sizes)
+    got = unpack(
+        buf, [n for n, _ in tensors], [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors], sizes
+    )
     for (name, want), (gname, have) in zip(tensors, got):
         assert name == gname and have.dtype == want.dtype and have.shape == want.shape
         assert torch.equal(have, want.contiguous())
@@ -84,16 +90,20 @@ def test_model_weights_lists_tied_names_in_engine_dtype():
     assert src.nbytes() == sum(t.numel() * 2 for _, t in pairs)
     runs = _layer_runs(list(model.named_parameters(remove_duplicate=False)))
     assert [[n for n, _ in r] for r in runs] == [
-        ["embed_tokens.weight"], ["layers.0.weight", "layers.0.bias"], ["layers.1.weight", "layers.1.bias"],
-        ["lm_head.weight"]]
+        ["embed_tokens.weight"],
+        ["layers.0.weight", "layers.0.bias"],
+        ["layers.1.weight", "layers.1.bias"],
+        ["lm_head.weight"],
+    ]
 
 
 # --------------------------------------------------------------------------- fake servers
 
 
 def _publisher(model, servers, timeout_s=10.0, bucket_bytes=4096, segment_bytes=None):
-    pub = WeightPublisher(model, control=FakeControl(servers), backend="gloo", timeout_s=timeout_s,
-                          bucket_bytes=bucket_bytes)
+    pub = WeightPublisher(
+        model, control=FakeControl(servers), backend="gloo", timeout_s=timeout_s, bucket_bytes=bucket_bytes
+    )
     if segment_bytes is not None:
         pub.segment_bytes = segment_bytes
     for s in servers:
@@ -189,8 +199,12 @@ def test_vllm_trainer_engine_interface_drives_the_gloo_backend():
             calls.append("finish")
 
     engine = WeightTransferTrainerFactory.trainer_init(
-        GlooTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=2048,
-                            timeout_s=10), client=Client(), source=ModuleSource(model))
+        GlooTrainerInitInfo(
+            master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=2048, timeout_s=10
+        ),
+        client=Client(),
+        source=ModuleSource(model),
+    )
     engine.send_weights()
     assert calls == ["init", "start", "update", "finish"]
     for name, p in model.named_parameters():
@@ -221,11 +235,23 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
     from common.transport import free_port
 
     script = HELPERS / "rollout_zero3_push.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tiny_model_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -233,7 +259,7 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
             p.kill()
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
     (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result == {"zero3": True, "partitioned": True, "equal": True, "tensors": 27, "updated": ["r0"]}
 
 

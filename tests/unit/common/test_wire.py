@@ -35,15 +35,19 @@ def sample_batch(dtype=torch.int32):
     [
         P.Hello(role="rollout", name="r0", capabilities={"max_num_seqs": 64, "model": "x"}),
         P.Welcome(peer_id="r0", policy_version=5, config={"sync": {"port": 1234}}),
-        P.PromptBatch(prompt_ids=[1, 2], token_ids=[[5, 6], [7]],
-                      sampling=P.SamplingParams(n=4, temperature=0.7, stop_token_ids=[2], seed=3),
-                      policy_version=2),
+        P.PromptBatch(
+            prompt_ids=[1, 2],
+            token_ids=[[5, 6], [7]],
+            sampling=P.SamplingParams(n=4, temperature=0.7, stop_token_ids=[2], seed=3),
+            policy_version=2,
+        ),
         P.Heartbeat(name="r0", seq=3, policy_version=1, stats={"in_flight": 2.0}),
         P.Error(code="bad_request", message="nope", prompt_ids=[1]),
         P.Shutdown(reason="done"),
         P.Ack(info={"version": 3}),
-        P.WeightSyncInit(backend="gloo", init_info={"master_address": "127.0.0.1", "master_port": 1, "world_size": 2},
-                         timeout_s=5.0),
+        P.WeightSyncInit(
+            backend="gloo", init_info={"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}, timeout_s=5.0
+        ),
         P.WeightUpdateStart(policy_version=4),
         P.WeightUpdate(names=["lm_head.weight"], dtype_names=["bfloat16"], shapes=[[8, 4]]),
         P.WeightUpdateFinish(policy_version=4),
@@ -72,20 +76,41 @@ def test_sample_batch_roundtrip_and_split():
 
 
 def test_score_request_and_scored_batch_roundtrip():
-    req = roundtrip(P.ScoreRequest(samples=sample_batch(torch.int64), prompts=["a", "a", "b"],
-                                   labels=["1", None, {"x": 1}], queries=["q"] * 3))
+    req = roundtrip(
+        P.ScoreRequest(
+            samples=sample_batch(torch.int64), prompts=["a", "a", "b"], labels=["1", None, {"x": 1}], queries=["q"] * 3
+        )
+    )
     assert req.labels == ["1", None, {"x": 1}]
     assert req.samples.response_ids.dtype == torch.int64
-    sb = roundtrip(P.ScoredBatch(prompt_ids=[7, 7, 9], sample_indices=[0, 1, 0],
-                                 rewards=torch.tensor([1.0, float("nan"), 0.0]),
-                                 ref_logprobs=torch.zeros(5), failed=[None, "timeout", None],
-                                 extra_logs={"acc": [1.0, 0.0, 0.0]}))
+    sb = roundtrip(
+        P.ScoredBatch(
+            prompt_ids=[7, 7, 9],
+            sample_indices=[0, 1, 0],
+            rewards=torch.tensor([1.0, float("nan"), 0.0]),
+            ref_logprobs=torch.zeros(5),
+            failed=[None, "timeout", None],
+            extra_logs={"acc": [1.0, 0.0, 0.0]},
+        )
+    )
     assert sb.failed == [None, "timeout", None]
     assert torch.isnan(sb.rewards[1]) and sb.rewards[0] == 1.0
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16,
-                                   torch.float16, torch.uint8, torch.int8, torch.bool, torch.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.int32,
+        torch.int64,
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.uint8,
+        torch.int8,
+        torch.bool,
+        torch.float64,
+    ],
+)
 def test_tensor_dtypes_exact(dtype):
     from common.serialization import TensorEncoder, make_ext_hook
 
@@ -99,20 +124,34 @@ def test_tensor_dtypes_exact(dtype):
 
 def test_tensor_fields_must_be_tensors_of_the_right_kind():
     with pytest.raises(WireError, match="response_ids must be a tensor"):
-        codec.decode([bytes([P.SampleBatch.TAG]),
-                      msgspec.msgpack.encode({"prompt_ids": [1], "sample_indices": [0], "response_lengths": [2],
-                                              "response_ids": "ab"})])
+        codec.decode(
+            [
+                bytes([P.SampleBatch.TAG]),
+                msgspec.msgpack.encode(
+                    {"prompt_ids": [1], "sample_indices": [0], "response_lengths": [2], "response_ids": "ab"}
+                ),
+            ]
+        )
     with pytest.raises(ValueError, match="logprobs must hold float"):
-        P.SampleBatch(prompt_ids=[1], sample_indices=[0], response_lengths=[1],
-                      response_ids=torch.tensor([1]), logprobs=torch.tensor([1]))
+        P.SampleBatch(
+            prompt_ids=[1],
+            sample_indices=[0],
+            response_lengths=[1],
+            response_ids=torch.tensor([1]),
+            logprobs=torch.tensor([1]),
+        )
 
 
 def test_non_contiguous_and_empty_and_numpy():
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     nc = base.t()[1:, ::2]  # non-contiguous view
     assert not nc.is_contiguous()
-    for x in (nc, torch.empty(0, dtype=torch.bfloat16), torch.empty(3, 0, dtype=torch.float16),
-              torch.arange(4, dtype=torch.bfloat16)):
+    for x in (
+        nc,
+        torch.empty(0, dtype=torch.bfloat16),
+        torch.empty(3, 0, dtype=torch.float16),
+        torch.arange(4, dtype=torch.bfloat16),
+    ):
         b = roundtrip(P.ScoredBatch(prompt_ids=[], sample_indices=[], rewards=torch.empty(0), ref_logprobs=x))
         assert b.ref_logprobs.dtype == x.dtype and torch.equal(b.ref_logprobs, x)
     arr = np.arange(6, dtype=np.int64)
@@ -121,9 +160,29 @@ def test_non_contiguous_and_empty_and_numpy():
 
 
 def test_every_registered_type_has_a_roundtrip_here():
-    covered = {"Hello", "Welcome", "PromptBatch", "SampleBatch", "ScoreRequest", "ScoredBatch",
-               "Heartbeat", "Error", "Shutdown", "Ack", "WeightSyncInit", "WeightUpdateStart", "WeightUpdate",
-               "WeightUpdateFinish", "WeightSyncClose", "Pause", "Resume", "Sleep", "WakeUp", "GetHealth", "Health"}
+    covered = {
+        "Hello",
+        "Welcome",
+        "PromptBatch",
+        "SampleBatch",
+        "ScoreRequest",
+        "ScoredBatch",
+        "Heartbeat",
+        "Error",
+        "Shutdown",
+        "Ack",
+        "WeightSyncInit",
+        "WeightUpdateStart",
+        "WeightUpdate",
+        "WeightUpdateFinish",
+        "WeightSyncClose",
+        "Pause",
+        "Resume",
+        "Sleep",
+        "WakeUp",
+        "GetHealth",
+        "Health",
+    }
     registered = {c.__name__ for c in P.message_types().values()}
     assert registered <= covered, f"add round-trip tests for {registered - covered}"
 
@@ -152,9 +211,14 @@ def test_codec_rejects_inconsistent_batches_naming_the_field():
     with pytest.raises(WireError, match="has 3 bytes"):
         codec.decode([good[0], good[1], b"abc", bytes(memoryview(good[3]))])
     with pytest.raises(WireError, match="response_ids must be a tensor"):
-        codec.decode([bytes([P.SampleBatch.TAG]),
-                      msgspec.msgpack.encode({"prompt_ids": [1], "sample_indices": [0], "response_lengths": [5],
-                                              "response_ids": "abc"})])
+        codec.decode(
+            [
+                bytes([P.SampleBatch.TAG]),
+                msgspec.msgpack.encode(
+                    {"prompt_ids": [1], "sample_indices": [0], "response_lengths": [5], "response_ids": "abc"}
+                ),
+            ]
+        )
 
 
 def test_codec_rejects_oversized():
@@ -165,5 +229,9 @@ def test_codec_rejects_oversized():
 
 def test_sampling_params_validated():
     with pytest.raises(WireError, match="sampling.n"):
-        codec.decode([bytes([P.PromptBatch.TAG]),
-                      msgspec.msgpack.encode({"prompt_ids": [1], "token_ids": [[1]], "sampling": {"n": 0}})])
+        codec.decode(
+            [
+                bytes([P.PromptBatch.TAG]),
+                msgspec.msgpack.encode({"prompt_ids": [1], "token_ids": [[1]], "sampling": {"n": 0}}),
+            ]
+        )

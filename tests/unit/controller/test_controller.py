@@ -50,18 +50,34 @@ class FakeService(threading.Thread):
                 idx = [i for _ in msg.prompt_ids for i in range(n)]
                 # response of sample i of prompt p: [p, i] ; logprob -0.5 each
                 ids = torch.tensor([[p, i] for p, i in zip(pids, idx)]).reshape(-1)
-                self.ep.send(P.SampleBatch(prompt_ids=pids, sample_indices=idx, response_lengths=[2] * len(pids),
-                                           response_ids=ids, logprobs=torch.full((ids.numel(),), -0.5),
-                                           finish_reasons=["stop"] * len(pids), policy_versions=[0] * len(pids),
-                                           server=self.name))
+                self.ep.send(
+                    P.SampleBatch(
+                        prompt_ids=pids,
+                        sample_indices=idx,
+                        response_lengths=[2] * len(pids),
+                        response_ids=ids,
+                        logprobs=torch.full((ids.numel(),), -0.5),
+                        finish_reasons=["stop"] * len(pids),
+                        policy_versions=[0] * len(pids),
+                        server=self.name,
+                    )
+                )
             elif isinstance(msg, P.ScoreRequest):
                 s = msg.samples
                 self.seen += s.prompt_ids
                 rewards = torch.tensor([float(i) for i in s.sample_indices])  # reward = sample index
                 failed = [("bad label" if lab == "poison" else None) for lab in msg.labels]
-                self.ep.reply(msg, P.ScoredBatch(prompt_ids=s.prompt_ids, sample_indices=s.sample_indices,
-                                                 rewards=rewards, ref_logprobs=-s.logprobs.float(),
-                                                 failed=failed, server=self.name))
+                self.ep.reply(
+                    msg,
+                    P.ScoredBatch(
+                        prompt_ids=s.prompt_ids,
+                        sample_indices=s.sample_indices,
+                        rewards=rewards,
+                        ref_logprobs=-s.logprobs.float(),
+                        failed=failed,
+                        server=self.name,
+                    ),
+                )
             elif isinstance(msg, P.Shutdown):
                 self.shutdown_reason = msg.reason
                 if not self.hold:
@@ -78,8 +94,9 @@ def ctrl():
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
     ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
-    c = Controller(RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(n=2, max_new_tokens=4),
-                   max_prompts_per_request=2)
+    c = Controller(
+        RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(n=2, max_new_tokens=4), max_prompts_per_request=2
+    )
     services = []
     yield c, services
     for s in services:

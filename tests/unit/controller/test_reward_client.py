@@ -18,8 +18,12 @@ FAULTY = "tests/helpers/reward_faulty.py"
 
 def samples(pids, n=2):
     k = len(pids) * n
-    return P.SampleBatch(prompt_ids=[p for p in pids for _ in range(n)], sample_indices=list(range(n)) * len(pids),
-                         response_lengths=[2] * k, response_ids=torch.arange(2 * k))
+    return P.SampleBatch(
+        prompt_ids=[p for p in pids for _ in range(n)],
+        sample_indices=list(range(n)) * len(pids),
+        response_lengths=[2] * k,
+        response_ids=torch.arange(2 * k),
+    )
 
 
 class Clock:
@@ -40,8 +44,9 @@ def fake():
     def join(name):
         svc = Endpoint.connect(ctrl.address, name=name)
         svcs.append(svc)
-        t = threading.Thread(target=lambda: svc.call(P.Hello(role="reward", name=name, capabilities={"capacity": 4}),
-                                                      timeout=5))
+        t = threading.Thread(
+            target=lambda: svc.call(P.Hello(role="reward", name=name, capabilities={"capacity": 4}), timeout=5)
+        )
         t.start()
         ident, msg = ctrl.recv(timeout=5)
         assert pool.handle(ident, msg) is None
@@ -59,8 +64,12 @@ def answer(svc, **kw):
     _, req = svc.recv(timeout=5)
     assert isinstance(req, P.ScoreRequest)
     n = len(req.samples)
-    reply = kw.get("reply") or P.ScoredBatch(prompt_ids=req.samples.prompt_ids, sample_indices=req.samples.sample_indices,
-                                             rewards=torch.ones(n), failed=[None] * n)
+    reply = kw.get("reply") or P.ScoredBatch(
+        prompt_ids=req.samples.prompt_ids,
+        sample_indices=req.samples.sample_indices,
+        rewards=torch.ones(n),
+        failed=[None] * n,
+    )
     svc.reply(req, reply)
     return req
 

@@ -28,8 +28,9 @@ class Scripted:
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def start(self) -> Scripted:
-        self.ep.call(P.Hello(role="rollout", name=self.name, capabilities={"capacity": self.capacity, "workers": 1}),
-                     timeout=10)
+        self.ep.call(
+            P.Hello(role="rollout", name=self.name, capabilities={"capacity": self.capacity, "workers": 1}), timeout=10
+        )
         self.thread.start()
         return self
 
@@ -45,9 +46,17 @@ class Scripted:
             if isinstance(msg, P.PromptBatch):
                 self.got.extend(msg.prompt_ids)
                 for pid in [] if self.hold else msg.prompt_ids:
-                    self.ep.send(P.SampleBatch(prompt_ids=[pid], sample_indices=[0], response_lengths=[1],
-                                               response_ids=np.array([pid], dtype=np.int32),
-                                               finish_reasons=["length"], policy_versions=[0], server=self.name))
+                    self.ep.send(
+                        P.SampleBatch(
+                            prompt_ids=[pid],
+                            sample_indices=[0],
+                            response_lengths=[1],
+                            response_ids=np.array([pid], dtype=np.int32),
+                            finish_reasons=["length"],
+                            policy_versions=[0],
+                            server=self.name,
+                        )
+                    )
             elif isinstance(msg, P.GetHealth) and not self.mute:
                 self.ep.reply(msg, P.Health(name=self.name, state="serving"))
             elif isinstance(msg, P.Pause) and not self.mute:

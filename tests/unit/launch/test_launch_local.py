@@ -24,12 +24,14 @@ def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
     roles = [
         # ignores SIGTERM: must be killed after the deadline
-        _role("reward-0", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)",
-              tmp_path),
+        _role(
+            "reward-0", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)", tmp_path
+        ),
         _role("learner", "import time; time.sleep(120)", tmp_path),
     ]
-    roles.insert(0, _role("rollout-1", "import sys, time; print('boom: CUDA error'); time.sleep(0.5); sys.exit(3)",
-                          tmp_path))
+    roles.insert(
+        0, _role("rollout-1", "import sys, time; print('boom: CUDA error'); time.sleep(0.5); sys.exit(3)", tmp_path)
+    )
     t0 = time.monotonic()
     assert _supervise(roles, cfg) == 1
     assert time.monotonic() - t0 < 30
@@ -42,9 +44,11 @@ def test_last_service_death_stops_everything_and_names_it(tmp_path, capsys):
 
 def test_one_of_two_rollout_servers_dying_is_survived(tmp_path, capsys):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
-    roles = [_role("rollout-0", "import sys, time; time.sleep(0.3); sys.exit(9)", tmp_path),
-             _role("rollout-1", "import time; time.sleep(120)", tmp_path),
-             _role("learner", "import time; time.sleep(3)", tmp_path)]
+    roles = [
+        _role("rollout-0", "import sys, time; time.sleep(0.3); sys.exit(9)", tmp_path),
+        _role("rollout-1", "import time; time.sleep(120)", tmp_path),
+        _role("learner", "import time; time.sleep(3)", tmp_path),
+    ]
     assert _supervise(roles, cfg) == 0  # the learner's code: the run went on
     err = capsys.readouterr().err
     assert "rollout-0 died (exit code 9)" in err and "1 other rollout process(es) carry on" in err
@@ -52,15 +56,25 @@ def test_one_of_two_rollout_servers_dying_is_survived(tmp_path, capsys):
 
 def test_learner_exit_code_is_the_runs(tmp_path):
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
-    roles = [_role("rollout-0", "import time; time.sleep(120)", tmp_path),
-             _role("learner", "import time; time.sleep(0.5)", tmp_path)]
+    roles = [
+        _role("rollout-0", "import time; time.sleep(120)", tmp_path),
+        _role("learner", "import time; time.sleep(0.5)", tmp_path),
+    ]
     assert _supervise(roles, cfg) == 0
     assert roles[0].proc.poll() is not None
 
 
 def test_build_roles_wires_every_process_to_one_controller(tmp_path):
-    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", rollout_servers=2, reward_services=1,
-                      learner_nproc=2, port=5999, reward_args="--reward_func f.py", learner_args="--max_steps 3")
+    cfg = LocalConfig(
+        run_dir=str(tmp_path),
+        pretrain="/m",
+        rollout_servers=2,
+        reward_services=1,
+        learner_nproc=2,
+        port=5999,
+        reward_args="--reward_func f.py",
+        learner_args="--max_steps 3",
+    )
     roles = {r.name: r for r in build_roles(cfg)}
     assert set(roles) == {"rollout-0", "rollout-1", "reward-0", "learner"}
     assert "tcp://127.0.0.1:5999" in roles["rollout-1"].cmd and "--reward_func" in roles["reward-0"].cmd
@@ -73,8 +87,11 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
 
 
 def test_learner_reward_flags_reach_the_reward_services(tmp_path):
-    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m",
-                      learner_args="--reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7")
+    cfg = LocalConfig(
+        run_dir=str(tmp_path),
+        pretrain="/m",
+        learner_args="--reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7",
+    )
     cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
     assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
     assert "--ref_pretrain" not in cmd and "--temperature" not in cmd

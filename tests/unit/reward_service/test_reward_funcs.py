@@ -29,18 +29,25 @@ def request(prompts, responses, labels=None, finish_reasons=None):
     """A ScoreRequest carrying text only (prompt / response tokens are dummies)."""
     n = len(prompts)
     lengths = [1] * n
-    sb = SampleBatch(prompt_ids=list(range(n)), sample_indices=[0] * n, response_lengths=lengths,
-                     response_ids=torch.ones(n, dtype=torch.int64), finish_reasons=finish_reasons or [])
-    return ScoreRequest(samples=sb, prompts=prompts, labels=labels or [],
-                        queries=[p + r for p, r in zip(prompts, responses)])
+    sb = SampleBatch(
+        prompt_ids=list(range(n)),
+        sample_indices=[0] * n,
+        response_lengths=lengths,
+        response_ids=torch.ones(n, dtype=torch.int64),
+        finish_reasons=finish_reasons or [],
+    )
+    return ScoreRequest(
+        samples=sb, prompts=prompts, labels=labels or [], queries=[p + r for p, r in zip(prompts, responses)]
+    )
 
 
 # --------------------------------------------------------------------------- contract checks
 
 
 def test_from_raw_shapes_and_values():
-    r = from_raw({"rewards": [1, 0.5, math.inf], "scores": [1, 1, 1], "extra_logs": {"a": [1, 2, 3], "b": 7,
-                                                                                      "bad": [1]}}, 3, "f")
+    r = from_raw(
+        {"rewards": [1, 0.5, math.inf], "scores": [1, 1, 1], "extra_logs": {"a": [1, 2, 3], "b": 7, "bad": [1]}}, 3, "f"
+    )
     assert r.rewards[:2] == [1.0, 0.5] and math.isnan(r.rewards[2])
     assert r.failed == [None, None, "f returned a non-finite reward (inf)"]
     assert r.extra_logs == {"a": [1.0, 2.0, 3.0], "b": [7.0] * 3}  # the wrong-length log is dropped
@@ -86,20 +93,24 @@ def func_scorer():
 
 
 def test_function_rewards_through_workers(func_scorer):
-    out = func_scorer.score(request(["Q1 ", "Q2 ", "Q3 "], ["Answer: 5", "\\boxed{7}", "Answer: 1"],
-                                    labels=["5", "7", "2"]))
+    out = func_scorer.score(
+        request(["Q1 ", "Q2 ", "Q3 "], ["Answer: 5", "\\boxed{7}", "Answer: 1"], labels=["5", "7", "2"])
+    )
     assert out.rewards.tolist() == [1.0, 1.0, 0.0] and out.failed == [None] * 3
     assert out.extra_logs["reward/func:math_exact_match.py"] == [1.0, 1.0, 0.0]
     assert out.extra_logs["math/has_answer"] == [1.0] * 3
     assert out.scores.tolist() == [1.0, 1.0, 0.0]
 
 
-@pytest.mark.parametrize("marker,reason", [
-    ("[raise]", "reward_func raised ZeroDivisionError: deliberate failure"),
-    ("[short]", "rewards has 1 entries for 2 samples"),
-    ("[sleep]", "reward_func timed out after 1.5 s"),
-    ("[exit]", "reward_func worker died (exit code 3)"),
-])
+@pytest.mark.parametrize(
+    "marker,reason",
+    [
+        ("[raise]", "reward_func raised ZeroDivisionError: deliberate failure"),
+        ("[short]", "rewards has 1 entries for 2 samples"),
+        ("[sleep]", "reward_func timed out after 1.5 s"),
+        ("[exit]", "reward_func worker died (exit code 3)"),
+    ],
+)
 def test_faulty_function_fails_samples_with_reason_and_recovers(func_scorer, marker, reason):
     t0 = time.monotonic()
     out = func_scorer.score(request([f"{marker} a", "b"], ["Answer: 1", "Answer: 2"], labels=["1", "2"]))
@@ -123,9 +134,13 @@ def test_non_finite_reward_fails_only_that_sample(func_scorer):
 def test_format_example_and_extra_kwargs():
     fr = FunctionReward(FORMAT, timeout_s=10, workers=2)  # two workers: the batch is split
     try:
-        res = fr(["p"] * 4, ["p"] * 4, [None] * 4,
-                 responses=["<think>hm</think> Answer: 3", "Answer: 1\nAnswer: 2", "\\boxed{2}", "Answer: 4"],
-                 finish_reasons=["stop", "stop", "stop", "length"])
+        res = fr(
+            ["p"] * 4,
+            ["p"] * 4,
+            [None] * 4,
+            responses=["<think>hm</think> Answer: 3", "Answer: 1\nAnswer: 2", "\\boxed{2}", "Answer: 4"],
+            finish_reasons=["stop", "stop", "stop", "length"],
+        )
         assert res.rewards == [1.0, 0.0, 1.0, 0.0] and res.failed == [None] * 4
         assert res.extra_logs["format/complete"] == [1.0, 1.0, 1.0, 0.0]
         assert res.extra_logs["format/one_answer"] == [1.0, 0.0, 1.0, 1.0]
@@ -164,8 +179,20 @@ def no_proxy(monkeypatch):
 def test_remote_http_rewards_then_server_killed(no_proxy):
     proc, url = start_http()
     try:
-        cfg = parse_config(["--controller", "tcp://127.0.0.1:1", "--remote_rm_url", url, "--timeout_s", "2",
-                            "--retries", "2", "--retry_backoff_s", "0.05"])
+        cfg = parse_config(
+            [
+                "--controller",
+                "tcp://127.0.0.1:1",
+                "--remote_rm_url",
+                url,
+                "--timeout_s",
+                "2",
+                "--retries",
+                "2",
+                "--retry_backoff_s",
+                "0.05",
+            ]
+        )
         scorer = Scorer.from_config(cfg)
         rr = scorer.sources[0].impl
         assert scorer.capabilities()["sources"] == ["remote"]

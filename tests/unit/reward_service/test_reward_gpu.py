@@ -34,18 +34,23 @@ def test_ref_and_rm_on_cuda_match_direct_forward(tiny_model_dir, tmp_path, dtype
         for p, r in seqs:
             ids = torch.cat([p, r])[None].cuda()
             lp = policy(ids).logits[0].float().log_softmax(-1)
-            want_lp.append(lp[len(p) - 1:len(p) - 1 + len(r)].gather(-1, r.cuda()[:, None])[:, 0].cpu())
+            want_lp.append(lp[len(p) - 1 : len(p) - 1 + len(r)].gather(-1, r.cuda()[:, None])[:, 0].cpu())
             want_r.append(hf_rm(ids).logits[0, 0].float().cpu())
     want_lp, want_r = torch.cat(want_lp), torch.stack(want_r)
     ref = ReferenceScorer.load(str(tiny_model_dir), dtype=dtype, device="cuda", micro_batch_size=3)
     got_lp = ref.logprobs(prompts, responses)
-    got_r = {side: RewardModelScorer.load(str(rm_dir), dtype=dtype, device="cuda", micro_batch_size=3,
-                                          padding_side=side).rewards([torch.cat(s) for s in seqs])
-             for side in ("left", "right")}
+    got_r = {
+        side: RewardModelScorer.load(
+            str(rm_dir), dtype=dtype, device="cuda", micro_batch_size=3, padding_side=side
+        ).rewards([torch.cat(s) for s in seqs])
+        for side in ("left", "right")
+    }
     d_lp = (got_lp - want_lp).abs().max().item()
     d_r = max((g - want_r).abs().max().item() for g in got_r.values())
-    print(f"\n{dtype}: max |ref logprob diff| {d_lp:.3g} (mean |lp| {want_lp.abs().mean():.3g}), "
-          f"max |rm diff| {d_r:.3g} (mean |r| {want_r.abs().mean():.3g})")
+    print(
+        f"\n{dtype}: max |ref logprob diff| {d_lp:.3g} (mean |lp| {want_lp.abs().mean():.3g}), "
+        f"max |rm diff| {d_r:.3g} (mean |r| {want_r.abs().mean():.3g})"
+    )
     assert got_lp.dtype == torch.float32 and got_lp.device.type == "cpu"
     # fp32: kernel-shape rounding only. bf16: padding changes bf16 rounding inside the model,
     # so batched and one-by-one differ at bf16 precision (~1e-2 relative), no more.

@@ -53,7 +53,7 @@ def openrlhf_rm_dir(rm_dir, tmp_path_factory):
 def direct_logprobs(model, p, r):
     ids = torch.cat([p, r])[None]
     lp = model(ids).logits.float().log_softmax(-1)[0]  # (T, V)
-    return lp[len(p) - 1:len(p) - 1 + len(r)].gather(-1, r[:, None])[:, 0]
+    return lp[len(p) - 1 : len(p) - 1 + len(r)].gather(-1, r[:, None])[:, 0]
 
 
 def test_ref_logprobs_equal_direct_forward_on_ragged_batches(tiny_model_dir, policy):
@@ -73,11 +73,11 @@ def test_ref_logprobs_equal_direct_forward_on_ragged_batches(tiny_model_dir, pol
 
 
 def test_ref_temperature_divides_logits(tiny_model_dir, policy):
-    (p, r), = ragged(1)[:1]
+    ((p, r),) = ragged(1)[:1]
     ref = ReferenceScorer.load(str(tiny_model_dir), temperature=0.7)
     with torch.no_grad():
         lp = (policy(torch.cat([p, r])[None]).logits[0] / 0.7).log_softmax(-1)
-    want = lp[len(p) - 1:-1].gather(-1, r[:, None])[:, 0]
+    want = lp[len(p) - 1 : -1].gather(-1, r[:, None])[:, 0]
     assert torch.allclose(ref.logprobs([p], [r]), want, atol=1e-6, rtol=0)
 
 
@@ -134,9 +134,13 @@ def test_bf16_models_return_float32_close_to_fp32(tiny_model_dir, rm_dir):
 def test_scorer_combines_ref_and_rm_columnar(tiny_model_dir, rm_dir, policy):
     seqs = ragged(5)
     responses = [r for _, r in seqs]
-    sb = SampleBatch(prompt_ids=list(range(len(seqs))), sample_indices=[0] * len(seqs),
-                     response_lengths=[len(r) for r in responses], response_ids=torch.cat(responses).int(),
-                     prompt_token_ids=[p.tolist() for p, _ in seqs])
+    sb = SampleBatch(
+        prompt_ids=list(range(len(seqs))),
+        sample_indices=[0] * len(seqs),
+        response_lengths=[len(r) for r in responses],
+        response_ids=torch.cat(responses).int(),
+        prompt_token_ids=[p.tolist() for p, _ in seqs],
+    )
     rm = RewardModelScorer.load(str(rm_dir))
     scorer = Scorer(ref=ReferenceScorer.load(str(tiny_model_dir), micro_batch_size=4), sources=[RMSource(rm)])
     out = scorer.score(ScoreRequest(samples=sb))
@@ -151,11 +155,17 @@ def test_scorer_combines_ref_and_rm_columnar(tiny_model_dir, rm_dir, policy):
     with pytest.raises(BadRequest, match="prompt_token_ids"):
         scorer.score(ScoreRequest(samples=no_prompts))
     # Requests that would crash a forward are the request's fault: BadRequest, not an exception.
-    too_big = SampleBatch(prompt_ids=[0], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5000]),
-                          prompt_token_ids=[[5]])
+    too_big = SampleBatch(
+        prompt_ids=[0],
+        sample_indices=[0],
+        response_lengths=[1],
+        response_ids=torch.tensor([5000]),
+        prompt_token_ids=[[5]],
+    )
     with pytest.raises(BadRequest, match=r"token ids span \[5, 5000\], outside the reference model's vocabulary"):
         scorer.score(ScoreRequest(samples=too_big))
-    empty = SampleBatch(prompt_ids=[3], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5]),
-                        prompt_token_ids=[[]])
+    empty = SampleBatch(
+        prompt_ids=[3], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5]), prompt_token_ids=[[]]
+    )
     with pytest.raises(BadRequest, match=r"prompt_token_ids\[0\] is empty \(prompt id 3\)"):
         scorer.score(ScoreRequest(samples=empty))

@@ -29,8 +29,19 @@ def ctrl(tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(ctrl, tiny_model_dir):
     """math reward + the faulty helper (their rewards add), decoding with the tiny tokenizer."""
-    proc, hello = ctrl.start("rw-main", "--reward_func", MATH, "--remote_rm_url", FAULTY, "--tokenizer",
-                             str(tiny_model_dir), "--timeout_s", "2", "--heartbeat_s", "0.5")
+    proc, hello = ctrl.start(
+        "rw-main",
+        "--reward_func",
+        MATH,
+        "--remote_rm_url",
+        FAULTY,
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--timeout_s",
+        "2",
+        "--heartbeat_s",
+        "0.5",
+    )
     return proc, hello
 
 
@@ -43,10 +54,13 @@ def token_request(tok, prompts, responses, labels, texts=False):
     """A ScoreRequest as the controller sends it: token ids (+ optionally the prompt text)."""
     p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     r_ids = [tok(r, add_special_tokens=False)["input_ids"] for r in responses]
-    sb = P.SampleBatch(prompt_ids=list(range(len(prompts))), sample_indices=[0] * len(prompts),
-                       response_lengths=[len(r) for r in r_ids],
-                       response_ids=torch.tensor([t for r in r_ids for t in r], dtype=torch.int32),
-                       prompt_token_ids=p_ids)
+    sb = P.SampleBatch(
+        prompt_ids=list(range(len(prompts))),
+        sample_indices=[0] * len(prompts),
+        response_lengths=[len(r) for r in r_ids],
+        response_ids=torch.tensor([t for r in r_ids for t in r], dtype=torch.int32),
+        prompt_token_ids=p_ids,
+    )
     return P.ScoreRequest(samples=sb, labels=labels, prompts=prompts if texts else [])
 
 
@@ -56,13 +70,21 @@ def call(ctrl, name, msg, timeout=30.0):
 
 def test_help_answers_without_importing_torch():
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "reward_service", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, env={**ENV, "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-m", "reward_service", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**ENV, "PATH": ""},
+    )
     assert out.returncode == 0 and "--remote_rm_url" in out.stdout and "--normalize_reward" in out.stdout
     assert time.monotonic() - t0 < 2.0  # < 0.2 s idle; headroom for a loaded CI box
-    probe = ("import sys; from reward_service.config import parse_config; "
-             "parse_config(['--controller', 'tcp://x:1', '--reward_func', 'f.py']); "
-             "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import before serving'")
+    probe = (
+        "import sys; from reward_service.config import parse_config; "
+        "parse_config(['--controller', 'tcp://x:1', '--reward_func', 'f.py']); "
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'heavy import before serving'"
+    )
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, timeout=30).returncode == 0
 
 
@@ -73,19 +95,26 @@ def test_handshake_announces_sources(service):
 
 
 def test_scores_token_batches_over_zmq(ctrl, service, tok):
-    req = token_request(tok, ["Q: 2+3?\n", "Q: 7*8?\n", "Q: 1+1?\n"], ["Answer: 5", "The answer is 56.", "Answer: 3"],
-                        labels=["5", "56", "2"])
+    req = token_request(
+        tok,
+        ["Q: 2+3?\n", "Q: 7*8?\n", "Q: 1+1?\n"],
+        ["Answer: 5", "The answer is 56.", "Answer: 3"],
+        labels=["5", "56", "2"],
+    )
     out = call(ctrl, "rw-main", req)
     assert isinstance(out, P.ScoredBatch) and out.call_id == req.call_id and out.server == "rw-main"
     assert out.prompt_ids == [0, 1, 2] and out.rewards.tolist() == [1.0, 1.0, 0.0]
     assert out.failed == [None, None, None] and out.ref_logprobs is None
 
 
-@pytest.mark.parametrize("marker,reason", [
-    ("[raise]", "reward_func raised ZeroDivisionError"),
-    ("[sleep]", "reward_func timed out after 2 s"),
-    ("[short]", "rewards has 1 entries for 2 samples"),
-])
+@pytest.mark.parametrize(
+    "marker,reason",
+    [
+        ("[raise]", "reward_func raised ZeroDivisionError"),
+        ("[sleep]", "reward_func timed out after 2 s"),
+        ("[short]", "rewards has 1 entries for 2 samples"),
+    ],
+)
 def test_faulty_reward_fails_samples_and_service_keeps_answering(ctrl, service, tok, marker, reason):
     req = token_request(tok, [f"{marker} Q: 2+3?\n", "Q: 1+1?\n"], ["Answer: 5", "Answer: 2"], ["5", "2"], texts=True)
     out = call(ctrl, "rw-main", req)
@@ -98,8 +127,10 @@ def test_faulty_reward_fails_samples_and_service_keeps_answering(ctrl, service, 
 def test_heartbeats_report_failures(ctrl, service):
     # Heartbeats sent while an earlier call was still queued may wait in the stash: take the
     # first one that has seen all 7 requests (3 faulty + 3 ok + 1) answered.
-    hb = ctrl.recv_until(lambda m: isinstance(m, P.Heartbeat) and m.stats.get("requests", 0) >= 7
-                         and m.stats.get("in_flight") == 0, timeout=10)
+    hb = ctrl.recv_until(
+        lambda m: isinstance(m, P.Heartbeat) and m.stats.get("requests", 0) >= 7 and m.stats.get("in_flight") == 0,
+        timeout=10,
+    )
     assert hb.name == "rw-main" and hb.stats["samples_failed"] >= 6 and hb.stats["failed:func:reward_faulty.py"] >= 6
 
 
@@ -118,15 +149,31 @@ def test_garbage_and_bad_requests_are_answered_and_service_keeps_serving(ctrl, s
     ok = call(ctrl, "rw-main", token_request(tok, ["Q\n"], ["Answer: 4"], ["4"]))
     assert ok.rewards.tolist() == [1.0]
     # (an older heartbeat from before the calls may be stashed: wait for one that saw them all)
-    ctrl.recv_until(lambda m: isinstance(m, P.Heartbeat) and m.stats.get("rejected", 0) >= 2
-                    and m.stats.get("bad_requests", 0) >= 1 and m.stats.get("unhandled_messages", 0) >= 1, timeout=10)
+    ctrl.recv_until(
+        lambda m: (
+            isinstance(m, P.Heartbeat)
+            and m.stats.get("rejected", 0) >= 2
+            and m.stats.get("bad_requests", 0) >= 1
+            and m.stats.get("unhandled_messages", 0) >= 1
+        ),
+        timeout=10,
+    )
 
 
 def test_ref_and_reward_model_through_the_process(ctrl, tiny_model_dir, tmp_path, tok):
     """--ref_pretrain + --reward_pretrain + a format bonus, as the controller would use them."""
     rm_dir = build_tiny_rm(tiny_model_dir, tmp_path / "rm")
-    ctrl.start("rw-models", "--ref_pretrain", str(tiny_model_dir), "--reward_pretrain", str(rm_dir),
-               "--reward_func", "examples/rewards/format_check.py", "--micro_batch_size", "2")
+    ctrl.start(
+        "rw-models",
+        "--ref_pretrain",
+        str(tiny_model_dir),
+        "--reward_pretrain",
+        str(rm_dir),
+        "--reward_func",
+        "examples/rewards/format_check.py",
+        "--micro_batch_size",
+        "2",
+    )
     prompts, responses = ["Q: 2+3?\n", "Reverse: abc\n", "Hi\n"], ["Answer: 5", "cba", "Answer: 1\nAnswer: 2"]
     req = token_request(tok, prompts, responses, labels=[None] * 3)
     out = call(ctrl, "rw-models", req, timeout=60)
@@ -137,7 +184,7 @@ def test_ref_and_reward_model_through_the_process(ctrl, tiny_model_dir, tmp_path
         for p, r in zip(req.samples.prompt_token_ids, req.samples.split_responses()):
             ids = torch.tensor(p + r.tolist())[None]
             lp = policy(ids).logits[0].log_softmax(-1)
-            want_lp.append(lp[len(p) - 1:-1].gather(-1, r.long()[:, None])[:, 0])
+            want_lp.append(lp[len(p) - 1 : -1].gather(-1, r.long()[:, None])[:, 0])
             want_rm.append(rm(ids).logits[0, 0])
     assert (out.ref_logprobs - torch.cat(want_lp)).abs().max() < 1e-5
     fmt = torch.tensor([1.0, 0.0, 0.0])  # only the first has exactly one answer
@@ -161,10 +208,13 @@ def test_sigterm_sends_fatal_notice_before_exiting(ctrl):
     assert proc.wait(30) == 0
 
 
-@pytest.mark.parametrize("content,expect", [
-    (None, "does not exist"),
-    ("x = 1\n", "defines no `reward_func`"),
-])
+@pytest.mark.parametrize(
+    "content,expect",
+    [
+        (None, "does not exist"),
+        ("x = 1\n", "defines no `reward_func`"),
+    ],
+)
 def test_bad_reward_file_fails_start_up_naming_it(ctrl, tmp_path, content, expect):
     path = tmp_path / "my_reward.py"
     if content is not None:

@@ -47,9 +47,20 @@ def _rollout(rewards=(1.0, 0.0, 1.0, 0.0)) -> Rollout:
 
 
 def _cfg(model_dir, **kw) -> PPOConfig:
-    base = dict(pretrain=str(model_dir), prompt_data="p", advantage_estimator="gae", n_samples_per_prompt=1,
-                rollout_batch_size=4, train_batch_size=4, micro_train_batch_size=2, micro_rollout_batch_size=2,
-                init_kl_coef=0.0, generate_max_len=8, critic_learning_rate=1e-2, actor_learning_rate=1e-3)
+    base = dict(
+        pretrain=str(model_dir),
+        prompt_data="p",
+        advantage_estimator="gae",
+        n_samples_per_prompt=1,
+        rollout_batch_size=4,
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        micro_rollout_batch_size=2,
+        init_kl_coef=0.0,
+        generate_max_len=8,
+        critic_learning_rate=1e-2,
+        actor_learning_rate=1e-3,
+    )
     return PPOConfig(**{**base, **kw})
 
 
@@ -65,16 +76,21 @@ def test_values_are_read_where_the_logits_are_and_padding_does_not_change_them(t
             ids = torch.tensor([s.prompt + s.response])
             every = model(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
             P = len(s.prompt)
-            assert torch.allclose(alone, every[:, P - 1:P - 1 + len(s.response)], atol=1e-5)
-            assert torch.allclose(together[i, :len(s.response)], alone[0], atol=1e-4)
+            assert torch.allclose(alone, every[:, P - 1 : P - 1 + len(s.response)], atol=1e-5)
+            assert torch.allclose(together[i, : len(s.response)], alone[0], atol=1e-4)
     # A fresh head starts small, N(0, 1/(H+1)): first values are near 0.
     assert together.abs().max() < 5
 
 
 def test_critic_alone_fits_the_returns(tiny_model_dir):
     torch.manual_seed(0)
-    critic = Critic(FakeEngine(load_critic(str(tiny_model_dir)), lr=1e-2, accum=2), pad_id=0,
-                    device=torch.device("cpu"), micro_rollout_batch_size=3, value_clip=None)
+    critic = Critic(
+        FakeEngine(load_critic(str(tiny_model_dir)), lr=1e-2, accum=2),
+        pad_id=0,
+        device=torch.device("cpu"),
+        micro_rollout_batch_size=3,
+        value_clip=None,
+    )
     ro = _rollout()
     full = collate(ro.samples, 0)
     returns = ro.rewards()[:, None].expand_as(full["action_mask"]).float() * full["action_mask"]
@@ -97,8 +113,10 @@ def test_value_clip_flag_semantics(tiny_model_dir):
     """--value_clip c > 0 clips (learner.algorithms.losses.value_loss, tested by hand there); <= 0 is off."""
     critic = Critic(None, pad_id=0, device=torch.device("cpu"), micro_rollout_batch_size=4, value_clip=0.5)
     assert critic.value_clip == 0.5
-    assert Critic(None, pad_id=0, device=torch.device("cpu"), micro_rollout_batch_size=1,
-                  value_clip=0.0).value_clip is None  # <= 0: off
+    assert (
+        Critic(None, pad_id=0, device=torch.device("cpu"), micro_rollout_batch_size=1, value_clip=0.0).value_clip
+        is None
+    )  # <= 0: off
 
 
 def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir):
@@ -144,5 +162,10 @@ def test_trainer_refuses_a_missing_or_stray_critic(tiny_model_dir):
     with pytest.raises(ValueError, match="critic is needed exactly when"):
         PolicyTrainer(None, _cfg(tiny_model_dir), pad_id=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="critic is needed exactly when"):
-        PolicyTrainer(None, _cfg(tiny_model_dir, advantage_estimator="reinforce"), pad_id=0,
-                      device=torch.device("cpu"), critic=object())
+        PolicyTrainer(
+            None,
+            _cfg(tiny_model_dir, advantage_estimator="reinforce"),
+            pad_id=0,
+            device=torch.device("cpu"),
+            critic=object(),
+        )

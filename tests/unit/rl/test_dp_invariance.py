@@ -36,7 +36,6 @@ B, T, V, H = 4, 5, 7, 3
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
-
 def _batch():
     g = torch.Generator().manual_seed(1234)
     lengths = torch.tensor([5, 4, 1, 2])  # rank 0 holds 9 tokens, rank 1 holds 3
@@ -136,7 +135,8 @@ def test_two_gloo_ranks_match_one_rank():
     # The rendezvous store lives in this process on a port the OS picks (port 0) and holds
     # for the whole test: no window in which another process can take a "free" port, and
     # no rank tears the store down under its peer at exit.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60)
+    )
     # spawn (not fork): a clean interpreter per rank, as torchrun would give
     mp.spawn(_worker, args=(store.port,), nprocs=WORLD, join=True)

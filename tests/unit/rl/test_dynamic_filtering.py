@@ -16,8 +16,11 @@ G = 2
 
 
 def _rollout(group_rewards, start_id=0) -> Rollout:
-    samples = [Sample(start_id + g, j, [1], [2], torch.zeros(1), None, r)
-               for g, rs in enumerate(group_rewards) for j, r in enumerate(rs)]
+    samples = [
+        Sample(start_id + g, j, [1], [2], torch.zeros(1), None, r)
+        for g, rs in enumerate(group_rewards)
+        for j, r in enumerate(rs)
+    ]
     return Rollout(samples, G)
 
 
@@ -34,8 +37,16 @@ class ScriptedController:
 
 
 def _cfg(**kw) -> PPOConfig:
-    base = dict(pretrain="m", prompt_data="p", rollout_batch_size=3, n_samples_per_prompt=G, train_batch_size=2,
-                micro_train_batch_size=1, dynamic_filtering=True, dynamic_filtering_max_collects=2)
+    base = dict(
+        pretrain="m",
+        prompt_data="p",
+        rollout_batch_size=3,
+        n_samples_per_prompt=G,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        dynamic_filtering=True,
+        dynamic_filtering_max_collects=2,
+    )
     return PPOConfig(**{**base, **kw})
 
 
@@ -52,8 +63,13 @@ def test_all_equal_groups_are_dropped_and_refilled_in_order():
     assert [s.reward for s in ro.samples] == [0, 1, 1, 0, 0.5, 0.2]
     assert [s.prompt_id for s in ro.samples] == [1, 1, 100, 100, 102, 102]
     assert ro.group_size == G
-    assert stats == {"filter/groups_seen": 6, "filter/groups_filtered": 3, "filter/groups_kept": 3,
-                     "filter/extra_collects": 1, "filter/kept_frac": 0.5}
+    assert stats == {
+        "filter/groups_seen": 6,
+        "filter/groups_filtered": 3,
+        "filter/groups_kept": 3,
+        "filter/extra_collects": 1,
+        "filter/kept_frac": 0.5,
+    }
 
 
 def test_nothing_filtered_means_no_extra_collect():

@@ -29,12 +29,20 @@ CASES = {
     "group_norm": dict(advantage_estimator="group_norm"),
     "group_norm_no_std": dict(advantage_estimator="group_norm", no_advantage_std_norm=True),
     "dr_grpo": dict(advantage_estimator="dr_grpo", loss_agg_mode="seq_mean_token_sum_norm"),
-    "gspo_tis": dict(advantage_estimator="group_norm", policy_loss_type="gspo", is_correction="tis",
-                     eps_clip=3e-3),
+    "gspo_tis": dict(advantage_estimator="group_norm", policy_loss_type="gspo", is_correction="tis", eps_clip=3e-3),
     "icepop_klloss_entropy_cliphigher_dualclip": dict(
-        advantage_estimator="group_norm", is_correction="icepop", is_correction_low_high=[0.5, 2.0],
-        use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.01, entropy_loss_coef=0.01,
-        eps_clip_low_high=[0.2, 0.28], dual_clip=3.0, kl_target=0.1, kl_horizon=100),
+        advantage_estimator="group_norm",
+        is_correction="icepop",
+        is_correction_low_high=[0.5, 2.0],
+        use_kl_loss=True,
+        kl_estimator="k3",
+        init_kl_coef=0.01,
+        entropy_loss_coef=0.01,
+        eps_clip_low_high=[0.2, 0.28],
+        dual_clip=3.0,
+        kl_target=0.1,
+        kl_horizon=100,
+    ),
     "gae": dict(advantage_estimator="gae", gamma=1.0, lambd=0.95, critic_learning_rate=1e-3, value_clip=0.5),
 }
 
@@ -50,22 +58,41 @@ def worker(model_dir: str) -> None:
 
     info = E.init_distributed()
     torch.manual_seed(0)
-    common = dict(pretrain=model_dir, prompt_data="p", n_samples_per_prompt=2, rollout_batch_size=4,
-                  train_batch_size=8, micro_train_batch_size=4, micro_rollout_batch_size=4, generate_max_len=8,
-                  init_kl_coef=0.0, zero_stage=2, seed=0)
+    common = dict(
+        pretrain=model_dir,
+        prompt_data="p",
+        n_samples_per_prompt=2,
+        rollout_batch_size=4,
+        train_batch_size=8,
+        micro_train_batch_size=4,
+        micro_rollout_batch_size=4,
+        generate_max_len=8,
+        init_kl_coef=0.0,
+        zero_stage=2,
+        seed=0,
+    )
 
     def engine_for(model, lr):
-        return E.make_engine(model, zero_stage=2, bf16=False, train_batch_size=8, micro_train_batch_size=4,
-                             learning_rate=lr, num_training_steps=100, lr_scheduler="constant_with_warmup",
-                             lr_warmup_ratio=0.0)
+        return E.make_engine(
+            model,
+            zero_stage=2,
+            bf16=False,
+            train_batch_size=8,
+            micro_train_batch_size=4,
+            learning_rate=lr,
+            num_training_steps=100,
+            lr_scheduler="constant_with_warmup",
+            lr_warmup_ratio=0.0,
+        )
 
     policy = engine_for(E.load_causal_lm(model_dir, zero_stage=2), 1e-3)
     samples = []
     for i in range(8):
         prompt = [5 + i % 3, 6, 7][: 2 + i % 2]
         response = [8 + i, 9, 10, 11][: 1 + i % 4]
-        samples.append(Sample(i // 2, i % 2, prompt, response, torch.zeros(len(response)), None,
-                              reward=float((i * 7) % 3) / 2))  # groups (0, .5), (1, 0), (.5, 1), (0, .5)
+        samples.append(
+            Sample(i // 2, i % 2, prompt, response, torch.zeros(len(response)), None, reward=float((i * 7) % 3) / 2)
+        )  # groups (0, .5), (1, 0), (.5, 1), (0, .5)
     gen = torch.Generator().manual_seed(1)
 
     def stamp() -> None:
@@ -85,21 +112,31 @@ def worker(model_dir: str) -> None:
         cfg = PPOConfig(**{**common, **kw})
         critic = None
         if cfg.advantage_estimator == "gae":
-            critic = Critic(engine_for(load_critic(model_dir, zero_stage=2), cfg.critic_learning_rate), pad_id=0,
-                            device=info.device, micro_rollout_batch_size=4, value_clip=cfg.value_clip)
+            critic = Critic(
+                engine_for(load_critic(model_dir, zero_stage=2), cfg.critic_learning_rate),
+                pad_id=0,
+                device=info.device,
+                micro_rollout_batch_size=4,
+                value_clip=cfg.value_clip,
+            )
         trainer = PolicyTrainer(policy, cfg, pad_id=0, device=info.device, critic=critic)
         stamp()
         before = [p.detach().clone() for p in policy.module.parameters()]
         metrics = trainer.step(rollout)
         moved = max(float((a - p.detach()).abs().max()) for a, p in zip(before, policy.module.parameters()))
-        results[name] = {"finite": all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float))),
-                         "moved": moved, "policy_loss": metrics.get("policy/policy_loss"),
-                         "value_loss": metrics.get("critic/value_loss"),
-                         "is_weight_mean": metrics.get("policy/is_weight_mean"),
-                         "kl_loss": metrics.get("policy/kl_loss")}
+        results[name] = {
+            "finite": all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float))),
+            "moved": moved,
+            "policy_loss": metrics.get("policy/policy_loss"),
+            "value_loss": metrics.get("critic/value_loss"),
+            "is_weight_mean": metrics.get("policy/is_weight_mean"),
+            "kl_loss": metrics.get("policy/kl_loss"),
+        }
     # Whole-batch equivalence across ranks: the weights after all the steps, summarised.
-    results["_weights"] = {"policy": [float(p.detach().double().sum()) for p in policy.module.parameters()],
-                           "critic": [float(p.detach().double().sum()) for p in critic.engine.module.parameters()]}
+    results["_weights"] = {
+        "policy": [float(p.detach().double().sum()) for p in policy.module.parameters()],
+        "critic": [float(p.detach().double().sum()) for p in critic.engine.module.parameters()],
+    }
     if info.rank == 0:  # one line: two ranks printing at once can interleave on the shared stdout
         print("RESULT " + json.dumps(results), flush=True)
 
@@ -108,11 +145,21 @@ def _run(model_dir, nproc: int = 1) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, __file__, str(model_dir)] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
-         str(model_dir)]
+    cmd = (
+        [sys.executable, __file__, str(model_dir)]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            str(model_dir),
+        ]
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    lines = [ln[len("RESULT "):] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    lines = [ln[len("RESULT ") :] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and len(lines) == 1, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[0])
 
@@ -132,7 +179,6 @@ def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir
     icepop = results["icepop_klloss_entropy_cliphigher_dualclip"]
     assert 0.9 < icepop["is_weight_mean"] <= 1.1 and 0 < icepop["kl_loss"] < 0.01
     assert results["rloo"]["policy_loss"] != 0
-
 
 
 @pytest.mark.slow

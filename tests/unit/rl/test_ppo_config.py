@@ -9,8 +9,14 @@ import pytest
 from common.config import parse
 from learner.rl.config import PPOConfig
 
-BASE = dict(pretrain="m", prompt_data="p", rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8,
-            micro_train_batch_size=2)
+BASE = dict(
+    pretrain="m",
+    prompt_data="p",
+    rollout_batch_size=4,
+    n_samples_per_prompt=2,
+    train_batch_size=8,
+    micro_train_batch_size=2,
+)
 
 
 def cfg(**kw) -> PPOConfig:
@@ -23,28 +29,36 @@ def test_defaults_are_valid():
     assert c.critic_path == "m"
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(eps_clip_low_high=[0.2]), "--eps_clip_low_high takes two numbers"),
-    (dict(eps_clip_low_high=[0.2, 0.28, 0.3]), "--eps_clip_low_high takes two numbers"),
-    (dict(eps_clip_low_high=[1.2, 0.28]), "0 <= low < 1"),
-    (dict(eps_clip=1.5), "--eps_clip"),
-    (dict(dual_clip=0.5), "--dual_clip must be > 1"),
-    (dict(is_correction="tis", is_correction_low_high=[0.5]), "--is_correction_low_high takes two"),
-    (dict(is_correction="icepop", is_correction_low_high=[1.5, 2.0]), "0 <= low < 1 < high"),
-    (dict(is_correction="tis", is_correction_low_high=[0.0, 0.9]), "0 <= low < 1 < high"),
-    (dict(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_sum"), "needs --loss_agg_mode seq_mean_token_mean"),
-    (dict(reward_clip_range=[1.0, -1.0]), "--reward_clip_range"),
-    (dict(dynamic_filtering=True, n_samples_per_prompt=1, advantage_estimator="reinforce", train_batch_size=4),
-     "--dynamic_filtering"),
-    (dict(dynamic_filtering=True, dynamic_filtering_reward_range=[1.0, 0.0]), "--dynamic_filtering_reward_range"),
-    (dict(freezing_actor_steps=2), "only with --advantage_estimator gae"),
-    (dict(save_value_network=True), "--save_value_network saves the critic"),
-    (dict(advantage_estimator="gae", gamma=1.5), "--gamma"),
-    (dict(advantage_estimator="gae", critic_learning_rate=0.0), "--critic_learning_rate"),
-    (dict(gamma=0.9), "--gamma must be 1"),
-    (dict(advantage_estimator="rloo", n_samples_per_prompt=1, train_batch_size=4), "--n_samples_per_prompt >= 2"),
-    (dict(train_batch_size=6), "multiple of --train_batch_size"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(eps_clip_low_high=[0.2]), "--eps_clip_low_high takes two numbers"),
+        (dict(eps_clip_low_high=[0.2, 0.28, 0.3]), "--eps_clip_low_high takes two numbers"),
+        (dict(eps_clip_low_high=[1.2, 0.28]), "0 <= low < 1"),
+        (dict(eps_clip=1.5), "--eps_clip"),
+        (dict(dual_clip=0.5), "--dual_clip must be > 1"),
+        (dict(is_correction="tis", is_correction_low_high=[0.5]), "--is_correction_low_high takes two"),
+        (dict(is_correction="icepop", is_correction_low_high=[1.5, 2.0]), "0 <= low < 1 < high"),
+        (dict(is_correction="tis", is_correction_low_high=[0.0, 0.9]), "0 <= low < 1 < high"),
+        (
+            dict(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_sum"),
+            "needs --loss_agg_mode seq_mean_token_mean",
+        ),
+        (dict(reward_clip_range=[1.0, -1.0]), "--reward_clip_range"),
+        (
+            dict(dynamic_filtering=True, n_samples_per_prompt=1, advantage_estimator="reinforce", train_batch_size=4),
+            "--dynamic_filtering",
+        ),
+        (dict(dynamic_filtering=True, dynamic_filtering_reward_range=[1.0, 0.0]), "--dynamic_filtering_reward_range"),
+        (dict(freezing_actor_steps=2), "only with --advantage_estimator gae"),
+        (dict(save_value_network=True), "--save_value_network saves the critic"),
+        (dict(advantage_estimator="gae", gamma=1.5), "--gamma"),
+        (dict(advantage_estimator="gae", critic_learning_rate=0.0), "--critic_learning_rate"),
+        (dict(gamma=0.9), "--gamma must be 1"),
+        (dict(advantage_estimator="rloo", n_samples_per_prompt=1, train_batch_size=4), "--n_samples_per_prompt >= 2"),
+        (dict(train_batch_size=6), "multiple of --train_batch_size"),
+    ],
+)
 def test_rejected(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("+", r"\+")):
         cfg(**kw)
@@ -59,8 +73,15 @@ def test_gspo_switches_the_default_aggregation_with_a_notice(caplog):
 
 
 def test_accepted_algorithm_flags():
-    c = cfg(advantage_estimator="gae", n_samples_per_prompt=1, rollout_batch_size=8, freezing_actor_steps=2,
-            gamma=0.99, lambd=0.95, reward_pretrain="rm")
+    c = cfg(
+        advantage_estimator="gae",
+        n_samples_per_prompt=1,
+        rollout_batch_size=8,
+        freezing_actor_steps=2,
+        gamma=0.99,
+        lambd=0.95,
+        reward_pretrain="rm",
+    )
     assert c.critic_path == "rm"
     assert cfg(advantage_estimator="gae", critic_pretrain="c", reward_pretrain="rm").critic_path == "c"
     assert cfg(eps_clip_low_high=[0.2, 0.28]).clip_low_high == (0.2, 0.28)
@@ -79,9 +100,36 @@ def test_world_size_checks():
 
 def test_cli_errors_name_the_flag(capsys):
     with pytest.raises(SystemExit):
-        parse(PPOConfig, ["--pretrain", "m", "--prompt_data", "p", "--n_samples_per_prompt", "2",
-                         "--rollout_batch_size", "64", "--eps_clip_low_high", "0.2"])
+        parse(
+            PPOConfig,
+            [
+                "--pretrain",
+                "m",
+                "--prompt_data",
+                "p",
+                "--n_samples_per_prompt",
+                "2",
+                "--rollout_batch_size",
+                "64",
+                "--eps_clip_low_high",
+                "0.2",
+            ],
+        )
     assert "--eps_clip_low_high takes two numbers" in capsys.readouterr().err
-    c = parse(PPOConfig, ["--pretrain", "m", "--prompt_data", "p", "--eps_clip_low_high", "0.2", "0.28",
-                          "--n_samples_per_prompt", "2", "--rollout_batch_size", "64"])
+    c = parse(
+        PPOConfig,
+        [
+            "--pretrain",
+            "m",
+            "--prompt_data",
+            "p",
+            "--eps_clip_low_high",
+            "0.2",
+            "0.28",
+            "--n_samples_per_prompt",
+            "2",
+            "--rollout_batch_size",
+            "64",
+        ],
+    )
     assert c.clip_low_high == (0.2, 0.28)

@@ -64,8 +64,13 @@ class FakeLLM:
             if i == len(versions) or versions[i] != versions[start]:
                 spans.append(SimpleNamespace(version=versions[start], start=start, end=i))
                 start = i
-        out = SimpleNamespace(index=0, token_ids=toks, finish_reason="length", weight_versions=spans,
-                              logprobs=[{t: SimpleNamespace(logprob=-1.5)} for t in toks])
+        out = SimpleNamespace(
+            index=0,
+            token_ids=toks,
+            finish_reason="length",
+            weight_versions=spans,
+            logprobs=[{t: SimpleNamespace(logprob=-1.5)} for t in toks],
+        )
         self.running.pop(req_id, None)
         col.q.put_nowait(SimpleNamespace(finished=True, outputs=[out]))
 
@@ -102,8 +107,9 @@ class FakeLLM:
 
 @pytest.fixture
 def core():
-    c = RolloutCore(RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64,
-                                  weight_transfer_backend="gloo"))
+    c = RolloutCore(
+        RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
+    )
     c.llm = FakeLLM()
     c.llm.version = "0"
     return c
@@ -215,9 +221,10 @@ def test_sample_batch_is_columnar_over_prompts_and_samples():
     from rollout_service.core import PromptResult, Sample
     from rollout_service.server import sample_batch
 
-    results = [PromptResult(7, [1, 2], [Sample([5, 6, 7], [-0.1, -0.2, -0.3], "length", 3),
-                                        Sample([8], [-0.4], "stop", 3)]),
-               PromptResult(9, [4], [Sample([], [], "abort", 4)])]
+    results = [
+        PromptResult(7, [1, 2], [Sample([5, 6, 7], [-0.1, -0.2, -0.3], "length", 3), Sample([8], [-0.4], "stop", 3)]),
+        PromptResult(9, [4], [Sample([], [], "abort", 4)]),
+    ]
     b = P.Codec().decode(P.Codec().encode(sample_batch(results, "r0")))  # what the controller gets
     assert (b.prompt_ids, b.sample_indices, b.response_lengths) == ([7, 7, 9], [0, 1, 0], [3, 1, 0])
     assert b.response_ids.tolist() == [5, 6, 7, 8] and b.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4])

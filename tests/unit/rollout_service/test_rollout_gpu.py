@@ -26,16 +26,24 @@ def test_nccl_push_then_greedy_parity(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().cuda()
     ctrl = Controller(model, weight_timeout_s=120, backend="nccl")  # the one switch
     try:
-        ctrl.start("gpu0", tmp_path, "--weight_transfer_backend", "nccl", "--gpu_memory_utilization", "0.3",
-                   env={"CUDA_VISIBLE_DEVICES": "1"})
+        ctrl.start(
+            "gpu0",
+            tmp_path,
+            "--weight_transfer_backend",
+            "nccl",
+            "--gpu_memory_utilization",
+            "0.3",
+            env={"CUDA_VISIBLE_DEVICES": "1"},
+        )
         ctrl.wait_joined(["gpu0"], timeout=600)
         prompts = [[1, 5, 6, 7], [1, 50, 60, 70, 80]]
         for version in (1, 2):
             perturb(model, seed=version)
             assert ctrl.client.push_weights(version).updated == ["gpu0"]
             ids = [version * 10 + i for i in range(len(prompts))]
-            assert not ctrl.client.submit(ids, prompts, P.SamplingParams(temperature=0.0, max_new_tokens=16),
-                                          policy_version=version)
+            assert not ctrl.client.submit(
+                ids, prompts, P.SamplingParams(temperature=0.0, max_new_tokens=16), policy_version=version
+            )
             ctrl.wait_results(ids)
             for pid, prompt in zip(ids, prompts):
                 (s,) = samples_of(ctrl.results[pid], pid)

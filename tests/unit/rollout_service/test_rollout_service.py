@@ -28,19 +28,21 @@ GREEDY = P.SamplingParams(temperature=0.0, max_new_tokens=16)
 # Prompts of 150+ tokens sharing a 140-token prefix: longer than a KV block, so the prefix
 # cache holds full blocks that a later request (and a later *version*) could hit.
 PREFIX = [1] + [(7 * i) % 700 + 3 for i in range(139)]
-PROMPTS = [PREFIX + [10 + k, 20 + k, 30 + k, 40 + k, 50 + k, 60 + k, 70 + k, 80 + k, 90 + k, 100 + k]
-           for k in range(4)]
+PROMPTS = [PREFIX + [10 + k, 20 + k, 30 + k, 40 + k, 50 + k, 60 + k, 70 + k, 80 + k, 90 + k, 100 + k] for k in range(4)]
 
 
 def test_help_answers_fast_without_importing_torch():
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rollout_service", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_service", "--help"], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0 and "--weight_transfer_backend" in out.stdout
     assert time.monotonic() - t0 < 2.0  # ~0.1 s idle; generous for a loaded box
-    probe = ("import sys; from common.config import build_parser; from rollout_service.config import RolloutConfig; "
-             "build_parser(RolloutConfig); import rollout_service.__main__; "
-             "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    probe = (
+        "import sys; from common.config import build_parser; from rollout_service.config import RolloutConfig; "
+        "build_parser(RolloutConfig); import rollout_service.__main__; "
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "[]", out.stderr
 
@@ -56,8 +58,9 @@ def stack(tiny_model_dir, tmp_path_factory):
         ctrl.late_port = free_port()
         ctrl.start("ra", logs)
         ctrl.start("rb", logs)
-        ctrl.servers.append(Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs,
-                                   "--connect_timeout_s", "1200"))
+        ctrl.servers.append(
+            Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200")
+        )
         ctrl.wait_joined(["ra", "rb"], timeout=600)
         yield ctrl
     finally:
@@ -70,8 +73,9 @@ def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180):
     if to is None:
         assert not stack.client.submit(ids, prompts, sampling, policy_version=version)
     else:
-        stack.ep.send(P.PromptBatch(prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=version),
-                      to=to.encode())
+        stack.ep.send(
+            P.PromptBatch(prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=version), to=to.encode()
+        )
     stack.wait_results(ids, timeout=timeout)
     return {pid: samples_of(stack.results[pid], pid) for pid in ids}
 
@@ -113,13 +117,24 @@ def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
     makes S + P equal gives the very same tokens."""
     v = stack.client.version
     prompt = [1, 90, 91, 92]
-    first = _run(stack, [prompt, prompt], P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=0),
-                 first_id=900, version=v)
+    first = _run(
+        stack,
+        [prompt, prompt],
+        P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=0),
+        first_id=900,
+        version=v,
+    )
     assert [s["tokens"] for s in first[900]] != [s["tokens"] for s in first[901]]
     assert first[900][0]["tokens"] != first[900][1]["tokens"], "the n samples of a seeded prompt are copies"
     for server in ("ra", "rb"):  # prompt 850 with seed 50 is sampled as prompt 900 with seed 0
-        again = _run(stack, [prompt], P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=50),
-                     first_id=850, version=v, to=server)
+        again = _run(
+            stack,
+            [prompt],
+            P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=50),
+            first_id=850,
+            version=v,
+            to=server,
+        )
         assert [s["tokens"] for s in again[850]] == [s["tokens"] for s in first[900]], server
         stack.results.pop(850)
 
@@ -163,8 +178,7 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(stack):
     ra = b"ra"
     stack.ep.sock.send_multipart([ra, b"\x99", b"junk"], copy=True)  # not a message at all
     vocab = stack.model.config.vocab_size
-    stack.ep.send(P.PromptBatch(prompt_ids=[9001, 9002], token_ids=[[1, vocab + 5], [1, 2, 3]], sampling=GREEDY),
-                  to=ra)
+    stack.ep.send(P.PromptBatch(prompt_ids=[9001, 9002], token_ids=[[1, vocab + 5], [1, 2, 3]], sampling=GREEDY), to=ra)
     stack.ep.send(P.PromptBatch(prompt_ids=[9003], token_ids=[[5] * 256], sampling=GREEDY), to=ra)  # = max_model_len
     stack.wait_until(lambda: {9001, 9003} <= {p for e in stack.errors for p in e.prompt_ids}, "errors for bad prompts")
     assert any(e.code == "bad_request" and not e.prompt_ids for e in stack.errors), "garbage frames answered"
@@ -172,9 +186,11 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(stack):
         if e.prompt_ids:
             assert e.code == "bad_request" and ("vocabulary" in e.message or "max_model_len" in e.message)
     stack.wait_results([9002])  # the good prompt of the same batch was served
-    for msg, code in ((P.Hello(role="rollout", name="x"), "bad_request"),
-                      (P.WeightUpdate(names=["a"], dtype_names=["float32"], shapes=[[1]]), "bad_request"),
-                      (P.WeightSyncInit(backend="nccl"), "bad_request")):
+    for msg, code in (
+        (P.Hello(role="rollout", name="x"), "bad_request"),
+        (P.WeightUpdate(names=["a"], dtype_names=["float32"], shapes=[[1]]), "bad_request"),
+        (P.WeightSyncInit(backend="nccl"), "bad_request"),
+    ):
         with pytest.raises(RemoteError) as err:
             stack.client.call("ra", msg, timeout=30)
         assert err.value.error.code == code, err.value

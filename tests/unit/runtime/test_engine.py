@@ -22,32 +22,44 @@ def run_worker(args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict
     if nproc == 1:
         cmd = [sys.executable, __file__, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", __file__, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            *args,
+        ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (
+        f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     return json.loads(results[-1])
 
 
 # --------------------------------------------------------------------------- fast tests
 
+
 def test_grad_accum_is_derived_and_must_divide():
     from learner.runtime.deepspeed_config import grad_accum_steps, train_ds_config
 
     assert grad_accum_steps(128, 4, 8) == 4  # 128 = 4 per rank x 8 ranks x 4 micro-steps
-    cfg = train_ds_config(zero_stage=2, bf16=True, train_batch_size=16, micro_train_batch_size=2,
-                          world_size=2, grad_clip=0.5)
+    cfg = train_ds_config(
+        zero_stage=2, bf16=True, train_batch_size=16, micro_train_batch_size=2, world_size=2, grad_clip=0.5
+    )
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["train_batch_size"] == 16
     assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.5
     with pytest.raises(ValueError, match="not a multiple"):
         grad_accum_steps(10, 4, 1)
     with pytest.raises(ValueError, match="adam_offload needs"):
-        train_ds_config(zero_stage=0, bf16=False, train_batch_size=4, micro_train_batch_size=4,
-                        world_size=1, adam_offload=True)
-    off = train_ds_config(zero_stage=3, bf16=False, train_batch_size=4, micro_train_batch_size=4,
-                          world_size=1, adam_offload=True)
+        train_ds_config(
+            zero_stage=0, bf16=False, train_batch_size=4, micro_train_batch_size=4, world_size=1, adam_offload=True
+        )
+    off = train_ds_config(
+        zero_stage=3, bf16=False, train_batch_size=4, micro_train_batch_size=4, world_size=1, adam_offload=True
+    )
     assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
@@ -68,8 +80,7 @@ def test_lr_schedules_warm_up_then_decay_to_min():
     from learner.runtime.engine import make_lr_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = make_lr_scheduler(opt, name="cosine_with_min_lr", num_training_steps=20,
-                              warmup_ratio=0.1, min_lr_ratio=0.1)
+    sched = make_lr_scheduler(opt, name="cosine_with_min_lr", num_training_steps=20, warmup_ratio=0.1, min_lr_ratio=0.1)
     lrs = []
     for _ in range(21):
         lrs.append(opt.param_groups[0]["lr"])
@@ -84,6 +95,7 @@ def test_lr_schedules_warm_up_then_decay_to_min():
 
 
 # --------------------------------------------------------------------------- real engines
+
 
 @pytest.mark.slow
 def test_zero2_engine_steps_and_resumes_from_checkpoint(tiny_model_dir, tmp_path):
@@ -117,6 +129,7 @@ def test_zero3_two_ranks_partition_train_and_save_hf(tiny_model_dir, tmp_path):
 
 # --------------------------------------------------------------------------- worker side
 
+
 def _worker(what: str, model_dir: str, out: str) -> None:
     import torch
     from transformers import AutoTokenizer
@@ -130,8 +143,15 @@ def _worker(what: str, model_dir: str, out: str) -> None:
     result = {"world_size": info.world_size}
     embed = model.model.embed_tokens.weight
     result["partitioned"] = hasattr(embed, "ds_id") and embed.numel() == 0
-    eng = E.make_engine(model, zero_stage=stage, bf16=False, train_batch_size=2 * info.world_size,
-                        micro_train_batch_size=1, learning_rate=1e-2, num_training_steps=10)
+    eng = E.make_engine(
+        model,
+        zero_stage=stage,
+        bf16=False,
+        train_batch_size=2 * info.world_size,
+        micro_train_batch_size=1,
+        learning_rate=1e-2,
+        num_training_steps=10,
+    )
     tok = AutoTokenizer.from_pretrained(model_dir)
     batch = tok(["What is 2 + 3? Answer: 5"], return_tensors="pt").to(E.device())
     before = {n: t.clone() for n, t in E.full_named_parameters(eng)}
@@ -142,8 +162,11 @@ def _worker(what: str, model_dir: str, out: str) -> None:
         eng.step()
         losses.append(loss.item())
     after = {n: t.clone() for n, t in E.full_named_parameters(eng)}
-    result.update(losses=losses, optimizer_steps=eng.global_steps,
-                  moved=max((after[n] - before[n]).abs().max().item() for n in after))
+    result.update(
+        losses=losses,
+        optimizer_steps=eng.global_steps,
+        moved=max((after[n] - before[n]).abs().max().item() for n in after),
+    )
     result["reduced_mean"] = E.all_reduce_mean(float(info.rank))
 
     if what == "zero2":
@@ -153,8 +176,11 @@ def _worker(what: str, model_dir: str, out: str) -> None:
             eng.step()
         state = E.load_checkpoint(eng, Path(out) / "ckpt")
         resumed = {n: t.clone() for n, t in E.full_named_parameters(eng)}
-        result.update(client_step=state["step"], resumed_global_steps=eng.global_steps,
-                      resumed_equal=all(torch.equal(resumed[n], after[n]) for n in after))
+        result.update(
+            client_step=state["step"],
+            resumed_global_steps=eng.global_steps,
+            resumed_equal=all(torch.equal(resumed[n], after[n]) for n in after),
+        )
         assert E.load_checkpoint(eng, Path(out) / "nothing-here") is None
     else:
         E.save_hf(eng, tok, Path(out) / "hf")

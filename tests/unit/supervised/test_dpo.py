@@ -16,13 +16,47 @@ def test_dpo_two_ranks_zero3_ref_offload_raises_margin_and_accuracy(tiny_model_d
 
     paths = write_all(tmp_path / "data", n_train=256, n_eval=64)
     save = tmp_path / "dpo"
-    run_module("learner.train_dpo", [
-        "--pretrain", str(tiny_model_dir), "--dataset", str(paths["pairs_train"]),
-        "--eval_dataset", str(paths["pairs_eval"]), "--prompt_key", "prompt", "--chosen_key", "chosen",
-        "--rejected_key", "rejected", "--apply_chat_template", "--beta", "0.1", "--nll_loss_coef", "0.1",
-        "--train_batch_size", "16", "--micro_train_batch_size", "8", "--learning_rate", "1e-3",
-        "--max_epochs", "1", "--max_len", "64", "--zero_stage", "3", "--ref_offload",
-        "--save_path", str(save), "--eval_at_start", "--logging_steps", "4"], nproc=2)
+    run_module(
+        "learner.train_dpo",
+        [
+            "--pretrain",
+            str(tiny_model_dir),
+            "--dataset",
+            str(paths["pairs_train"]),
+            "--eval_dataset",
+            str(paths["pairs_eval"]),
+            "--prompt_key",
+            "prompt",
+            "--chosen_key",
+            "chosen",
+            "--rejected_key",
+            "rejected",
+            "--apply_chat_template",
+            "--beta",
+            "0.1",
+            "--nll_loss_coef",
+            "0.1",
+            "--train_batch_size",
+            "16",
+            "--micro_train_batch_size",
+            "8",
+            "--learning_rate",
+            "1e-3",
+            "--max_epochs",
+            "1",
+            "--max_len",
+            "64",
+            "--zero_stage",
+            "3",
+            "--ref_offload",
+            "--save_path",
+            str(save),
+            "--eval_at_start",
+            "--logging_steps",
+            "4",
+        ],
+        nproc=2,
+    )
     evals = [r for r in read_log(save) if "eval/acc" in r]
     start, end = evals[0], evals[-1]
     assert start["eval/reward_margin"] == pytest.approx(0.0, abs=1e-4)  # policy == reference

@@ -17,23 +17,58 @@ from helpers.procs import ROOT, read_log, run_module, worker_env
 def test_help_is_fast_and_imports_no_torch():
     for module in ("learner.train_sft", "learner.train_rm", "learner.train_dpo"):
         t0 = time.time()
-        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=worker_env(),
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"],
+            cwd=ROOT,
+            env=worker_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and "--pretrain" in out.stdout and "--save_steps" in out.stdout
         assert time.time() - t0 < 5, f"{module} --help took {time.time() - t0:.1f}s"
-    probe = ("import sys, learner.train_sft, learner.train_rm, learner.train_dpo; "
-             "print('torch' in sys.modules or 'datasets' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=worker_env(), capture_output=True,
-                         text=True, timeout=60)
+    probe = (
+        "import sys, learner.train_sft, learner.train_rm, learner.train_dpo; "
+        "print('torch' in sys.modules or 'datasets' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=60
+    )
     assert out.stdout.strip() == "False"
 
 
 def sft_args(model, data, save_path, *extra):
-    return ["--pretrain", str(model), "--dataset", str(data / "sft_train.jsonl"),
-            "--eval_dataset", str(data / "sft_eval.jsonl"), "--input_key", "input", "--output_key", "output",
-            "--apply_chat_template", "--packing_samples", "--train_batch_size", "16",
-            "--micro_train_batch_size", "8", "--learning_rate", "3e-3", "--max_epochs", "2", "--max_len", "64",
-            "--zero_stage", "2", "--save_path", str(save_path), "--logging_steps", "1", *extra]
+    return [
+        "--pretrain",
+        str(model),
+        "--dataset",
+        str(data / "sft_train.jsonl"),
+        "--eval_dataset",
+        str(data / "sft_eval.jsonl"),
+        "--input_key",
+        "input",
+        "--output_key",
+        "output",
+        "--apply_chat_template",
+        "--packing_samples",
+        "--train_batch_size",
+        "16",
+        "--micro_train_batch_size",
+        "8",
+        "--learning_rate",
+        "3e-3",
+        "--max_epochs",
+        "2",
+        "--max_len",
+        "64",
+        "--zero_stage",
+        "2",
+        "--save_path",
+        str(save_path),
+        "--logging_steps",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -56,8 +91,9 @@ def test_sft_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
     shutil.rmtree(ckpt / "global_step16")
     (ckpt / "latest").write_text("global_step8")
     resumed = tmp_path / "resumed"
-    out = run_module("learner.train_sft", sft_args(tiny_model_dir, data, resumed, "--load_checkpoint",
-                                                   "--ckpt_path", str(ckpt)))
+    out = run_module(
+        "learner.train_sft", sft_args(tiny_model_dir, data, resumed, "--load_checkpoint", "--ckpt_path", str(ckpt))
+    )
     assert "resumed from" in out and "at optimizer step 8" in out
     first = {r["step"]: r["train/loss"] for r in log if "train/loss" in r}
     second = {r["step"]: r["train/loss"] for r in read_log(resumed) if "train/loss" in r}

@@ -28,8 +28,7 @@ def tok(tiny_model_dir):
 def model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
-                                                attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 def learned_text(tok, sample: Sample) -> str:
@@ -38,24 +37,36 @@ def learned_text(tok, sample: Sample) -> str:
 
 def test_loss_only_on_the_response_ending_in_eos(tok):
     row = {"q": "What is 2 + 3?", "a": "Answer: 5"}
-    s = sft_sample(row, tok, input_key="q", output_key="a", apply_chat_template=True, input_template=None,
-                   max_len=64)
+    s = sft_sample(row, tok, input_key="q", output_key="a", apply_chat_template=True, input_template=None, max_len=64)
     assert learned_text(tok, s) == "Answer: 5<|im_end|>"
-    s = sft_sample(row, tok, input_key="q", output_key="a", apply_chat_template=False,
-                   input_template="User: {}\nAssistant: ", max_len=64)
+    s = sft_sample(
+        row,
+        tok,
+        input_key="q",
+        output_key="a",
+        apply_chat_template=False,
+        input_template="User: {}\nAssistant: ",
+        max_len=64,
+    )
     # The template's trailing space and "Answer" are one token (" Answer"): it overlaps the
     # response, so it is learned.
     assert learned_text(tok, s) == " Answer: 5<|im_end|>"
     assert tok.decode(s.input_ids).startswith("User: What is 2 + 3?\nAssistant: ")
     # Truncation that leaves no response token drops the sample (the caller counts it).
-    assert sft_sample(row, tok, input_key="q", output_key="a", apply_chat_template=True,
-                      input_template=None, max_len=5) is None
+    assert (
+        sft_sample(row, tok, input_key="q", output_key="a", apply_chat_template=True, input_template=None, max_len=5)
+        is None
+    )
 
 
 def test_multi_turn_chat_learns_every_assistant_turn_and_nothing_else(tok):
-    chat = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
-            {"role": "user", "content": "And 7 * 8?"}, {"role": "assistant", "content": "56"}]
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "And 7 * 8?"},
+        {"role": "assistant", "content": "56"},
+    ]
     s = encode_conversation(tok, chat)
     assert learned_text(tok, s) == "5<|im_end|>56<|im_end|>"
     assert tok.decode(s.input_ids) == tok.apply_chat_template(chat, tokenize=False)
@@ -64,15 +75,21 @@ def test_multi_turn_chat_learns_every_assistant_turn_and_nothing_else(tok):
 def test_packed_row_equals_separate_samples(tok, model):
     """Attention stays within each packed sample (SDPA block-diagonal mask from position ids):
     logits and the loss of one packed row equal those of the samples run one by one."""
-    samples = [encode_prompt_response(tok, p, r) for p, r in
-               [("What is 2 + 3?", " Answer: 5"), ("Reverse the string: hello.", " Answer: olleh"),
-                ("Hi", " there")]]
+    samples = [
+        encode_prompt_response(tok, p, r)
+        for p, r in [
+            ("What is 2 + 3?", " Answer: 5"),
+            ("Reverse the string: hello.", " Answer: olleh"),
+            ("Hi", " there"),
+        ]
+    ]
     packed = collate_packed(samples)
     assert packed["input_ids"].shape == (1, sum(len(s) for s in samples))
     with torch.no_grad():
         # use_cache=False matters: with a KV cache transformers does not look for packed rows.
-        packed_logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                              use_cache=False).logits[0]
+        packed_logits = model(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
+        ).logits[0]
         alone = [model(input_ids=torch.tensor([s.input_ids])).logits[0] for s in samples]
         padded = collate_padded(samples, pad_id=tok.pad_token_id)
         padded_logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits
@@ -91,8 +108,17 @@ def test_pairs_end_in_eos_even_when_cut_and_batch_chosen_first(tok):
     from learner.supervised.rm_data import collate_pairs, pair_sample
 
     row = {"p": "What is 2 + 3?", "c": "Answer: 5", "r": "banana fox " * 20, "m": 0.5}
-    pair = pair_sample(row, tok, prompt_key="p", chosen_key="c", rejected_key="r", margin_key="m",
-                       apply_chat_template=True, max_len=24, force_eos=True)
+    pair = pair_sample(
+        row,
+        tok,
+        prompt_key="p",
+        chosen_key="c",
+        rejected_key="r",
+        margin_key="m",
+        apply_chat_template=True,
+        max_len=24,
+        force_eos=True,
+    )
     assert len(pair.rejected) == 24 and pair.rejected.input_ids[-1] == tok.eos_token_id
     assert pair.chosen.input_ids[-1] == tok.eos_token_id and pair.margin == 0.5
     batch = collate_pairs([pair, pair], pad_id=tok.pad_token_id)
@@ -100,8 +126,12 @@ def test_pairs_end_in_eos_even_when_cut_and_batch_chosen_first(tok):
     assert torch.equal(batch["input_ids"][0], batch["input_ids"][1])  # chosen, chosen, rejected, rejected
     assert batch["attention_mask"][0].sum() == len(pair.chosen)
     too_long_prompt = dict(row, p="What is 1 + 1? " * 20)
-    assert pair_sample(too_long_prompt, tok, prompt_key="p", chosen_key="c", rejected_key="r",
-                       apply_chat_template=True, max_len=24) is None
+    assert (
+        pair_sample(
+            too_long_prompt, tok, prompt_key="p", chosen_key="c", rejected_key="r", apply_chat_template=True, max_len=24
+        )
+        is None
+    )
 
 
 def test_reward_model_reads_the_last_attended_token_with_any_padding(tiny_model_dir, tok):
