@@ -19,7 +19,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import flag, log_config, parse
+from common.transport import free_port
 
 
 @dataclass
@@ -78,16 +78,10 @@ class Role:
     finished: bool = False  # exited 0 (e.g. a service told to shut down): not a death
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_roles(cfg: LocalConfig) -> list[Role]:
     run = Path(cfg.run_dir)
     logs = run / "logs"
-    port = cfg.port or _free_port()
+    port = cfg.port or free_port()
     controller = f"tcp://127.0.0.1:{port}"
     py = sys.executable
     roles: list[Role] = []

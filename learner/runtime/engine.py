@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from common.transport import free_port
 from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
@@ -79,12 +79,6 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STALE_LOCK_S = 600.0  # an op build takes ~1 min; a lock this old belongs to a killed build
@@ -135,7 +129,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         accel = get_accelerator()
         if backend is None:
             backend = "nccl" if accel.device_name() == "cuda" else "gloo"

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.transport import free_port
 from helpers.paths import HELPERS  # noqa: E402
 
 MAX_NEW_TOKENS = 16
@@ -91,16 +91,10 @@ def test_vllm_greedy_matches_transformers(tiny_model_dir):
     assert got["token_ids"] == expected
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_rank_env() -> dict:
     return {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
