@@ -47,6 +47,11 @@ def pad(
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """Column of the last non-pad token of each row of a ``(B, T)`` mask, for either padding side."""
+    """Column of the last non-pad token of each row of a ``(B, T)`` mask, for either padding side.
+
+    The learner's twin is ``learner.algorithms.kl.last_token_index``; services import only ``common/``,
+    so this one stays. They agree on every row with a token; an empty row gives T-1 here, -1 there
+    (the same column when used as an index).
+    """
     t = mask.shape[1]
     return t - 1 - mask.flip(-1).argmax(-1)  # (B,)

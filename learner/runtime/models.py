@@ -15,15 +15,10 @@ from typing import Any
 
 import torch
 
+from learner.algorithms.kl import last_token_index
 from learner.algorithms.losses import log_probs_from_logits
 from learner.algorithms.sft_loss import IGNORE_INDEX
 from learner.runtime.engine import load_pretrained
-
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's last attended token; right or left padding."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.long()).argmax(-1)
 
 
 class ScalarHeadModel(torch.nn.Module):
