@@ -49,7 +49,9 @@ class BadRequest(ValueError):
 
 
 @dataclass
-class Sample:
+class GeneratedSample:
+    """One completion of a prompt as vLLM produced it, before any reward."""
+
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length" | "abort"
@@ -60,7 +62,7 @@ class Sample:
 class PromptResult:
     prompt_id: int
     prompt_token_ids: list[int]
-    samples: list[Sample]  # sampling.n of them, by sample index
+    samples: list[GeneratedSample]  # sampling.n of them, by sample index
 
 
 @dataclass
@@ -292,7 +294,7 @@ class RolloutCore:
         self._meter.add(sum(len(s.token_ids) for s in samples))
         return PromptResult(prompt_id, list(token_ids), samples)
 
-    def _sample(self, o, admitted: int, want_logprobs: bool) -> Sample:
+    def _sample(self, o, admitted: int, want_logprobs: bool) -> GeneratedSample:
         toks = list(o.token_ids)
         lps = None
         if want_logprobs:
@@ -305,7 +307,7 @@ class RolloutCore:
             self.counters["samples_across_updates"] += 1
         version = int(spans[0].version) if spans else admitted
         reason = o.finish_reason if o.finish_reason in FINISH_REASONS else "abort"
-        return Sample(toks, lps, reason, version)
+        return GeneratedSample(toks, lps, reason, version)
 
     async def stream(self, batch: P.PromptBatch) -> AsyncIterator[PromptResult]:
         """Results of a batch as each prompt finishes (continuous batching inside vLLM)."""

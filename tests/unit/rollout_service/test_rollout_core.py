@@ -218,18 +218,22 @@ def test_bad_requests_are_refused_before_reaching_the_engine(core):
 
 
 def test_sample_batch_is_columnar_over_prompts_and_samples():
-    from rollout_service.core import PromptResult, Sample
+    from rollout_service.core import GeneratedSample, PromptResult
     from rollout_service.server import sample_batch
 
     results = [
-        PromptResult(7, [1, 2], [Sample([5, 6, 7], [-0.1, -0.2, -0.3], "length", 3), Sample([8], [-0.4], "stop", 3)]),
-        PromptResult(9, [4], [Sample([], [], "abort", 4)]),
+        PromptResult(
+            7,
+            [1, 2],
+            [GeneratedSample([5, 6, 7], [-0.1, -0.2, -0.3], "length", 3), GeneratedSample([8], [-0.4], "stop", 3)],
+        ),
+        PromptResult(9, [4], [GeneratedSample([], [], "abort", 4)]),
     ]
     b = P.Codec().decode(P.Codec().encode(sample_batch(results, "r0")))  # what the controller gets
     assert (b.prompt_ids, b.sample_indices, b.response_lengths) == ([7, 7, 9], [0, 1, 0], [3, 1, 0])
     assert b.response_ids.tolist() == [5, 6, 7, 8] and b.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4])
     assert (b.finish_reasons, b.policy_versions, b.server) == (["length", "stop", "abort"], [3, 3, 4], "r0")
-    no_lp = sample_batch([PromptResult(1, [1], [Sample([5], None, "stop", 0)])], "r0")
+    no_lp = sample_batch([PromptResult(1, [1], [GeneratedSample([5], None, "stop", 0)])], "r0")
     assert no_lp.logprobs is None
 
 
