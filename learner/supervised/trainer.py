@@ -8,7 +8,8 @@ sees a disjoint shard of each epoch's seeded permutation (``DistributedSampler``
 ``drop_last``), so a resumed run skips exactly the micro-batches already trained on.
 
 Logged metrics go to the log, to ``{save_path}/train_log.jsonl`` (one JSON object per
-logging or eval step, rank 0) and, with ``--use_tensorboard DIR``, to TensorBoard.
+logging or eval step, rank 0, written by ``learner.runtime.metrics.MetricsWriter`` as RL's
+metrics are) and, with ``--use_tensorboard DIR``, to TensorBoard under ``DIR/<sft|rm|dpo>``.
 
 Import this module only after the config is parsed: it imports torch and DeepSpeed. The
 config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
@@ -16,7 +17,6 @@ config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from learner.runtime import engine as E
+from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("rayless.trainer")
 
@@ -137,35 +138,6 @@ def steps_per_epoch(n_samples: int, cfg: Any, world: int) -> int:
     return steps
 
 
-class MetricsLog:
-    """Rank 0 writes metrics to the log, a JSONL file and optionally TensorBoard."""
-
-    def __init__(self, save_path: str, tensorboard_dir: str = "", name: str = "train") -> None:
-        self.rank0 = E.is_rank0()
-        self.path = Path(save_path) / "train_log.jsonl"
-        self.history: list[dict[str, Any]] = []
-        self.writer = None
-        if self.rank0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard_dir:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(Path(tensorboard_dir) / name))
-
-    def write(self, step: int, metrics: dict[str, float], prefix: str) -> None:
-        if not self.rank0:
-            return
-        record = {"step": step, **{f"{prefix}/{k}": v for k, v in metrics.items()}}
-        self.history.append(record)
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        log.info("%s step %d: %s", prefix, step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-        if self.writer is not None:
-            for k, v in metrics.items():
-                self.writer.add_scalar(f"{prefix}/{k}", v, step)
-            self.writer.flush()
-
-
 def mean_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Mean over micro-batches, then over ranks (one all-reduce for the whole dict)."""
     keys = per_micro[0].keys()
@@ -201,7 +173,10 @@ class Trainer:
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.steps_per_epoch = len(self.train_loader) // self.accum
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
-        self.metrics = MetricsLog(cfg.save_path, cfg.use_tensorboard, self.name)
+        self.metrics: MetricsWriter | None = None  # rank 0 only
+        if E.is_rank0():
+            tb_dir = Path(cfg.use_tensorboard) / self.name if cfg.use_tensorboard else None
+            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir)
         self.global_step = 0
         self.last_eval: tuple = (-1, {})  # (step, metrics) of the latest evaluation
 
@@ -216,6 +191,12 @@ class Trainer:
         raise NotImplementedError
 
     # ---- loop
+    def log_metrics(self, metrics: dict[str, float], prefix: str) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.write(self.global_step, metrics, prefix)
+        log.info("%s step %d: %s", prefix, self.global_step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
     def ckpt_dir(self) -> Path:
         return Path(self.cfg.ckpt_path or Path(self.cfg.save_path) / "checkpoints")
 
@@ -226,7 +207,7 @@ class Trainer:
         with torch.no_grad():
             result = self.evaluate()
         self.engine.train()
-        self.metrics.write(self.global_step, result, "eval")
+        self.log_metrics(result, "eval")
         self.last_eval = (self.global_step, result)
         return result
 
@@ -267,7 +248,7 @@ class Trainer:
                         lr=self.engine.get_lr()[0], epoch=epoch + 1, samples_per_s=samples_since / max(elapsed, 1e-9)
                     )
                     t0, samples_since = time.time(), 0
-                    self.metrics.write(self.global_step, m, "train")
+                    self.log_metrics(m, "train")
                 if self.global_step % eval_every == 0:
                     self.run_eval()
                 if cfg.save_steps > 0 and self.global_step % cfg.save_steps == 0:

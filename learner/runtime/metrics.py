@@ -1,0 +1,62 @@
+"""One metrics writer for every trainer: a JSON-lines file and, optionally, TensorBoard.
+
+Each record is one line ``{"step": N, "time": UNIX_S, "<prefix>/<key>": value, ...}``. The
+caller picks the file: RL writes ``metrics.jsonl`` (read by ``launch.local``'s progress line),
+the supervised trainers ``train_log.jsonl``. Only rank 0 should build one; the writer does not
+check, so it needs no process group and tests drive it directly.
+
+The file is opened per record, not held: a record is written at most once per optimizer step,
+and a crash or a reader (the progress line, a test) never sees a half-buffered line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rayless.metrics")
+
+
+class MetricsWriter:
+    """``write(step, metrics, prefix)`` appends one JSON line and logs numeric values to TensorBoard.
+
+    Args:
+        path: the JSON-lines file; its folder is created, the file appended to (a resumed run
+            continues it).
+        tensorboard_dir: a ``SummaryWriter`` log dir; None or "" for no TensorBoard. When
+            TensorBoard cannot be opened (not installed), a warning says so and the run goes on.
+    """
+
+    def __init__(self, path: str | Path, tensorboard_dir: str | Path | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()  # exists from the start, so a reader can tell "no step yet" from "no run"
+        self.tb = None
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(tensorboard_dir))
+            except Exception as e:  # noqa: BLE001 - TensorBoard is optional; say so once
+                log.warning("TensorBoard disabled: %s", e)
+
+    def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> None:
+        """Appends ``metrics``, keys as ``prefix/key`` when a prefix is given."""
+        named = {f"{prefix}/{k}" if prefix else k: v for k, v in metrics.items()}
+        record = {"step": step, "time": time.time(), **named}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in named.items():
+                if isinstance(v, (int, float)):  # strings and lists go to the file only
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

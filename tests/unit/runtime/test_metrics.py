@@ -1,0 +1,45 @@
+"""MetricsWriter: the JSON-lines records every trainer writes, and its optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+
+from learner.runtime.metrics import MetricsWriter
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_appends_one_prefixed_record_per_write(tmp_path):
+    path = tmp_path / "out" / "train_log.jsonl"
+    w = MetricsWriter(path)
+    assert path.exists() and path.read_text() == ""  # created before the first step
+    w.write(1, {"loss": 0.5, "lr": 1e-3}, "train")
+    w.write(2, {"acc": 1.0}, "eval")
+    w.close()
+    got = _records(path)
+    assert [r["step"] for r in got] == [1, 2]
+    assert got[0]["train/loss"] == 0.5 and got[0]["train/lr"] == 1e-3 and got[1]["eval/acc"] == 1.0
+    assert all(isinstance(r["time"], float) for r in got)
+
+
+def test_no_prefix_keeps_keys_and_a_second_writer_appends(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path).write(1, {"reward/mean": 0.25, "note": "text is kept"})
+    MetricsWriter(path).write(2, {"reward/mean": 0.5})  # a resumed run continues the file
+    got = _records(path)
+    assert [r["reward/mean"] for r in got] == [0.25, 0.5] and got[0]["note"] == "text is kept"
+
+
+def test_tensorboard_gets_the_numeric_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    w = MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb")
+    w.write(3, {"loss": 2.0, "note": "not a scalar"}, "train")
+    w.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["train/loss"]
+    (event,) = acc.Scalars("train/loss")
+    assert event.step == 3 and event.value == 2.0
