@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.datasets import render_response
-from learner.supervised.sft_data import Sample, collate_padded, encode_prompt_response, truncate
+from learner.supervised.sft_data import MaskedTokens, collate_padded, encode_prompt_response, truncate
 
 
 @dataclass
 class Pair:
-    chosen: Sample
-    rejected: Sample
+    chosen: MaskedTokens
+    rejected: MaskedTokens
     margin: float = 0.0
 
 
@@ -41,7 +41,7 @@ def _encode(
     input_template: str | None,
     max_len: int,
     force_eos: bool,
-) -> Sample | None:
+) -> MaskedTokens | None:
     prompt, response = render_response(
         prompt_value, response_value, tokenizer, apply_chat_template=apply_chat_template, input_template=input_template
     )

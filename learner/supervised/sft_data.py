@@ -35,7 +35,9 @@ IGNORE_INDEX = -100  # same value as learner.algorithms.sft_loss.IGNORE_INDEX (t
 
 
 @dataclass
-class Sample:
+class MaskedTokens:
+    """One tokenized training sequence: its ids and which of them the loss is taken on."""
+
     input_ids: list[int]
     loss_mask: list[bool]
 
@@ -43,21 +45,21 @@ class Sample:
         return len(self.input_ids)
 
 
-def encode_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]) -> Sample:
+def encode_spans(tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]) -> MaskedTokens:
     """Tokenize ``text`` (no added special tokens) and mark tokens overlapping ``spans``."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("response masks need a fast tokenizer (offset mapping); this one is slow")
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [any(start < e and end > s for s, e in spans) for start, end in enc["offset_mapping"]]
-    return Sample(list(enc["input_ids"]), mask)
+    return MaskedTokens(list(enc["input_ids"]), mask)
 
 
-def encode_prompt_response(tokenizer: Any, prompt: str, response: str) -> Sample:
+def encode_prompt_response(tokenizer: Any, prompt: str, response: str) -> MaskedTokens:
     """``prompt + response`` with loss on the response only."""
     return encode_spans(tokenizer, prompt + response, [(len(prompt), len(prompt) + len(response))])
 
 
-def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> Sample:
+def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> MaskedTokens:
     """A chat rendered with the tokenizer's template; loss on every assistant turn.
 
     Each assistant turn's span runs from the end of the conversation-so-far rendered with a
@@ -88,8 +90,8 @@ def encode_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> S
     return encode_spans(tokenizer, full, spans)
 
 
-def truncate(sample: Sample, max_len: int) -> Sample:
-    return Sample(sample.input_ids[:max_len], sample.loss_mask[:max_len])
+def truncate(sample: MaskedTokens, max_len: int) -> MaskedTokens:
+    return MaskedTokens(sample.input_ids[:max_len], sample.loss_mask[:max_len])
 
 
 def sft_sample(
@@ -102,8 +104,8 @@ def sft_sample(
     input_template: str | None,
     max_len: int,
     pretrain_mode: bool = False,
-) -> Sample | None:
-    """One row to a Sample; None when truncation leaves no response token (caller counts).
+) -> MaskedTokens | None:
+    """One row to MaskedTokens; None when truncation leaves no response token (caller counts).
 
     ``output_key`` None means ``input_key`` holds a whole chat (a list of messages, all
     assistant turns learned) or, with ``pretrain_mode``, plain text learned in full.
@@ -136,13 +138,13 @@ def sft_sample(
 # --------------------------------------------------------------------------- collation
 
 
-def shifted_labels(sample: Sample) -> list[int]:
+def shifted_labels(sample: MaskedTokens) -> list[int]:
     """Per-sample next-token targets: ``ids[t+1]`` where that token carries loss, else IGNORE."""
     ids, mask = sample.input_ids, sample.loss_mask
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
-def collate_padded(samples: Sequence[Sample], pad_id: int) -> dict[str, Any]:
+def collate_padded(samples: Sequence[MaskedTokens], pad_id: int) -> dict[str, Any]:
     """Right-padded (B, T) ``input_ids``, ``attention_mask``, ``labels`` (torch tensors)."""
     import torch
 
@@ -158,7 +160,7 @@ def collate_padded(samples: Sequence[Sample], pad_id: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": attn, "labels": labels}
 
 
-def collate_packed(samples: Sequence[Sample]) -> dict[str, Any]:
+def collate_packed(samples: Sequence[MaskedTokens]) -> dict[str, Any]:
     """One (1, L) row: ``input_ids``, ``position_ids`` restarting per sample, ``labels``."""
     import torch
 

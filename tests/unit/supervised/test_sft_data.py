@@ -8,7 +8,7 @@ import torch
 
 from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
 from learner.supervised.sft_data import (
-    Sample,
+    MaskedTokens,
     collate_packed,
     collate_padded,
     encode_conversation,
@@ -31,7 +31,7 @@ def model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def learned_text(tok, sample: Sample) -> str:
+def learned_text(tok, sample: MaskedTokens) -> str:
     return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
 
 
