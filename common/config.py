@@ -7,7 +7,7 @@ Every entry point declares its flags as a dataclass whose fields carry ``help`` 
         lr: float = flag(1e-6, "learning rate")
         prompt_data: str = flag("", "dataset path or hub name", required=True)
 
-``parse(Config, argv)`` builds the parser (``--lr``; booleans become ``--flag`` / ``--no_flag``),
+``parse(Config, argv)`` builds the parser (``--lr``; booleans become ``--flag`` / ``--no-flag``),
 optionally layers a YAML file given with ``--config``, validates, and returns the instance.
 This module imports nothing heavy, so ``--help`` answers at once.
 """

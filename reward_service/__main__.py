@@ -11,6 +11,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.config import log_config
     from reward_service.config import parse_config
 
     cfg = parse_config(argv)
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s reward[%(process)d] %(name)s: %(message)s",
     )
-    logging.getLogger(__name__).info("config %s", cfg.to_json())
+    log_config(cfg, logging.getLogger("reward_service"))
     from reward_service.server import serve  # the heavy imports start here
 
     return serve(cfg)
