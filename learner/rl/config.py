@@ -149,8 +149,8 @@ class PPOConfig:
     )
     is_correction: str = flag(
         "",
-        "vLLM-vs-learner mismatch correction: tis | icepop | '' (off)",
-        choices=("", "tis", "icepop"),
+        "vLLM-vs-learner mismatch correction: tis | icepop | seq_mask_tis | '' (off)",
+        choices=("", "tis", "icepop", "seq_mask_tis"),
         group="algorithm",
     )
     is_correction_low_high: list[float] = flag(

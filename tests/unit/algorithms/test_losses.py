@@ -326,6 +326,17 @@ def test_policy_loss_argument_errors():
     assert set(IS_CORRECTIONS) == {"tis", "icepop", "seq_mask_tis"}
 
 
+def test_every_registered_variant_is_reachable_from_its_flag():
+    # A registry entry no --choice names is dead code (seq_mask_tis was, once).
+    from dataclasses import fields
+
+    from learner.rl.config import PPOConfig
+
+    choices = {f.name: set(f.metadata["choices"] or ()) for f in fields(PPOConfig)}
+    assert choices["is_correction"] == set(IS_CORRECTIONS) | {""}
+    assert choices["policy_loss_type"] == set(POLICY_LOSSES)
+
+
 def test_policy_loss_padding_garbage_is_ignored():
     # the same 2 valid tokens, with and without a padded column holding -inf / NaN log-probs
     old = torch.tensor([[-1.0, -2.0]])
