@@ -7,7 +7,7 @@ as a buffer (zero-copy send), and on receipt are wrapped by ``torch.frombuffer``
 receive). Decoded tensors are views into the received frame: treat them as read-only, and
 ``.clone()`` before mutating in place.
 
-Supported dtypes are the ones the roles exchange (``DTYPES``); bf16 has no numpy
+Supported dtypes are the ones the roles exchange (``common.dtypes.DTYPES``); bf16 has no numpy
 equivalent, so both numpy arrays and torch tensors decode to torch tensors. Non-contiguous
 tensors are made contiguous on send (one copy, on the sender). Empty tensors carry an empty
 frame.
@@ -22,22 +22,10 @@ from typing import Any
 
 import msgspec
 
+from common.dtypes import DTYPES, dtype_name
+
 TENSOR_EXT = 1
 
-# wire name -> torch dtype attribute name. The wire name is what the header carries; keep it
-# stable across versions (append, never rename).
-DTYPES: dict[str, str] = {
-    "bool": "bool",
-    "uint8": "uint8",
-    "int8": "int8",
-    "int16": "int16",
-    "int32": "int32",
-    "int64": "int64",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float32": "float32",
-    "float64": "float64",
-}
 
 _MAX_NDIM = 8
 _meta_encoder = msgspec.msgpack.Encoder()
@@ -78,7 +66,7 @@ class TensorEncoder:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        name = str(t.dtype).removeprefix("torch.")
+        name = dtype_name(t.dtype)
         if name not in DTYPES:
             raise TypeError(f"dtype {t.dtype} is not supported on the wire (supported: {sorted(DTYPES)})")
         index = len(self._buffers)
