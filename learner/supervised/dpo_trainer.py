@@ -13,9 +13,9 @@ from learner.runtime.models import forward_logits, sequence_logprobs
 from learner.supervised.rm_data import collate_pairs, pair_sample
 from learner.supervised.trainer import (
     Trainer,
-    build_samples,
-    load_rows,
+    load_samples,
     make_train_engine,
+    model_kwargs,
     reduce_sums,
     setup_run,
     template,
@@ -85,18 +85,10 @@ def run(cfg) -> None:
         input_template=template(cfg),
         max_len=cfg.max_len,
     )
-    train = build_samples(load_rows(cfg, keys), encode, "train")
-    eval_rows = load_rows(cfg, keys, eval_split=True)
-    evals = build_samples(eval_rows, encode, "eval") if eval_rows is not None else None
+    train, evals = load_samples(cfg, keys, encode)
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(
-        cfg.pretrain,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        flash_attn=cfg.flash_attn,
-    )
+    model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     ref = E.load_causal_lm(
         cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16, flash_attn=cfg.flash_attn

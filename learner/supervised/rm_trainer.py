@@ -14,9 +14,9 @@ from learner.runtime.models import load_reward_model
 from learner.supervised.rm_data import collate_pairs, pair_sample
 from learner.supervised.trainer import (
     Trainer,
-    build_samples,
-    load_rows,
+    load_samples,
     make_train_engine,
+    model_kwargs,
     reduce_sums,
     setup_run,
     template,
@@ -90,24 +90,13 @@ def run(cfg) -> None:
         max_len=cfg.max_len,
         force_eos=True,
     )
-    train_rows = load_rows(cfg, keys)
-    train = build_samples(train_rows, encode, "train")
-    eval_rows = load_rows(cfg, keys, eval_split=True)
-    if eval_rows is not None:
-        evals = build_samples(eval_rows, encode, "eval")
-    else:  # OpenRLHF: reward statistics over 1% of the training rows
+    train, evals = load_samples(cfg, keys, encode)
+    if evals is None:  # OpenRLHF: reward statistics over 1% of the training rows
         evals = train[: max(cfg.micro_train_batch_size * info.world_size, len(train) // 100)]
         log.info("no --eval_dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = load_reward_model(
-        cfg.pretrain,
-        tokenizer=tok,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        flash_attn=cfg.flash_attn,
-    )
+    model = load_reward_model(cfg.pretrain, tokenizer=tok, **model_kwargs(cfg))
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = RMTrainer(cfg, engine, train, collate, evals)
     log.info(

@@ -78,6 +78,25 @@ def build_samples(rows, encode: Callable[[dict[str, Any]], Any], what: str) -> l
     return samples
 
 
+def load_samples(
+    cfg: Any, keys: Sequence[str], encode: Callable[[dict[str, Any]], Any]
+) -> tuple[list[Any], list[Any] | None]:
+    """The encoded training samples and the ``--eval_dataset`` ones (None when none is given)."""
+    train = build_samples(load_rows(cfg, keys), encode, "train")
+    eval_rows = load_rows(cfg, keys, eval_split=True)
+    return train, (build_samples(eval_rows, encode, "eval") if eval_rows is not None else None)
+
+
+def model_kwargs(cfg: Any) -> dict[str, Any]:
+    """The flags a trained model is loaded with (keywords of ``learner.runtime.engine.load_pretrained``)."""
+    return dict(
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
+
+
 def template(cfg: Any) -> str | None:
     t = getattr(cfg, "input_template", "") or None
     if t and "{}" not in t:
