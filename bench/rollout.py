@@ -97,7 +97,7 @@ def build_model(out: Path, tiny: Path, target_mb: float) -> Path:
 def _raw_receiver(port: int, nbytes: int, rounds: int) -> None:
     import torch
 
-    from common.weight_transfer_wire import GlooGroup
+    from common.weights.gloo import GlooGroup
 
     group = GlooGroup.open("127.0.0.1", port, 1, 2, timeout_s=120, label="bench")
     kept = torch.empty(nbytes, dtype=torch.uint8)
@@ -115,7 +115,7 @@ class RawPeer:
     def __init__(self, nbytes: int, rounds: int) -> None:
         import torch
 
-        from common.weight_transfer_wire import GlooGroup
+        from common.weights.gloo import GlooGroup
 
         store = GlooGroup.host_store("127.0.0.1", 2, 120)
         self.proc = mp.get_context("spawn").Process(target=_raw_receiver, args=(store.port, nbytes, rounds))

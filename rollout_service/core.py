@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import protocol as P
+from common.weights import resolve_backend
 from rollout_service.config import RolloutConfig
 
 log = logging.getLogger(__name__)
@@ -88,14 +89,6 @@ class _Meter:
             return 0.0
         span = max(now - self.events[0][0], 1.0)
         return sum(n for _, n in self.events) / span
-
-
-def resolve_backend(requested: str) -> str:
-    if requested != "auto":
-        return requested
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 class RolloutCore:

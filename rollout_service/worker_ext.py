@@ -1,14 +1,16 @@
 """Code that runs inside vLLM's worker processes (named as vLLM's ``worker_extension_cls``).
 
-vLLM imports this class in every worker before the model loads. Importing
-``common.weight_transfer_gloo`` on the way registers the ``gloo`` weight-transfer backend in
-that process, which is the one place registration can happen: the engine is created by the
-worker's ``load_model`` from ``weight_transfer_config.backend``.
+vLLM imports this class in every worker before the model loads. Registering our
+weight-transfer receivers on the way (``rollout_service.weight_receiver``) puts them where the
+worker's ``load_model`` looks for the engine named by ``weight_transfer_config.backend``: this is
+the one place registration can happen.
 """
 
 from __future__ import annotations
 
-import common.weight_transfer_gloo  # noqa: F401  (registers the gloo backend in this worker)
+from rollout_service.weight_receiver import register
+
+register()
 
 
 class RolloutWorkerExtension:

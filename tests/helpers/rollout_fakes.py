@@ -46,7 +46,7 @@ class FakeServer:
     """One rollout server's worker, driven by the control messages a real server gets."""
 
     def __init__(self, name: str, behaviour: str = "ok") -> None:
-        from common.weight_transfer_gloo import GlooWeightTransferEngine
+        from rollout_service.weight_receiver_gloo import GlooWeightTransferEngine
 
         self.name, self.behaviour = name, behaviour
         self.model = RecordingModel()

@@ -26,7 +26,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from common.weight_sync import WeightPublisher
+    from common.weights.publisher import WeightPublisher
     from helpers.rollout_fakes import FakeControl, FakeServer
 
     deepspeed.init_distributed(dist_backend="gloo")

@@ -15,9 +15,10 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from common import protocol as P
-from common.weight_sync import ModelWeights, WeightPublisher, WeightSyncError, _layer_runs
-from common.weight_transfer_wire import ParamMeta, bucket_plan, iter_packed, unpack
+from common.weights import SENDERS, resolve_backend, sender_class
+from common.weights.publisher import WeightPublisher, WeightSyncError
+from common.weights.source import ModelWeights, _layer_runs
+from common.weights.wire import ParamMeta, bucket_plan, iter_packed, unpack
 from helpers.paths import HELPERS
 from helpers.rollout_fakes import FakeControl, FakeServer
 
@@ -97,6 +98,44 @@ def test_model_weights_lists_tied_names_in_engine_dtype():
     ]
 
 
+def test_unwrap_reaches_the_checkpoint_module_through_wrappers():
+    from common.weights.source import unwrap
+
+    lm = TinyLM()
+    head = torch.nn.Module()
+    head.hf_model = lm  # a reward/value model around an HF model (learner.runtime.models)
+    engine = torch.nn.Module()
+    engine.module = torch.nn.Module()  # DeepSpeed engine around DDP around the model
+    engine.module.module = head
+    assert unwrap(engine) is lm and unwrap(lm) is lm and unwrap(head) is lm
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def test_registry_resolves_backend_names_and_lists_the_known_ones_for_an_unknown():
+    assert resolve_backend("gloo") == "gloo" and resolve_backend("nccl") == "nccl"
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert sender_class("gloo").name == "gloo" and sender_class("nccl").name == "nccl"
+    assert sender_class("auto").name == resolve_backend("auto")
+    with pytest.raises(ValueError, match=r"unknown weight-transfer backend 'tcp' \(known: auto, gloo, nccl\)"):
+        resolve_backend("tcp")
+    with pytest.raises(ValueError, match="known: auto, gloo, nccl"):
+        WeightPublisher(TinyLM(), backend="tcp")
+
+
+def test_every_backend_has_a_receiver_in_vllms_registry():
+    """A backend added on the learner's side only would fail at the server's start-up."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from rollout_service.weight_receiver import register
+
+    register()
+    register()  # idempotent: vLLM may import the worker extension more than once per process
+    missing = [name for name in SENDERS if name not in WeightTransferEngineFactory._registry]
+    assert not missing, f"no vLLM worker engine registered for {missing}"
+
+
 # --------------------------------------------------------------------------- fake servers
 
 
@@ -172,46 +211,6 @@ def test_connect_to_a_server_that_never_joins_fails_by_name():
     assert time.monotonic() - t0 < 10 and pub.servers == []
 
 
-def test_vllm_trainer_engine_interface_drives_the_gloo_backend():
-    """vLLM's trainer-side factory builds our gloo engine from its init info, and its
-    send_weights (start / update alongside the broadcast / finish) lands the weights."""
-    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
-
-    from common.weight_transfer_gloo import GlooTrainerInitInfo
-
-    model = TinyLM()
-    server = FakeServer("w")
-    calls = []
-
-    class Client:  # a VLLMWeightSyncClient
-        def init_weight_transfer_engine(self, init_info):
-            calls.append("init")
-            server._handle(P.WeightSyncInit(backend="gloo", init_info=init_info))
-
-        def start_weight_update(self):
-            calls.append("start")
-
-        def update_weights(self, update_info):
-            calls.append("update")
-            server._handle(P.WeightUpdate(**update_info))
-
-        def finish_weight_update(self, weight_version=None):
-            calls.append("finish")
-
-    engine = WeightTransferTrainerFactory.trainer_init(
-        GlooTrainerInitInfo(
-            master_address="127.0.0.1", world_size=2, rank=0, packed_buffer_size_bytes=2048, timeout_s=10
-        ),
-        client=Client(),
-        source=ModuleSource(model),
-    )
-    engine.send_weights()
-    assert calls == ["init", "start", "update", "finish"]
-    for name, p in model.named_parameters():
-        assert torch.equal(server.model.loaded[name], p.detach())
-    engine.shutdown()
-
-
 def test_update_metadata_must_match_iteration():
     model = TinyLM()
     server = FakeServer("s")
@@ -264,7 +263,7 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
 
 
 def test_receive_pool_reuses_a_buffer_only_once_nothing_views_it():
-    from common.weight_transfer_gloo import ReceivePool
+    from rollout_service.weight_receiver_gloo import ReceivePool
 
     pool = ReceivePool(keep=2)
     a = pool.get(1000)

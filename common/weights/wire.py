@@ -1,8 +1,8 @@
-"""The bytes of a weight push: bucket layout, gloo groups, and the fan-out sender.
+"""The bytes of a weight push: bucket layout and the fan-out sender, whatever the backend.
 
-Shared by the learner (``common/weight_sync.py``) and the gloo backend that runs inside vLLM's
-workers (``common/weight_transfer_gloo.py``). No vLLM import here: a learner process that only
-sends weights should not pay for loading vLLM.
+Shared by the learner (``common/weights/publisher.py``) and the receivers that run inside vLLM's
+workers (``rollout_service/weight_receiver_gloo.py``). No vLLM import here: a learner process
+that only sends weights should not pay for loading vLLM.
 
 Layout: tensors in update-metadata order, each as its raw bytes in the engine dtype, packed
 back to back into uint8 buckets of a little over ``bucket_bytes`` (``bucket_plan``). It is
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroupGloo, TCPStore
 
 # Smaller than vLLM's 1 GiB NCCL default: on CPU a bucket is a host copy, and two of them are
 # alive at once on each side (one on the wire, one being packed or loaded).
@@ -153,70 +151,11 @@ def unpack(
     return out
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# --------------------------------------------------------------------------- groups
-
-
-class GlooGroup:
-    """A gloo group of one learner (rank 0) and one rollout server's workers, with its store.
-
-    ``broadcast`` is asynchronous (returns the work handle): the learner fans one bucket out to
-    several servers' groups at once and waits on all of them.
-    """
-
-    def __init__(self, store: TCPStore, pg: ProcessGroupGloo, rank: int, world_size: int, label: str) -> None:
-        self.store, self.pg, self.rank, self.world_size, self.label = store, pg, rank, world_size, label
-
-    @classmethod
-    def open(
-        cls,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        *,
-        timeout_s: float,
-        label: str,
-        store: TCPStore | None = None,
-    ) -> GlooGroup:
-        """Joins (rank > 0) or hosts (rank 0, ``store`` already listening) the group. Blocks until
-        every rank has connected, at most ``timeout_s``."""
-        timeout = timedelta(seconds=timeout_s)
-        try:
-            if store is None:
-                store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-            pg = ProcessGroupGloo(store, rank, world_size, timeout)
-        except Exception as e:  # noqa: BLE001 - re-raised with who and where
-            raise RuntimeError(
-                f"weight-transfer group {label} (tcp://{host}:{port}, rank {rank} of "
-                f"{world_size}) could not form within {timeout_s:.0f} s: {e}"
-            ) from e
-        return cls(store, pg, rank, world_size, label)
-
-    @staticmethod
-    def host_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> TCPStore:
-        """The learner's store, listening before any worker is told where it is (port 0: any)."""
-        return TCPStore(
-            host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = src
-        return self.pg.broadcast([tensor], opts)
-
-    def close(self) -> None:
-        # Dropping the references closes the sockets; gloo has no explicit destroy that is
-        # safe to call while a peer may be gone.
-        self.pg = None
-        self.store = None
+# --------------------------------------------------------------------------- sending
 
 
 def wait_work(work, what: str) -> None:
-    """``work.wait()`` with gloo's own timeout (set when the group was formed), re-raised with
+    """``work.wait()`` with the group's own timeout (set when it was formed), re-raised with
     ``what`` named: which group, which bucket."""
     try:
         work.wait()
@@ -233,7 +172,7 @@ def send_packed(
     segment_bytes: float = float("inf"),
 ) -> dict[str, str]:
     """Broadcasts ``pairs`` (in update-metadata order) bucket by bucket into every group of
-    ``groups`` (name -> group with an async ``broadcast``) and returns {name: error} for groups
+    ``groups`` (name -> ``common.weights.base.SendGroup``) and returns {name: error} for groups
     that failed. A failed group is dropped and the rest carry on. The next bucket is packed
     while the current one is on the wire. (For NCCL, ``broadcast`` only enqueues.)"""
     live = dict(groups)

@@ -1,30 +1,25 @@
-"""A gloo backend for vLLM's weight-transfer API, so CPU runs take the same path as NCCL.
+"""The gloo backend's worker half: receives a push inside vLLM's workers, for CPU servers.
 
 vLLM 0.32 moves trainer weights into a running engine through
 ``vllm.distributed.weight_transfer``: each worker owns a ``WeightTransferEngine`` chosen by
-name from ``WeightTransferEngineFactory`` (``--weight-transfer-config '{"backend": ...}'``), and
-the engine exposes init / start / update / finish as collective RPCs. The built-in ``nccl``
-backend needs CUDA. This module registers ``gloo`` with the same interface and the same wire
+name from ``WeightTransferEngineFactory`` (``weight_transfer_config.backend``), and the engine
+exposes init / start / update / finish as collective RPCs. The built-in ``nccl`` engine needs
+CUDA. ``GlooWeightTransferEngine`` is a ``gloo`` engine with the same interface and the same wire
 layout as ``nccl`` in packed mode:
 
-- one process group per (learner, rollout server): the learner is rank 0 and hosts the
-  ``TCPStore``; the server's vLLM workers are ranks 1..k. A plain ``ProcessGroupGloo`` on its
-  own store, never the default process group, so it coexists with vLLM's own groups and
-  DeepSpeed's, and a group can be formed or dropped while everything else keeps running;
-- tensors travel in the engine's dtype, packed into uint8 buckets of about
+- it joins the learner's group (``common.weights.gloo.GlooGroup``) as ranks 1..k, the learner
+  being rank 0 (``common.weights.gloo.GlooSender`` is the learner's half);
+- tensors arrive in the engine's dtype, packed into uint8 buckets of about
   ``packed_buffer_size_bytes``, cut by the same rule vLLM's packed NCCL consumer uses
-  (``common/weight_transfer_wire.py``), so one learner-side sender serves both backends;
-- on the worker, buckets are loaded through the model's ``load_weights`` inside vLLM's layerwise
-  reload (``start`` / ``finish``), exactly like the NCCL engine; the next bucket is already being
+  (``common/weights/wire.py``), so one learner-side sender serves both backends;
+- buckets are loaded through the model's ``load_weights`` inside vLLM's layerwise reload
+  (``start`` / ``finish``), exactly like the NCCL engine; the next bucket is already being
   received while the current one loads;
 - every collective carries a timeout: a learner that dies or stalls turns into an error naming
   it, never a hang.
 
-Registration must happen inside vLLM's worker processes, before the model loads. The rollout
-server does it by naming ``rollout_service.worker_ext.RolloutWorkerExtension`` as vLLM's
-``worker_extension_cls``: vLLM imports that class in every worker before ``load_model``, and
-importing this module is what registers the backend (``register()``). The learner side calls
-``register()`` too, for the trainer engine.
+vLLM creates the engine from its registry: ``rollout_service/weight_receiver.py`` registers it
+there, in every worker.
 """
 
 from __future__ import annotations
@@ -32,41 +27,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Self
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from common.weight_transfer_wire import (
+from common.dtypes import torch_dtype
+from common.weights.gloo import GlooGroup
+from common.weights.wire import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_TIMEOUT_S,
-    GlooGroup,
     bucket_plan,
-    dtype_name,
     segment_plan,
-    send_packed,
     unpack,
     wait_work,
 )
 
 # Under "vllm." so that, inside vLLM's workers, it goes through vLLM's log handler.
-log = logging.getLogger("vllm.rayless.weight_transfer_gloo")
-
-BACKEND = "gloo"
-
-
-# --------------------------------------------------------------------------- worker side
+log = logging.getLogger("vllm.rayless.weight_receiver_gloo")
 
 
 @dataclass(kw_only=True)
@@ -79,7 +63,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     world_size: int
     rank_offset: int = 1
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # must equal the sender's (common/weight_transfer_wire.py)
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES  # must equal the sender's (common/weights/gloo.py)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
@@ -98,8 +82,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 f"{len(self.names)}/{len(self.dtype_names)}/{len(self.shapes)}"
             )
         for d in self.dtype_names:
-            if not isinstance(getattr(torch, d, None), torch.dtype):
-                raise ValueError(f"unknown dtype name {d!r}")
+            torch_dtype(d)  # raises naming it
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:
@@ -190,7 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer not initialised: init_weight_transfer_engine first")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        dtypes = [torch_dtype(d) for d in update_info.dtype_names]
         sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes)]
         plan = bucket_plan(sizes, self.bucket_bytes)
         group = self.group
@@ -250,126 +233,3 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if self.group is not None:
             self.group.close()
             self.group = None
-
-
-# --------------------------------------------------------------------------- trainer side
-
-
-@dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info for vLLM's ``WeightTransferTrainerFactory`` (backend "gloo")."""
-
-    backend: ClassVar[str] = BACKEND
-
-    master_address: str
-    world_size: int
-    master_port: int = 0  # 0: any free port, chosen by the store
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """vLLM's trainer-engine interface over ``GlooGroup``, for callers that drive one engine
-    through a ``VLLMWeightSyncClient`` (vLLM's own RLHF examples do). The rayless learner uses
-    ``common.weight_sync.WeightPublisher`` instead, which fans one pass over the weights out to
-    many servers; both produce the same bytes on the wire."""
-
-    init_info_cls = GlooTrainerInitInfo
-
-    def __init__(
-        self, *, client, source, is_sender=True, bucket_bytes=DEFAULT_BUCKET_BYTES, segment_bytes=DEFAULT_SEGMENT_BYTES
-    ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
-        self.bucket_bytes, self.segment_bytes = bucket_bytes, segment_bytes
-        self.group: GlooGroup | None = None
-
-    @classmethod
-    def trainer_init(
-        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
-    ) -> Self:
-        if source is None:
-            raise ValueError("gloo trainer weight transfer requires a WeightSource")
-        engine = cls(
-            client=client,
-            source=source,
-            is_sender=init_info.is_sender,
-            bucket_bytes=init_info.packed_buffer_size_bytes,
-            segment_bytes=init_info.segment_bytes,
-        )
-        if not engine.is_sender:
-            return engine
-        store = GlooGroup.host_store(
-            init_info.master_address, init_info.world_size, init_info.timeout_s, init_info.master_port
-        )
-        worker_info = GlooWeightTransferInitInfo(
-            master_address=init_info.master_address,
-            master_port=store.port,
-            world_size=init_info.world_size,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            segment_bytes=init_info.segment_bytes,
-            timeout_s=init_info.timeout_s,
-        )
-        from concurrent.futures import ThreadPoolExecutor
-
-        # The workers block in init until everyone has joined, so the RPC runs beside us.
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            fut = exe.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine.group = GlooGroup.open(
-                init_info.master_address,
-                store.port,
-                0,
-                init_info.world_size,
-                timeout_s=init_info.timeout_s,
-                label="inference workers",
-                store=store,
-            )
-            fut.result(timeout=init_info.timeout_s)
-        return engine
-
-    def send_weights(self) -> None:
-        meta = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:  # stay in the trainer-side gather collectives
-                pass
-            return
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.client.start_weight_update()
-        info = {
-            "names": [m.name for m in meta],
-            "dtype_names": [dtype_name(m.dtype) for m in meta],
-            "shapes": [list(m.shape) for m in meta],
-        }
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:
-            fut = exe.submit(self.client.update_weights, info)
-            failed = send_packed(
-                iter(self.source), {"workers": self.group}, self.bucket_bytes, segment_bytes=self.segment_bytes
-            )
-            if failed:
-                raise RuntimeError(failed["workers"])
-            fut.result()
-        finally:
-            exe.shutdown(wait=False)  # never join an RPC thread stuck on a dead peer
-        self.client.finish_weight_update()
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-
-def register() -> None:
-    """Adds "gloo" to vLLM's worker and trainer registries (idempotent)."""
-    for factory, module, cls in (
-        (WeightTransferEngineFactory, __name__, "GlooWeightTransferEngine"),
-        (WeightTransferTrainerFactory, __name__, "GlooTrainerWeightTransferEngine"),
-    ):
-        try:
-            factory.register_engine(BACKEND, module, cls)
-        except ValueError:
-            pass  # already registered in this process
-
-
-register()

@@ -1,0 +1,114 @@
+"""The weights a learner pushes: a module's parameters by checkpoint name, in the engine dtype.
+
+``ModelWeights`` is the source ``common.weights.publisher.WeightPublisher`` iterates once per
+push; ``unwrap`` finds the trained module inside DeepSpeed's (or DDP's) wrapper, for the
+publisher and for the learner's saves alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from common.weights.wire import ParamMeta
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """The trained module whose parameter names are the checkpoint's.
+
+    A DeepSpeed engine or DDP wraps it as ``.module`` (names must not carry the wrapper's
+    "module." prefix); a module that adds a forward of its own around an HF model (the reward and
+    value models in ``learner.runtime.models``) exposes the HF model as ``hf_model``, which is what
+    is saved and served. A bare HF model has neither.
+    """
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    inner = getattr(model, "hf_model", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+class ModelWeights:
+    """A vLLM ``WeightSource`` over a torch module: checkpoint (HF) names, in the engine dtype.
+
+    - Tied parameters are listed under every name (``lm_head.weight`` and
+      ``model.embed_tokens.weight``): some engines keep a separate ``lm_head``.
+    - Under ZeRO-3 (parameters carry ``ds_id``), each layer's parameters are gathered on all
+      ranks together; rank 0 copies them out while gathered (``keep=True``), other ranks only
+      take part in the gather (``keep=False``).
+    - Shapes come from ``ds_shape`` under ZeRO-3, so ``metadata()`` never gathers.
+
+    It keeps ``vllm.distributed.weight_transfer.base.WeightSource``'s contract (metadata and
+    iteration agree element for element) without importing vLLM: a learner that only sends
+    weights does not load vLLM.
+    """
+
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, keep: bool = True) -> None:
+        self.module = unwrap(model)
+        self.dtype = dtype
+        self.keep = keep
+        self._params = list(self.module.named_parameters(remove_duplicate=False))
+        self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
+        ]
+
+    def nbytes(self) -> int:
+        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if not self.zero3:
+            for name, p in self._params:
+                yield name, p.detach().to(self.dtype or p.dtype)
+            return
+        import deepspeed
+
+        for group in _layer_runs(self._params):
+            unique = list({id(p): p for _, p in group}.values())
+            # A collective: every rank gathers the same layer at the same time.
+            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+                for name, p in group:
+                    # Copy out while gathered: the bucket is packed after the context exits.
+                    yield name, (p.data.to(self.dtype or p.dtype, copy=True) if self.keep else None)
+
+
+def _layer_runs(params: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
+    """Consecutive parameters of one layer (same prefix up to the first numeric segment, e.g.
+    ``model.layers.3``): the unit gathered at once under ZeRO-3, so peak memory is one layer,
+    not the model. Order is kept: it is the order the servers were told."""
+
+    def key(name: str) -> str:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                return ".".join(parts[: i + 1])
+        return name  # embeddings, final norm, lm_head: one each
+
+    runs: list[list[tuple[str, Any]]] = []
+    last = None
+    for name, p in params:
+        k = key(name)
+        if not runs or k != last:
+            runs.append([])
+            last = k
+        runs[-1].append((name, p))
+    return runs
+
+
+def checked(pairs: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Iteration checked against the metadata the servers were told to expect: a mismatch would
+    cut buckets differently on the two sides, so it is an error naming the first bad tensor."""
+    i = -1
+    for i, (name, t) in enumerate(pairs):
+        m = meta[i] if i < len(meta) else None
+        if m is None or name != m.name or t.dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
+            want = f"{m.name} {m.dtype} {tuple(m.shape)}" if m else "nothing more"
+            raise ValueError(
+                f"weights changed while sending: tensor {i} is {name} {t.dtype} {tuple(t.shape)}, servers expect {want}"
+            )
+        yield name, t
+    if i + 1 != len(meta):
+        raise ValueError(f"weights changed while sending: {i + 1} tensors, servers expect {len(meta)}")
