@@ -372,13 +372,11 @@ def make_frozen_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, o
 
 
 def unwrap(model: Any) -> torch.nn.Module:
-    """The HF module inside a DeepSpeed engine (or the module itself).
+    """The HF module inside a DeepSpeed engine (or the module itself): ``common.weights.source.unwrap``,
+    so that saves and weight pushes name parameters alike."""
+    from common.weights.source import unwrap as unwrap_module
 
-    A wrapper module that adds a forward of its own around an HF model (the reward model
-    in ``learner.runtime.models``) exposes it as ``hf_model``; that is what gets saved.
-    """
-    model = getattr(model, "module", model)
-    return getattr(model, "hf_model", model)
+    return unwrap_module(model)
 
 
 # --------------------------------------------------------------------------- saving
