@@ -2,8 +2,9 @@
 
 Parses the config before importing torch or transformers, so ``--help`` is instant; logs
 the resolved config as JSON; then loads the models / reward functions and serves
-(``reward_service/server.py``). Exit codes: 0 stopped (Shutdown or signal), 1 fatal fault,
-2 could not start (the log names the file or flag at fault).
+(``reward_service/server.py``). Exit codes (``common.service.ExitCode``): 0 stopped (Shutdown,
+signal, the controller's fatal notice), 1 fatal fault or no Welcome from the controller, 2 could
+not start (the log names the file or flag at fault).
 """
 
 import logging

@@ -16,27 +16,30 @@ Messages in (controller -> service):
 - ``Shutdown`` -> finish queued work (at most ``DRAIN_S``), answer ``Ack`` if it was a call,
   exit 0;
 - ``Error(code="fatal")`` from the controller -> exit 0: there is no one left to serve;
+- ``Welcome`` to an earlier Hello (the handshake says Hello again while the controller is
+  slow to answer) -> ignored;
 - anything else -> ``Error(code="bad_request")``. Undecodable frames are answered by the
   transport (``common/transport.py``) and counted in ``rejected``.
 
 Fatal faults -- ``FATAL_AFTER`` internal errors in a row (a broken device stays broken),
 an unexpected exception in this loop, SIGTERM / SIGINT -- send ``Error(code="fatal")`` so the
 controller re-issues this service's work at once instead of waiting for the heartbeat
-deadline, then exit (1 for a fault, 0 for a signal).
+deadline, then exit (1 for a fault, 0 for a signal). The handshake, heartbeat timing, last
+words, signals and exit codes are the shell both services share (``common/service.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 
 import zmq
 
-from common.protocol import Ack, Error, Heartbeat, Message, ScoreRequest, Shutdown
-from common.transport import Endpoint, PeerUnavailable, TransportError, default_name, handshake
+from common.protocol import Ack, Error, Message, ScoreRequest, Shutdown, Welcome
+from common.service import ExitCode, ServiceShell
+from common.transport import Endpoint, TransportError, default_name
 from reward_service.inputs import BadRequest
 from reward_service.scorer import Scorer
 
@@ -44,7 +47,6 @@ log = logging.getLogger(__name__)
 
 DRAIN_S = 30.0  # on Shutdown, queued work gets this long to finish
 FATAL_AFTER = 3  # consecutive internal errors that make the service declare itself broken
-FATAL_SEND_S = 2.0  # how long the last words may take to leave
 
 
 class RewardServer:
@@ -62,8 +64,16 @@ class RewardServer:
         self.scorer = scorer
         self.controller = controller
         self.name = name or default_name("reward")
-        self.heartbeat_s = heartbeat_s
-        self.connect_timeout_s = connect_timeout_s
+        self.shell = ServiceShell(
+            "reward",
+            self.name,
+            controller,
+            heartbeat_s=heartbeat_s,
+            connect_timeout_s=connect_timeout_s,
+            # Zero: a signal is a stop someone asked for; the controller re-issues the work.
+            signal_exit=ExitCode.STOPPED,
+            no_welcome_exit=ExitCode.FATAL,
+        )
         self.max_pending = max_pending
         self.capacity = capacity
         self._todo: queue.Queue[ScoreRequest | None] = queue.Queue()
@@ -71,7 +81,6 @@ class RewardServer:
         self._busy = 0  # requests taken by the scoring thread and not yet answered
         self._consecutive_internal = 0
         self._fatal: str | None = None  # set by the scoring thread: the main loop announces it
-        self._signal: str | None = None
         # bad_requests / internal_errors: written by the scoring thread only; the others by the main thread.
         self.counters = {"bad_requests": 0, "internal_errors": 0, "overloaded": 0, "unhandled_messages": 0}
         self._ctx = zmq.Context.instance()
@@ -137,26 +146,24 @@ class RewardServer:
     # ------------------------------------------------------------------ main thread
     def run(self) -> int:
         """Serves until Shutdown, a fatal fault or a signal; returns the exit code."""
-        if threading.current_thread() is threading.main_thread():  # in-process tests run it in a thread
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+        self.shell.catch_signals()
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._wake_addr)
         ep = self._ep = Endpoint.connect(self.controller, name=self.name)
         worker = threading.Thread(target=self._score_loop, name="reward-score", daemon=True)
         try:
             try:
-                welcome = handshake(ep, "reward", self.capabilities(), timeout=self.connect_timeout_s)
+                welcome = self.shell.say_hello(ep, self.capabilities())
             except TransportError as e:  # never registered: nobody to announce anything to
                 log.error("could not register with the controller: %s", e)
-                return 1
+                return self.shell.no_welcome_exit
             log.info("%s registered with the controller at %s as %s", self.name, self.controller, welcome.peer_id)
             worker.start()
             return self._loop(ep, wake)
         except Exception as e:  # noqa: BLE001
             log.exception("reward service failed")
-            self._last_words(ep, f"{self.name} failed: {type(e).__name__}: {e}")
-            return 1
+            self.shell.send_last_words(ep, f"{self.name} failed: {type(e).__name__}: {e}")
+            return ExitCode.FATAL
         finally:
             self._todo.put(None)
             if worker.is_alive():
@@ -168,14 +175,10 @@ class RewardServer:
     def capabilities(self) -> dict:
         return {**self.scorer.capabilities(), "capacity": self.capacity, "max_pending": self.max_pending}
 
-    def _on_signal(self, signum, _frame) -> None:
-        self._signal = signal.Signals(signum).name
-
     def _loop(self, ep: Endpoint, wake: zmq.Socket) -> int:
         poller = zmq.Poller()
         poller.register(ep.sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        seq, next_hb = 0, time.monotonic()
         drain_deadline: float | None = None
         shutdown_call: Shutdown | None = None
         while True:
@@ -184,24 +187,21 @@ class RewardServer:
                 self._busy -= 1
                 ep.send(msg)
             if self._fatal:
-                self._last_words(ep, f"{self.name}: {self._fatal}")
-                return 1
-            if self._signal:
-                self._last_words(ep, f"{self.name} stopping on {self._signal}")
-                return 0
-            now = time.monotonic()
-            if drain_deadline is not None and (self._busy == 0 or now >= drain_deadline):
+                self.shell.send_last_words(ep, f"{self.name}: {self._fatal}")
+                return ExitCode.FATAL
+            if self.shell.stop_signal:
+                self.shell.send_last_words(ep, self.shell.stop_signal)
+                return self.shell.signal_exit
+            if drain_deadline is not None and (self._busy == 0 or time.monotonic() >= drain_deadline):
                 if self._busy:
                     log.warning("shutting down with %d request(s) unanswered after %.0f s", self._busy, DRAIN_S)
                 if shutdown_call is not None and shutdown_call.call_id:
                     ep.reply(shutdown_call, Ack(info={"unanswered": self._busy}))
-                return 0
-            if now >= next_hb:
-                ep.send(Heartbeat(name=self.name, seq=seq, stats=self.stats()))
-                seq += 1
-                next_hb = now + self.heartbeat_s
+                return ExitCode.STOPPED
+            if self.shell.heartbeat_in() <= 0:
+                ep.send(self.shell.heartbeat(self.stats()))
             # Wake for the next heartbeat, and often enough to notice a signal.
-            events = dict(poller.poll(timeout=max(0, min(next_hb - now, 0.2)) * 1000))
+            events = dict(poller.poll(timeout=min(self.shell.heartbeat_in(), 0.2) * 1000))
             if wake in events:
                 while wake.poll(0):
                     wake.recv()
@@ -229,7 +229,7 @@ class RewardServer:
                         )
                 else:
                     if self._handle(ep, msg) == "exit":
-                        return 0
+                        return ExitCode.STOPPED
 
     def _handle(self, ep: Endpoint, msg: Message) -> str | None:
         if isinstance(msg, ScoreRequest):
@@ -251,6 +251,8 @@ class RewardServer:
                 log.error("controller is going down (%s): exiting", msg.message)
                 return "exit"
             log.warning("controller sent error %s: %s", msg.code, msg.message)
+        elif isinstance(msg, Welcome):
+            log.debug("ignoring a Welcome to an earlier Hello")
         else:
             self.counters["unhandled_messages"] += 1
             ep.reply(
@@ -270,13 +272,6 @@ class RewardServer:
             "rejected": float(self._ep.stats["rejected"] if self._ep else 0),
         }
 
-    def _last_words(self, ep: Endpoint, message: str) -> None:
-        log.error("announcing fatal: %s", message)
-        try:
-            ep.send(Error(code="fatal", message=message), timeout=FATAL_SEND_S)
-        except (PeerUnavailable, zmq.ZMQError) as e:
-            log.warning("could not announce the fault to the controller: %s", e)
-
 
 def serve(cfg) -> int:
     """Builds the Scorer from ``cfg`` and serves; returns the exit code."""
@@ -289,7 +284,7 @@ def serve(cfg) -> int:
         scorer = Scorer.from_config(cfg)
     except (FuncLoadError, RewardModelError, OSError, ValueError) as e:
         log.error("reward service %s failed to start: %s", name, e)
-        return 2
+        return ExitCode.NO_START
     log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
     return RewardServer(
         scorer,

@@ -15,7 +15,9 @@ Errors: a bad request (a prompt outside the vocabulary, a weight step out of ord
 a rollout server does not take) is answered with ``Error`` for that request, naming the prompt
 ids it concerns, and the server carries on. A dead engine, SIGTERM or an unexpected crash
 sends ``Error(code="fatal")`` first, so the controller re-issues this server's prompts at
-once instead of waiting for the heartbeat deadline, then the process exits non-zero.
+once instead of waiting for the heartbeat deadline, then the process exits 1. The handshake,
+heartbeat timing, last words, signals and exit codes are the shell both services share
+(``common/service.py``); what is here is the rollout server's own.
 
 The controller's policy version from Welcome is a floor: no prompt is started on weights
 older than it, so a server that joins mid-run serves nothing until the learner has pushed it
@@ -26,20 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from common import protocol as P
-from common.transport import AsyncEndpoint, CallTimeout, PeerUnavailable, TransportError, ahandshake, default_name
+from common.service import ExitCode, ServiceShell
+from common.transport import AsyncEndpoint, TransportError, default_name
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
 
 log = logging.getLogger(__name__)
-
-FATAL_SEND_S = 2.0  # how long the last words (Error "fatal") may take to leave
 
 
 def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
@@ -72,9 +72,18 @@ class RolloutServer:
     def __init__(self, cfg: RolloutConfig, core: RolloutCore, ep: AsyncEndpoint) -> None:
         self.cfg, self.core, self.ep = cfg, core, ep
         self.name = ep.name
+        self.shell = ServiceShell(
+            "rollout",
+            self.name,
+            cfg.controller,
+            heartbeat_s=cfg.heartbeat_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+            # Non-zero: a supervisor (launch.local) counts a signalled server as gone.
+            signal_exit=ExitCode.FATAL,
+            no_welcome_exit=ExitCode.NO_START,
+        )
         self._stop = asyncio.Event()
-        self._dying = False
-        self._exit_code = 0
+        self._exit_code = ExitCode.STOPPED
         self._tasks: set[asyncio.Task] = set()
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
@@ -96,7 +105,7 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ main
     async def serve(self) -> int:
-        welcome = await self._handshake()
+        welcome = await self.shell.asay_hello(self.ep, self.core.capabilities())
         self.core.version_floor = welcome.policy_version
         log.info(
             "%s welcomed by the controller (its policy version %d, ours %d)",
@@ -104,9 +113,9 @@ class RolloutServer:
             welcome.policy_version,
             self.core.version,
         )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: self._spawn(self._fatal(f"received {signal.Signals(s).name}")))
+        self.shell.catch_signals(
+            asyncio.get_running_loop(), then=lambda words: self._spawn(self._die(words, self.shell.signal_exit))
+        )
         workers = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
         for w in workers:
             w.add_done_callback(self._loop_ended)
@@ -121,22 +130,6 @@ class RolloutServer:
         if not task.cancelled() and task.exception() is not None and not self._stop.is_set():
             log.error("internal error", exc_info=task.exception())
             self._spawn(self._fatal(f"internal error: {task.exception()!r}"))
-
-    async def _handshake(self) -> P.Welcome:
-        """Hello until Welcome, for up to --connect_timeout_s. The controller may not be up yet
-        (a send to an unconnected DEALER fails after its send timeout), so try again until then."""
-        deadline = time.monotonic() + self.cfg.connect_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return await ahandshake(self.ep, "rollout", self.core.capabilities(), max(1.0, min(left, 30.0)))
-            except (PeerUnavailable, CallTimeout) as e:
-                if time.monotonic() >= deadline:
-                    raise TransportError(
-                        f"{self.name}: no Welcome from the controller at {self.cfg.controller} "
-                        f"within {self.cfg.connect_timeout_s:.0f} s: {e}"
-                    ) from None
-                log.info("controller not answering yet (%s); trying again", e)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -187,34 +180,29 @@ class RolloutServer:
         await self._send(hello)
 
     async def _heartbeat_loop(self) -> None:
-        seq = 0
         while not self._stop.is_set():
             if self.core.llm is not None and self.core.llm.errored:
                 await self._fatal("vLLM engine died (see its log above)")
                 return
-            await self._send(
-                P.Heartbeat(name=self.name, seq=seq, policy_version=self.core.version, stats=self.core.metrics())
-            )
-            seq += 1
-            await asyncio.sleep(self.cfg.heartbeat_s)
+            await self._send(self.shell.heartbeat(self.core.metrics(), self.core.version))
+            await asyncio.sleep(self.shell.heartbeat_in())
 
-    async def _send(self, msg: P.Message, timeout: float | None = None) -> None:
+    async def _send(self, msg: P.Message) -> None:
         try:
-            await self.ep.send(msg, timeout=timeout)
+            await self.ep.send(msg)
         except TransportError as e:
             # The controller is gone or not reading; what we could not deliver it re-issues.
             log.error("could not send %s: %s", type(msg).__name__, e)
 
     async def _fatal(self, why: str) -> None:
-        if self._dying or self._stop.is_set():
-            return  # one set of last words (a SIGTERM also kills vLLM: a second fatal follows)
-        self._dying = True
-        log.error("fatal: %s; telling the controller and exiting", why)
-        # Briefly: when the controller is gone too (the run is being stopped), waiting the
-        # socket's full send timeout would outlast the supervisor's patience.
-        await self._send(P.Error(code="fatal", message=f"{self.name}: {why}"), timeout=FATAL_SEND_S)
-        self._exit_code = 1
-        self._stop.set()
+        await self._die(f"{self.name}: {why}", ExitCode.FATAL)
+
+    async def _die(self, last_words: str, code: ExitCode) -> None:
+        if self._stop.is_set():
+            return  # stopped on the controller's Shutdown: nobody is waiting for last words
+        if await self.shell.asend_last_words(self.ep, last_words):
+            self._exit_code = code
+            self._stop.set()
 
     # ------------------------------------------------------------------ work
     async def _serve_prompt(self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int) -> None:
@@ -318,11 +306,12 @@ async def amain(cfg: RolloutConfig) -> int:
     await core.start()
     log.info("%s: engine ready in %.1f s", name, time.monotonic() - t0)
     ep = AsyncEndpoint(cfg.controller, name=name)
+    server = RolloutServer(cfg, core, ep)
     try:
-        return await RolloutServer(cfg, core, ep).serve()
-    except TransportError as e:
+        return await server.serve()
+    except TransportError as e:  # no Welcome: the only send whose failure is not just logged
         log.error("%s", e)
-        return 2
+        return server.shell.no_welcome_exit
     finally:
         ep.close()
         await core.shutdown()

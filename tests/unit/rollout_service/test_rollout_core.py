@@ -9,11 +9,17 @@ exercised in ``tests/unit/rollout_service/test_rollout_service.py``.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from common import protocol as P
+from common.service import STOP_SIGNALS
+from common.transport import AsyncEndpoint, Endpoint
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, RolloutCore
 
@@ -244,3 +250,79 @@ def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
     assert RolloutCore(RolloutConfig(**cfg)).engine_args().enable_chunked_prefill is False
     on = RolloutCore(RolloutConfig(**cfg, enable_chunked_prefill=True)).engine_args()
     assert on.enable_chunked_prefill is True
+
+
+# ---------------------------------------------------------------------------- the server's shell
+# RolloutServer in-process on the stand-in engine, the test as the controller: how the server
+# wears common/service.py's shell (last words, signal -> exit code, Shutdown -> Ack).
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def serve_in_process(core, act) -> tuple[int, list[P.Message]]:
+    """Serves ``core`` in the main thread (only there may asyncio catch signals) against a
+    controller thread that welcomes it, calls ``act(router, identity)`` after the first
+    heartbeat, and records what it gets until an Ack or a fatal notice."""
+    from rollout_service.server import RolloutServer
+
+    router = Endpoint.bind("tcp://127.0.0.1:0")
+    cfg = RolloutConfig(model="m", controller=router.address, heartbeat_s=0.2, weight_transfer_backend="gloo")
+    seen: list[P.Message] = []
+
+    def controller() -> None:
+        deadline, acted = time.monotonic() + 15, False
+        while time.monotonic() < deadline:
+            got = router.recv(timeout=0.1)
+            if got is None:
+                continue
+            ident, msg = got
+            if isinstance(msg, P.Hello):
+                router.reply(msg, P.Welcome(peer_id=msg.name), to=ident)
+                continue
+            seen.append(msg)
+            if isinstance(msg, P.Heartbeat) and not acted:
+                acted = True
+                act(router, ident)
+            if isinstance(msg, P.Ack) or (isinstance(msg, P.Error) and msg.code == "fatal"):
+                return
+
+    async def main() -> int:
+        ep = AsyncEndpoint(router.address, name="r-shell")
+        try:
+            return await asyncio.wait_for(RolloutServer(cfg, core, ep).serve(), 20)
+        finally:
+            ep.close(0)
+
+    t = threading.Thread(target=controller)
+    t.start()
+    try:
+        return asyncio.run(main()), seen
+    finally:
+        t.join(20)
+        router.close(0)
+
+
+def _fatal(seen):
+    return [m for m in seen if isinstance(m, P.Error) and m.code == "fatal"]
+
+
+def test_server_on_sigterm_says_last_words_and_exits_1(core, restore_signal_handlers):
+    rc, seen = serve_in_process(core, lambda _r, _ident: os.kill(os.getpid(), signal.SIGTERM))
+    assert rc == 1 and [m.message for m in _fatal(seen)] == ["r-shell stopping on SIGTERM"]
+
+
+def test_server_with_a_dead_engine_says_so_and_exits_1(core, restore_signal_handlers):
+    rc, seen = serve_in_process(core, lambda _r, _ident: setattr(core.llm, "errored", True))
+    assert rc == 1 and [m.message for m in _fatal(seen)] == ["r-shell: vLLM engine died (see its log above)"]
+
+
+def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers):
+    rc, seen = serve_in_process(core, lambda r, ident: r.send(P.Shutdown(reason="done", call_id=5), to=ident))
+    acks = [m for m in seen if isinstance(m, P.Ack)]
+    assert rc == 0 and acks[0].call_id == 5 and acks[0].info == {"dropped_prompts": 0} and not _fatal(seen)

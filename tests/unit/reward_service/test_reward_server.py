@@ -1,0 +1,120 @@
+"""RewardServer in-process on a stand-in scorer: how it wears the service shell (signal ->
+last words -> exit 0, no Welcome -> exit 1, a late Welcome ignored). Fast: no models, no
+subprocess; the process-level tests are in test_reward_service.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from common import protocol as P
+from common.service import STOP_SIGNALS
+from common.transport import Endpoint, free_port
+from reward_service.server import RewardServer
+
+
+class Idle:
+    def score(self, req):
+        raise AssertionError("not asked to score")
+
+    def capabilities(self):
+        return {"sources": ["func:idle.py"]}
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def router():
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    yield ep
+    ep.close(0)
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def welcome_then(router: Endpoint, after_first_heartbeat, seen: list[P.Message]) -> threading.Thread:
+    """The controller: welcomes the Hello, calls ``after_first_heartbeat(identity)`` once, and
+    records everything else it gets until a fatal notice (or 15 s)."""
+
+    def run() -> None:
+        deadline, acted = time.monotonic() + 15, False
+        while time.monotonic() < deadline:
+            got = router.recv(timeout=0.1)
+            if got is None:
+                continue
+            ident, msg = got
+            if isinstance(msg, P.Hello):
+                router.reply(msg, P.Welcome(peer_id=msg.name), to=ident)
+                continue
+            seen.append(msg)
+            if isinstance(msg, P.Heartbeat) and not acted:
+                acted = True
+                after_first_heartbeat(ident)
+            if isinstance(msg, P.Error) and msg.code == "fatal":
+                return
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS)
+def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handlers):
+    seen: list[P.Message] = []
+    t = welcome_then(router, lambda _ident: os.kill(os.getpid(), sig), seen)
+    srv = RewardServer(Idle(), controller=router.address, name="rw-sig", heartbeat_s=0.2)
+    try:
+        rc = srv.run()  # in the main thread: only there does Python deliver signals
+    finally:
+        t.join(20)
+    fatal = [m for m in seen if isinstance(m, P.Error)]
+    assert rc == 0 and len(fatal) == 1
+    assert fatal[0].code == "fatal" and fatal[0].message == f"rw-sig stopping on {signal.Signals(sig).name}"
+
+
+def test_a_welcome_to_an_earlier_hello_is_ignored(router):
+    """The handshake says Hello again when the controller is slow; the Welcome to the first
+    Hello may come late and must not be answered as a bad request."""
+    srv = RewardServer(Idle(), controller=router.address, name="rw-late", heartbeat_s=0.2)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t.start()
+    try:
+        ident, hello = router.recv(timeout=10)
+        router.reply(hello, P.Welcome(peer_id="rw-late"), to=ident)
+        router.send(P.Welcome(peer_id="rw-late", call_id=hello.call_id + 1000), to=ident)  # a late one
+        assert isinstance(router.call(P.Shutdown(reason="test"), to=ident, timeout=10), P.Ack)
+        t.join(10)
+        rest = []
+        while (got := router.recv(timeout=0.2)) is not None:
+            rest.append(got[1])
+        assert result["rc"] == 0 and srv.counters["unhandled_messages"] == 0
+        assert not [m for m in rest if isinstance(m, P.Error)], rest
+    finally:
+        t.join(10)
+
+
+def test_no_welcome_exits_1_naming_the_controller(caplog):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    srv = RewardServer(Idle(), controller=address, name="rw-alone", connect_timeout_s=1.0)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t0 = time.monotonic()
+    t.start()
+    t.join(10)
+    assert result["rc"] == 1 and time.monotonic() - t0 < 5
+    assert f"no Welcome from the controller at {address} within 1 s" in caplog.text
