@@ -25,7 +25,7 @@ from learner.rl.config import PPOConfig
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(PPOConfig, argv, description=__doc__.split("\n\n")[0], prog="learner.train_ppo")
-    from learner.rl.loop import run  # heavy imports only after the flags parse
+    from learner.rl.run import run  # heavy imports only after the flags parse
 
     return run(cfg)
 

@@ -1,21 +1,23 @@
 """The controller (learner rank 0): hands out prompts, routes samples to scoring, collects.
 
-It owns the ROUTER socket every service connects to, the ``ServicePool`` (who is there) and
-the ``PromptLedger`` (what is where). ``collect(n)`` runs the data path until ``n`` prompts are
+It owns the ``PromptLedger`` (what is where) and drives two clients over the one ROUTER
+socket every service connects to: ``RolloutClient`` (``rollout_client.py``: prompts out,
+samples in, weight groups) and ``RewardClient`` (``reward_client.py``: score requests out,
+scores in). ``collect(items, sampling=...)`` runs the data path until those prompts are
 generated and scored:
 
     queued prompts --PromptBatch--> rollout server --SampleBatch--> controller
     generated prompts --ScoreRequest--> reward service --ScoredBatch--> controller
 
 Dead or silent peers give their work back (``pool.reap``), late work is re-issued
-(``ledger.expire``), late answers are dropped as duplicates. The schedule (lockstep here:
-collect, train, push) lives in ``learner.train_ppo``; this class is the data path only.
+(``ledger.expire``), late answers are dropped as duplicates. This class is the data path
+only: when to collect, train and push is a schedule's decision (``learner/rl/schedules/``).
+The policy version stamped on outgoing prompts is the schedule's to set
+(``set_policy_version``), after each weight push.
 
-The rollout side goes through ``RolloutClient`` (``learner/controller/rollout_client.py``), which reads
-the socket, answers the pool, keeps weight groups, and spreads prompts by free capacity. A
-rollout server that joins mid-run gets the current weights before its first prompt: here at
-once when ``sync_joiners_in_pump`` (rank 0 can push alone), otherwise at the next weight push
-(ZeRO-3 on several ranks: a push is a collective of all learner ranks).
+A rollout server that joins mid-run gets the current weights before its first prompt: here
+at once when ``sync_joiners_in_pump`` (rank 0 can push alone), otherwise at the next weight
+push (ZeRO-3 on several ranks: a push is a collective of all learner ranks).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
@@ -31,26 +32,13 @@ from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
 from learner.controller.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.controller.ledger import Entry, PromptLedger
 from learner.controller.pool import ServicePool
-from learner.controller.reward_client import build_score_request
+from learner.controller.reward_client import RewardClient, build_score_request
 from learner.controller.rollout_client import RolloutClient
-from learner.rl.experience import Rollout, Sample
+from learner.controller.types import CollectResult, PromptItem, Rollout, ScoredSample
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class PromptItem:
-    tokens: list[int]
-    text: str = ""
-    label: Any = None
-
-
-@dataclass
-class CollectResult:
-    rollout: Rollout
-    entries: list[Entry]
-    failed_groups: int = 0
-    reasons: list[str] = field(default_factory=list)
+__all__ = ["CollectResult", "Controller", "PromptItem", "ServicesMissing"]
 
 
 class ServicesMissing(RuntimeError):
@@ -64,6 +52,7 @@ class Controller:
         ledger: PromptLedger,
         *,
         sampling: SamplingParams,
+        rewards: RewardClient | None = None,
         max_prompts_per_request: int = 16,
         sync_joiners_in_pump: bool = True,
         detokenize: Callable[[list[list[int]]], list[str]] | None = None,
@@ -71,22 +60,37 @@ class Controller:
         self.rollout = rollout
         self.endpoint: Endpoint = rollout.endpoint
         self.pool: ServicePool = rollout.pool
+        self.rewards = rewards or RewardClient(self.pool)
         self.ledger = ledger
-        self.sampling = sampling
+        self.sampling = sampling  # the default of collect(); evaluation passes its own
         self.max_prompts_per_request = max_prompts_per_request
         self.sync_joiners_in_pump = sync_joiners_in_pump
         # Function rewards read text (OpenRLHF's `queries` = prompt + response); the controller
         # has the policy's tokenizer, so it decodes here once instead of in every reward service.
         self.detokenize = detokenize
-        self.policy_version = 0
+        self._policy_version = 0
+        self._sampling_of: dict[int, SamplingParams] = {}  # prompt id -> how it is sampled
         self._next_id = 0
         self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
 
+    # ------------------------------------------------------------------ state the schedule sets
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the rollout servers hold (the last push)."""
+        return self._policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Called by the schedule after a weight push: prompts sent from now on ask for it."""
+        if version < self._policy_version:
+            raise ValueError(f"policy version cannot go back: {version} < {self._policy_version}")
+        self._policy_version = version
+
     # ------------------------------------------------------------------ intake
-    def add_prompts(self, items: list[PromptItem]) -> list[int]:
+    def add_prompts(self, items: list[PromptItem], sampling: SamplingParams | None = None) -> list[int]:
         ids = []
         for item in items:
             self.ledger.add(self._next_id, item)
+            self._sampling_of[self._next_id] = sampling or self.sampling
             ids.append(self._next_id)
             self._next_id += 1
         return ids
@@ -110,7 +114,9 @@ class Controller:
         """One turn: receive and route messages, handle deaths and deadlines, dispatch work."""
         for identity, msg in self.rollout.poll(timeout):
             self._route(identity, msg)
-        for lost in self.rollout.reap():
+        lost_work = self.rollout.reap()
+        self.rewards.on_lost(lost_work)  # the ledger re-issues by prompt id; forget the requests
+        for lost in lost_work:
             back = self.ledger.lost(lost.keys, f"{lost.peer.name} {lost.reason}")
             if back:
                 log.warning("re-issuing %d prompt(s) held by %s", len(back), lost.peer.name)
@@ -126,48 +132,64 @@ class Controller:
         peer = self.pool.peers.get(identity)
         if peer is None:
             return
-        if isinstance(msg, SampleBatch):  # RolloutClient has released these prompts at the pool
+        outcome = self.rewards.on_message(identity, msg)  # None unless it answers a ScoreRequest
+        if outcome is not None:
+            if outcome.error is not None:
+                self._on_error(peer.name, outcome.error, outcome.request.samples.prompt_ids)
+            else:
+                self._on_scored(peer.name, outcome.scored)
+        elif isinstance(msg, SampleBatch):  # RolloutClient has released these prompts at the pool
             for pid, sub in split_by_prompt(msg).items():
-                if sub.policy_versions and min(sub.policy_versions) < self.policy_version:
+                if sub.policy_versions and min(sub.policy_versions) < self._policy_version:
                     self.counters["stale_samples"] += len(sub)
                 self.ledger.generated(pid, sub, peer.name)
-        elif isinstance(msg, ScoredBatch):
-            entries = self.ledger.entries
-            lengths = []
-            for pid, idx in zip(msg.prompt_ids, msg.sample_indices):
-                e = entries.get(pid)
-                sb = e.samples if e is not None else None
-                lengths.append(sb.response_lengths[sb.sample_indices.index(idx)] if sb is not None else 0)
-            for pid, sub in split_scored_by_prompt(msg, lengths).items():
-                self.pool.complete(identity, [pid])
-                self.ledger.scored(pid, sub, peer.name)
-        elif isinstance(msg, Error):
-            self.counters["error_replies"] += 1
-            log.error("%s answered %s: %s (prompts %s)", peer.name, msg.code, msg.message, msg.prompt_ids[:8])
+        elif isinstance(msg, Error):  # a rollout server refusing prompts (call id 0)
             self.pool.complete(identity, msg.prompt_ids)
-            self.ledger.lost(msg.prompt_ids, f"{peer.name} answered {msg.code}: {msg.message}")
-        else:
+            self._on_error(peer.name, msg, msg.prompt_ids)
+        else:  # includes a late ScoredBatch whose request was given up: the ledger re-issued it
             log.debug("ignoring %s from %s", type(msg).__name__, peer.name)
+
+    def _on_scored(self, peer: str, msg: ScoredBatch) -> None:
+        entries = self.ledger.entries
+        lengths = []
+        for pid, idx in zip(msg.prompt_ids, msg.sample_indices):
+            e = entries.get(pid)
+            sb = e.samples if e is not None else None
+            lengths.append(sb.response_lengths[sb.sample_indices.index(idx)] if sb is not None else 0)
+        for pid, sub in split_scored_by_prompt(msg, lengths).items():
+            self.ledger.scored(pid, sub, peer)
+
+    def _on_error(self, peer: str, err: Error, prompt_ids: list[int]) -> None:
+        self.counters["error_replies"] += 1
+        ids = list(dict.fromkeys(err.prompt_ids or prompt_ids))
+        log.error("%s answered %s: %s (prompts %s)", peer, err.code, err.message, ids[:8])
+        self.ledger.lost(ids, f"{peer} answered {err.code}: {err.message}")
 
     def _dispatch_generation(self) -> None:
         queued = self.ledger.queued()
         if not queued or self.pool.pick("rollout") is None:
             return
-        for start in range(0, len(queued), self.max_prompts_per_request):
-            chunk = queued[start : start + self.max_prompts_per_request]
-            unplaced = set(
-                self.rollout.submit(
-                    [e.prompt_id for e in chunk],
-                    [e.payload.tokens for e in chunk],
-                    self.sampling,
-                    policy_version=self.policy_version,
+        # A PromptBatch has one SamplingParams: prompts are sent in runs of equal sampling.
+        runs: dict[int, list[Entry]] = {}
+        for e in queued:
+            runs.setdefault(id(self._sampling_of[e.prompt_id]), []).append(e)
+        for run in runs.values():
+            sampling = self._sampling_of[run[0].prompt_id]
+            for start in range(0, len(run), self.max_prompts_per_request):
+                chunk = run[start : start + self.max_prompts_per_request]
+                unplaced = set(
+                    self.rollout.submit(
+                        [e.prompt_id for e in chunk],
+                        [e.payload.tokens for e in chunk],
+                        sampling,
+                        policy_version=self._policy_version,
+                    )
                 )
-            )
-            for e in chunk:
-                if e.prompt_id not in unplaced:
-                    self.ledger.start_generation([e.prompt_id], self.pool.holder(e.prompt_id).name)
-            if unplaced:
-                return
+                for e in chunk:
+                    if e.prompt_id not in unplaced:
+                        self.ledger.start_generation([e.prompt_id], self.pool.holder(e.prompt_id).name)
+                if unplaced:
+                    return
 
     def _dispatch_scoring(self) -> None:
         waiting = self.ledger.awaiting_scoring()
@@ -177,7 +199,6 @@ class Controller:
                 return
             room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
             chunk, waiting = waiting[:room], waiting[room:]
-            ids = [e.prompt_id for e in chunk]
             samples = concat_samples([e.samples for e in chunk])
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
             prompts = [e.payload.text for e in per_sample]
@@ -186,10 +207,14 @@ class Controller:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
                 queries = [p + r for p, r in zip(prompts, responses)]
             req = build_score_request(
-                samples, [e.payload.tokens for e in per_sample], prompts, [e.payload.label for e in per_sample], queries
+                samples,
+                [e.payload.tokens for e in per_sample],
+                prompts,
+                [e.payload.label for e in per_sample],
+                queries,
             )
-            if self.pool.send_work(peer, req, ids):
-                self.ledger.start_scoring(ids, peer.name)
+            if self.rewards.submit(req, peer) is not None:
+                self.ledger.start_scoring([e.prompt_id for e in chunk], peer.name)
 
     def shutdown_services(self, reason: str, wait_s: float = 5.0) -> list[str]:
         """Tells every live service to exit, as a call: waits up to ``wait_s`` for their Acks, so
@@ -216,21 +241,24 @@ class Controller:
     # ------------------------------------------------------------------ collect
     def collect(
         self,
-        n_prompts: int,
         items: list[PromptItem],
         *,
         timeout_s: float,
+        sampling: SamplingParams | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> CollectResult:
-        """Generates and scores ``items`` (``n_prompts`` of them); returns them as a Rollout of
-        complete groups, in prompt order. Raises TimeoutError naming what is missing."""
-        ids = self.add_prompts(items)
+        """Generates (with ``sampling``, default the controller's) and scores ``items``; returns
+        them as a Rollout of complete groups, in prompt order. Raises TimeoutError naming
+        what is missing."""
+        sampling = sampling or self.sampling
+        ids = self.add_prompts(items, sampling)
         deadline = time.monotonic() + timeout_s
         done: dict[int, Entry] = {}
         wanted = set(ids)
         while len(done) < len(ids):
             self.pump(0.05)
             for e in self.ledger.take_done():
+                self._sampling_of.pop(e.prompt_id, None)
                 if e.prompt_id in wanted:
                     done[e.prompt_id] = e
             if on_progress:
@@ -243,51 +271,58 @@ class Controller:
                     f"(e.g. {holders}); rollout servers alive: {[p.name for p in self.pool.alive('rollout')]}, "
                     f"reward services alive: {[p.name for p in self.pool.alive('reward')]}"
                 )
-        return self._to_rollout([done[i] for i in ids])
+        return self._to_rollout([done[i] for i in ids], sampling.n)
 
-    def _to_rollout(self, entries: list[Entry]) -> CollectResult:
-        samples: list[Sample] = []
+    def _to_rollout(self, entries: list[Entry], group_size: int) -> CollectResult:
+        samples: list[ScoredSample] = []
         failed_groups, reasons = 0, []
         kept = []
         for e in entries:
-            sb, sc = e.samples, e.scores
-            bad = [r for r in (sc.failed or []) if r]
+            bad = [r for r in (e.scores.failed or []) if r]
             if bad:
                 failed_groups += 1
                 self.counters["failed_samples"] += len(bad)
                 reasons.append(bad[0])
                 continue
             kept.append(e)
-            order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])
-            resp = sb.split_responses()
-            lps = sb.split_logprobs()
-            score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
-            ref_offsets = None
-            if sc.ref_logprobs is not None:
-                ref_offsets, acc = {}, 0
-                for idx in sc.sample_indices:
-                    n = sb.response_lengths[sb.sample_indices.index(idx)]
-                    ref_offsets[idx] = (acc, n)
-                    acc += n
-            for i in order:
-                idx = sb.sample_indices[i]
-                ref = None
-                if ref_offsets is not None:
-                    a, n = ref_offsets[idx]
-                    ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
-                samples.append(
-                    Sample(
-                        prompt_id=e.prompt_id,
-                        sample_index=idx,
-                        prompt=list(e.payload.tokens),
-                        response=resp[i].tolist(),
-                        rollout_logprobs=lps[i].float().clone(),
-                        ref_logprobs=ref,
-                        reward=float(sc.rewards[score_row[idx]]),
-                        finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
-                        policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
-                    )
-                )
+            samples.extend(_scored_samples(e))
         if failed_groups:
             log.warning("dropped %d group(s) whose scoring failed (first reason: %s)", failed_groups, reasons[0])
-        return CollectResult(Rollout(samples, self.sampling.n), kept, failed_groups, reasons)
+        return CollectResult(Rollout(samples, group_size), kept, failed_groups, reasons)
+
+
+def _scored_samples(e: Entry) -> list[ScoredSample]:
+    """A done ledger entry's samples, by sample index, joined with their scores."""
+    sb, sc = e.samples, e.scores
+    order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])
+    resp = sb.split_responses()
+    lps = sb.split_logprobs()
+    score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
+    ref_offsets = None
+    if sc.ref_logprobs is not None:  # flat, in the order of sc.sample_indices
+        ref_offsets, acc = {}, 0
+        for idx in sc.sample_indices:
+            n = sb.response_lengths[sb.sample_indices.index(idx)]
+            ref_offsets[idx] = (acc, n)
+            acc += n
+    out = []
+    for i in order:
+        idx = sb.sample_indices[i]
+        ref = None
+        if ref_offsets is not None:
+            a, n = ref_offsets[idx]
+            ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
+        out.append(
+            ScoredSample(
+                prompt_id=e.prompt_id,
+                sample_index=idx,
+                prompt=list(e.payload.tokens),
+                response=resp[i].tolist(),
+                rollout_logprobs=lps[i].float().clone(),
+                ref_logprobs=ref,
+                reward=float(sc.rewards[score_row[idx]]),
+                finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
+                policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
+            )
+        )
+    return out

@@ -1,7 +1,7 @@
 """The controller's side of the rollout servers: work out, samples in, weights pushed.
 
 Built on ``learner.controller.pool.ServicePool`` (who is there, what each holds, who died) and
-``common.weight_sync.WeightPublisher`` (the weight groups). ``RolloutClient`` owns the reading
+``common.weights.publisher.WeightPublisher`` (the weight groups). ``RolloutClient`` owns the reading
 of the controller's ROUTER endpoint: every message goes through ``pool.handle`` (so heartbeats
 keep peers alive even while a weight push blocks the loop for minutes), replies to calls go to
 whoever is waiting on them, and everything else (SampleBatches, per-prompt Errors, and other
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from common import protocol as P
 from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
-from common.weight_sync import PushReport, WeightPublisher, WeightSyncError
+from common.weights.publisher import PushReport, WeightPublisher, WeightSyncError
 from learner.controller.pool import LostWork, Peer, ServicePool
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,11 @@ class RolloutClient:
         msg = self.pool.handle(ident, msg)  # heartbeats, Hello, fatal errors end here
         if msg is None:
             return True
-        if msg.call_id in self._waiting:
+        peer = self.pool.peers.get(ident)
+        if msg.call_id in self._waiting:  # a reply to one of this client's calls (any role: Shutdown)
             self._replies[msg.call_id] = msg
+        elif peer is not None and peer.role != ROLE:
+            self._inbox.append((ident, msg))  # another role's traffic: its own client matches it
         elif msg.call_id:
             log.info(
                 "dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id, ident.decode("utf-8", "replace")

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from common.config import flag
+from common.weights import known_backends
 
 log = logging.getLogger("learner")
 
@@ -155,7 +156,8 @@ class PPOConfig:
     )
     is_correction_low_high: list[float] = flag(
         [0.0, 2.0],
-        "IS ratio thresholds (low high): tis truncates at high; icepop keeps ratios in [low, high]",
+        "IS ratio thresholds (low high): tis truncates at high; icepop keeps ratios in [low, high]; "
+        "seq_mask_tis zeroes a sequence whose geometric-mean ratio leaves [low, high]",
         group="algorithm",
     )
     dynamic_filtering: bool = flag(
@@ -190,7 +192,9 @@ class PPOConfig:
     generate_timeout_s: float = flag(600.0, "re-issue a prompt not generated within this long", group="services")
     score_timeout_s: float = flag(300.0, "re-score a prompt not scored within this long", group="services")
     weight_sync_timeout_s: float = flag(300.0, "deadline of one weight push to one server", group="services")
-    weight_sync_backend: str = flag("auto", "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo", group="services")
+    weight_sync_backend: str = flag(
+        "auto", "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo", choices=tuple(known_backends()), group="services"
+    )
     sync_host: str = flag(
         "", "address rollout servers reach this rank at for weight sync (default: hostname)", group="services"
     )
@@ -310,7 +314,7 @@ class PPOConfig:
         return self.critic_pretrain or self.reward_pretrain or self.pretrain
 
     def check_world_size(self, world: int) -> None:
-        """Run-time checks that need the number of learner ranks (called by ppo_loop)."""
+        """Run-time checks that need the number of learner ranks (called by learner.rl.run)."""
         if self.train_batch_size % (self.micro_train_batch_size * world):
             raise ValueError(
                 f"--train_batch_size {self.train_batch_size} must be a multiple of "

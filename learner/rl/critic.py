@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from learner.algorithms.losses import AggSpec, value_loss
-from learner.rl.experience import Rollout, score_all_ranks
+from learner.controller.types import Rollout
+from learner.rl.experience import score_all_ranks
 from learner.runtime.models import ScalarHeadModel, load_reward_model
 
 

@@ -18,41 +18,16 @@ Shape glossary: N samples, P prompt width, T response width (both padded).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from learner.controller.types import Rollout, ScoredSample
+
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
-@dataclass
-class Sample:
-    prompt_id: int
-    sample_index: int
-    prompt: list[int]
-    response: list[int]
-    rollout_logprobs: torch.Tensor  # (T_i,) float32, from vLLM
-    ref_logprobs: torch.Tensor | None  # (T_i,) float32, from the reference model
-    reward: float
-    finish_reason: str = "stop"
-    policy_version: int = 0
-
-
-@dataclass
-class Rollout:
-    samples: list[Sample]
-    group_size: int
-    stats: dict[str, float] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def rewards(self) -> torch.Tensor:
-        return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)  # (N,)
-
-
-def collate(samples: list[Sample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def collate(samples: list[ScoredSample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Pads samples into a batch. Returns input_ids/attention_mask/position_ids (N, P+T),
     response/action_mask/rollout_logprobs/ref_logprobs (N, T) and ``prompt_width`` P."""
     n = len(samples)
@@ -164,7 +139,7 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
         response = tokens[tok_off + p : tok_off + p + t].tolist()
         tok_off += p + t
         samples.append(
-            Sample(
+            ScoredSample(
                 pid,
                 idx,
                 prompt,

@@ -40,9 +40,10 @@ from learner.algorithms.losses import (
     policy_loss,
 )
 from learner.algorithms.shaping import clip_rewards, overlong_penalty, stop_properly_penalty
+from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
-from learner.rl.experience import Rollout, collate, score_all_ranks
+from learner.rl.experience import collate, score_all_ranks
 
 
 def _world() -> tuple[int, int]:

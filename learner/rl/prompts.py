@@ -1,4 +1,5 @@
-"""Prompt data for RL: ``common.datasets.load_prompts`` with train_ppo's flags, as PromptItems.
+"""Prompt data for RL: ``common.datasets.load_prompts`` with train_ppo's flags, as PromptItems,
+and the order a run draws them in (``PromptStream``).
 
 Errors name the file, row and key (``common.datasets.DataError``); ``--skip_bad_rows`` skips
 and counts instead.
@@ -6,10 +7,12 @@ and counts instead.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from learner.controller.controller import PromptItem
+from learner.controller.types import PromptItem
 from learner.rl.config import PPOConfig
 
 log = logging.getLogger(__name__)
@@ -36,3 +39,27 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str) -> list[PromptI
         log.warning("%s: %s", spec, skipped.report("prompts"))
     log.info("%s: %d prompts", spec, len(rows))
     return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label) for r in rows]
+
+
+class PromptStream:
+    """The training prompts in the order a run draws them: step s takes the ``batch_size``
+    prompts after step s-1's, episode after episode (the same slices every episode);
+    dynamic-filtering refills draw the prompts that follow the step's batch, cycling."""
+
+    def __init__(self, items: list[PromptItem], batch_size: int) -> None:
+        if len(items) < batch_size:
+            raise ValueError(f"{len(items)} prompts, fewer than one batch of {batch_size}")
+        self.items = items
+        self.batch_size = batch_size
+        self.steps_per_episode = len(items) // batch_size
+
+    def batch(self, step: int) -> list[PromptItem]:
+        """The prompts of ``step`` (1-based)."""
+        offset = ((step - 1) % self.steps_per_episode) * self.batch_size
+        return self.items[offset : offset + self.batch_size]
+
+    def refills(self, step: int) -> Callable[[int], list[PromptItem]]:
+        """``more(k)``: the next k prompts after ``step``'s batch, cycling through the data."""
+        offset = ((step - 1) % self.steps_per_episode) * self.batch_size + self.batch_size
+        following = itertools.islice(itertools.cycle(self.items), offset, None)
+        return lambda k: list(itertools.islice(following, k))

@@ -12,10 +12,11 @@ import torch
 
 from common import protocol as P
 from common.transport import Endpoint, handshake
-from learner.controller.controller import Controller, PromptItem
+from learner.controller.controller import Controller
 from learner.controller.ledger import PromptLedger
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
+from learner.controller.types import PromptItem
 
 
 class FakeService(threading.Thread):
@@ -120,7 +121,7 @@ def test_collect_builds_complete_groups_in_order(ctrl):
     start(c, services, "r0", "rollout")
     start(c, services, "rw0", "reward")
     c.wait_for_services(1, 1, timeout_s=10)
-    res = c.collect(5, items(5), timeout_s=20)
+    res = c.collect(items(5), timeout_s=20)
     r = res.rollout
     assert len(r) == 10 and r.group_size == 2
     assert [(s.prompt_id, s.sample_index) for s in r.samples] == [(p, i) for p in range(5) for i in range(2)]
@@ -137,7 +138,7 @@ def test_killed_rollout_server_work_is_reissued_once(ctrl):
     c.wait_for_services(1, 1, timeout_s=10)
     c.pump(0.1)
     good = start(c, services, "r-good", "rollout", capacity=2)
-    res = c.collect(6, items(6), timeout_s=30)
+    res = c.collect(items(6), timeout_s=30)
     assert len(res.rollout) == 12
     assert hung.seen, "the hung server should have been handed prompts"
     lost = set(hung.seen)
@@ -155,7 +156,7 @@ def test_failed_scores_drop_the_group_and_are_counted(ctrl):
     c.wait_for_services(1, 1, timeout_s=10)
     its = items(3)
     its[1].label = "poison"
-    res = c.collect(3, its, timeout_s=20)
+    res = c.collect(its, timeout_s=20)
     assert res.failed_groups == 1 and res.reasons == ["bad label"]
     assert sorted({s.prompt_id for s in res.rollout.samples}) == [0, 2]
 

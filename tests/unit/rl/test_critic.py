@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, load_critic, response_values
-from learner.rl.experience import Rollout, Sample, collate
+from learner.rl.experience import collate
 
 
 class FakeEngine(torch.nn.Module):
@@ -42,7 +43,7 @@ def _rollout(rewards=(1.0, 0.0, 1.0, 0.0)) -> Rollout:
     for i, r in enumerate(rewards):
         prompt = [5, 6, 7][: 2 + i % 2]  # ragged prompts: left padding matters
         response = [8 + i, 9, 10][: 1 + i % 3]  # ragged responses: right padding matters
-        samples.append(Sample(i, 0, prompt, response, torch.zeros(len(response)), None, r))
+        samples.append(ScoredSample(i, 0, prompt, response, torch.zeros(len(response)), None, r))
     return Rollout(samples, group_size=1)
 
 

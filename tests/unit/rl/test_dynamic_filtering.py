@@ -1,4 +1,4 @@
-"""DAPO dynamic filtering on rank 0 (learner.rl.loop.filter_and_refill) with a scripted
+"""DAPO dynamic filtering on rank 0 (learner.rl.filtering.filter_and_refill) with a scripted
 controller: groups with all-equal rewards are dropped and refilled from more prompts."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ from types import SimpleNamespace
 
 import torch
 
+from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
-from learner.rl.experience import Rollout, Sample
-from learner.rl.loop import filter_and_refill
+from learner.rl.filtering import filter_and_refill
 
 G = 2
 
 
 def _rollout(group_rewards, start_id=0) -> Rollout:
     samples = [
-        Sample(start_id + g, j, [1], [2], torch.zeros(1), None, r)
+        ScoredSample(start_id + g, j, [1], [2], torch.zeros(1), None, r)
         for g, rs in enumerate(group_rewards)
         for j, r in enumerate(rs)
     ]
@@ -31,8 +31,8 @@ class ScriptedController:
         self.batches = list(batches)
         self.asked: list[int] = []
 
-    def collect(self, n, items, *, timeout_s):
-        self.asked.append(n)
+    def collect(self, items, *, timeout_s):
+        self.asked.append(len(items))
         return SimpleNamespace(rollout=_rollout(self.batches.pop(0), start_id=100 * len(self.asked)))
 
 

@@ -50,9 +50,10 @@ CASES = {
 def worker(model_dir: str) -> None:
     import torch
 
+    from learner.controller.types import Rollout, ScoredSample
     from learner.rl.config import PPOConfig
     from learner.rl.critic import Critic, load_critic
-    from learner.rl.experience import Rollout, Sample, collate
+    from learner.rl.experience import collate
     from learner.rl.policy_trainer import PolicyTrainer, response_logprobs
     from learner.runtime import engine as E
 
@@ -91,7 +92,9 @@ def worker(model_dir: str) -> None:
         prompt = [5 + i % 3, 6, 7][: 2 + i % 2]
         response = [8 + i, 9, 10, 11][: 1 + i % 4]
         samples.append(
-            Sample(i // 2, i % 2, prompt, response, torch.zeros(len(response)), None, reward=float((i * 7) % 3) / 2)
+            ScoredSample(
+                i // 2, i % 2, prompt, response, torch.zeros(len(response)), None, reward=float((i * 7) % 3) / 2
+            )
         )  # groups (0, .5), (1, 0), (.5, 1), (0, .5)
     gen = torch.Generator().manual_seed(1)
 

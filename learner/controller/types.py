@@ -1,0 +1,63 @@
+"""What goes into the controller and what comes out of it.
+
+``PromptItem`` in (one prompt: its tokens, text for text rewards, label for rule rewards),
+``CollectResult`` out: a ``Rollout`` of ``ScoredSample`` in complete groups, plus the ledger
+entries they came from and how many groups scoring failed. Plain data: no sockets and no
+torch.distributed, so the controller, the schedules and the tests share them freely.
+
+Shape glossary: N samples, G samples per prompt (a group), T_i tokens of sample i's response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PromptItem:
+    """One prompt as the controller hands it out."""
+
+    tokens: list[int]
+    text: str = ""  # for function rewards: OpenRLHF's `queries` are text + response
+    label: Any = None  # for rule rewards (the dataset's --label_key)
+
+
+@dataclass
+class ScoredSample:
+    """One generated and scored response: what the learner trains on."""
+
+    prompt_id: int
+    sample_index: int
+    prompt: list[int]
+    response: list[int]
+    rollout_logprobs: torch.Tensor  # (T_i,) float32, from vLLM
+    ref_logprobs: torch.Tensor | None  # (T_i,) float32, from the reference model
+    reward: float
+    finish_reason: str = "stop"
+    policy_version: int = 0  # the weights that sampled the first token
+
+
+@dataclass
+class Rollout:
+    """One global batch: N samples in groups of ``group_size`` consecutive samples (one prompt each)."""
+
+    samples: list[ScoredSample]
+    group_size: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([s.reward for s in self.samples], dtype=torch.float32)  # (N,)
+
+
+@dataclass
+class CollectResult:
+    rollout: Rollout
+    entries: list[Any]  # the ledger entries of the kept groups (``ledger.Entry``)
+    failed_groups: int = 0  # groups dropped because scoring failed for a sample
+    reasons: list[str] = field(default_factory=list)  # the first failure reason of each

@@ -1,0 +1,55 @@
+"""What an RL run reports: metrics.jsonl (launch.local's progress line reads it), TensorBoard,
+and the one-line step summary in the log. Rank 0 only."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from learner.controller.types import CollectResult
+from learner.rl.config import PPOConfig
+from learner.runtime.metrics import MetricsWriter
+
+log = logging.getLogger("learner")
+
+
+def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
+    """--metrics_file (default SAVE_PATH/metrics.jsonl) and TensorBoard in --use_tensorboard
+    (default SAVE_PATH/tensorboard)."""
+    out = Path(cfg.save_path)
+    return MetricsWriter(cfg.metrics_file or out / "metrics.jsonl", cfg.use_tensorboard or out / "tensorboard")
+
+
+def run_metrics(controller: Any, res: CollectResult, n_samples: int, timings: dict[str, float]) -> dict[str, float]:
+    """The data path's counters for one step; ``timings``: generate_s, train_s, step_s, eta_s, total_steps."""
+    toks = sum(len(s.response) for s in res.rollout.samples)
+    return {
+        "time/generate_s": timings["generate_s"],
+        "time/train_s": timings["train_s"],
+        "time/step_s": timings["step_s"],
+        "time/eta_s": timings["eta_s"],
+        "time/total_steps": timings["total_steps"],
+        "perf/rollout_tokens_per_s": toks / max(timings["generate_s"], 1e-6),
+        "ledger/reissued": controller.ledger.counters["reissued"],
+        "ledger/duplicates": controller.ledger.counters["duplicates"],
+        "ledger/failed_groups": res.failed_groups,
+        "pool/died": controller.pool.counters["died"],
+        "pool/rollout_servers": len(controller.pool.alive("rollout")),
+        "samples": n_samples,
+    }
+
+
+def log_step(step: int, total_steps: int, metrics: dict[str, Any]) -> None:
+    value = f" value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics else ""
+    log.info(
+        "step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs%s",
+        step,
+        total_steps,
+        metrics["rollout/reward"],
+        metrics["rollout/logprob_diff"],
+        metrics["policy/kl_to_ref"],
+        metrics["time/generate_s"],
+        metrics["time/train_s"],
+        value,
+    )

@@ -1,0 +1,133 @@
+"""``learner.train_ppo``'s run: set-up, then a schedule's ``step`` per training step, then save.
+
+Every learner rank runs ``run``. Rank 0 also builds the controller side (``Driver``: the
+controller socket, prompts, metrics); all ranks build the trained engines and the weight
+publisher. Which schedule runs is the flags' choice (``learner.rl.schedules.SCHEDULES``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from common.config import log_config
+from learner.rl.build import (
+    critic_save_path,
+    make_controller,
+    make_critic,
+    sampling_params,
+    setup_logging,
+    train_engine,
+)
+from learner.rl.config import PPOConfig
+from learner.rl.schedules import SCHEDULES, RunParts
+from learner.rl.schedules.base import broadcast_int
+
+log = logging.getLogger("learner")
+
+
+def run(cfg: PPOConfig) -> int:
+    from transformers import AutoTokenizer
+
+    from common.transport import Endpoint
+    from learner.controller.pool import ServicePool
+    from learner.rl.driver import Driver
+    from learner.rl.metrics import metrics_writer
+    from learner.rl.policy_trainer import PolicyTrainer
+    from learner.rl.prompts import PromptStream, load_prompt_items
+    from learner.rl.weight_push import WeightPush
+    from learner.runtime import engine as E
+
+    info = E.init_distributed()
+    setup_logging(info.rank)
+    try:
+        cfg.check_world_size(info.world_size)
+    except ValueError as e:
+        raise SystemExit(f"learner: {e}") from None
+    rank0 = info.rank == 0
+    if rank0:
+        log_config(cfg, log)
+        for name in cfg.ray_flags_used():
+            log.warning(
+                "--%s is a Ray placement flag; rayless has no placement: start the processes you want "
+                "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
+                name,
+            )
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    train_items, eval_items = [], []
+    if rank0:
+        train_items = load_prompt_items(cfg, tokenizer, cfg.prompt_data)
+        eval_items = load_prompt_items(cfg, tokenizer, cfg.eval_data) if cfg.eval_data else []
+    n_items = broadcast_int(len(train_items))
+    steps_per_episode = n_items // cfg.rollout_batch_size
+    total_steps = steps_per_episode * cfg.num_episodes
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    if total_steps == 0:
+        raise SystemExit(
+            f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
+            f"({cfg.rollout_batch_size}); nothing to train"
+        )
+    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    optimizer_steps = total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
+
+    model = E.load_causal_lm(
+        cfg.pretrain,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        flash_attn=cfg.flash_attn,
+    )
+    engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
+    critic = (
+        make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) if cfg.advantage_estimator == "gae" else None
+    )
+    trainer = PolicyTrainer(engine, cfg, pad_id, info.device, critic=critic)
+    sampling, greedy = sampling_params(cfg, tokenizer)
+    weights = WeightPush(cfg, engine)
+    driver = None
+    ok = False
+    try:
+        if rank0:
+            endpoint = Endpoint.bind(cfg.controller_bind)
+            rollout = weights.connect(endpoint, ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s))
+            controller = make_controller(cfg, sampling, rollout, tokenizer, sync_joiners=weights.rank0_can_push_alone)
+            driver = Driver(
+                cfg,
+                controller,
+                PromptStream(train_items, cfg.rollout_batch_size),
+                metrics_writer(cfg),
+                eval_items=eval_items,
+                greedy=greedy,
+            )
+            driver.wait_for_services()
+        parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps)
+        schedule = SCHEDULES["lockstep"](parts)
+        schedule.start()  # servers may have loaded other weights: everyone starts equal
+        if driver is not None:
+            driver.evaluate(0, "eval/accuracy")
+        for step in range(1, total_steps + 1):
+            schedule.step(step)
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                E.save_hf(engine, tokenizer, Path(cfg.save_path) / f"step_{step}")
+        if driver is not None:
+            driver.evaluate(total_steps, "eval/accuracy_final")
+        E.save_hf(engine, tokenizer, cfg.save_path)
+        if rank0:
+            log.info("saved the policy to %s", cfg.save_path)
+        if critic is not None and cfg.save_value_network:
+            E.save_hf(critic.engine, tokenizer, critic_save_path(cfg))
+            if rank0:
+                log.info("saved the critic to %s", critic_save_path(cfg))
+        ok = True
+    finally:
+        if driver is not None:
+            driver.close(ok)
+        weights.close()
+    return 0

@@ -1,0 +1,105 @@
+"""The lockstep schedule's one step, with stand-ins for the trainer, the weight push and rank
+0's driver (a world of one: the broadcasts pass values through). What is checked is the
+order of a step and the decision: train and push, skip, or stop every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.controller.types import Rollout, ScoredSample
+from learner.rl.config import PPOConfig
+from learner.rl.driver import StepBatch
+from learner.rl.schedules import SCHEDULES, Decision, RunParts, StoppedByRank0
+from learner.rl.schedules import lockstep as lockstep_module
+
+G = 2
+
+
+def _rollout(n_groups: int) -> Rollout:
+    return Rollout(
+        [ScoredSample(g, j, [1], [2, 3], torch.zeros(2), None, float(j)) for g in range(n_groups) for j in range(G)], G
+    )
+
+
+class Recorder:
+    """Trainer, weight push and driver in one: every call lands in ``calls``."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+        self.calls: list[tuple] = []
+
+    # trainer
+    def step(self, rollout):
+        self.calls.append(("train", len(rollout)))
+        return {"rollout/reward": 0.5}
+
+    # weight push
+    def push(self, version):
+        self.calls.append(("push", version))
+
+    # driver
+    def gather(self, step):
+        got = self.batches.pop(0)
+        if isinstance(got, BaseException):
+            raise got
+        self.calls.append(("gather", step))
+        return StepBatch(got, None)
+
+    def weights_pushed(self, version):
+        self.calls.append(("version", version))
+
+    def skipped(self, step, batch):
+        self.calls.append(("skipped", step, len(batch.rollout)))
+
+    def report(self, step, total_steps, metrics, batch, *, n_trained, timings):
+        assert set(timings) == {"generate_s", "train_s", "step_s", "eta_s", "total_steps"}
+        self.calls.append(("report", step, n_trained))
+
+
+def _schedule(rec: Recorder, *, driver: bool = True, train_batch_size: int = 4):
+    cfg = PPOConfig(
+        pretrain="m",
+        prompt_data="p",
+        rollout_batch_size=4,
+        n_samples_per_prompt=G,
+        train_batch_size=train_batch_size,
+        micro_train_batch_size=2,
+    )
+    parts = RunParts(cfg, rec, rec, rec if driver else None, torch.device("cpu"), total_steps=5)
+    return SCHEDULES["lockstep"](parts)
+
+
+def test_a_step_gathers_trains_a_whole_number_of_train_batches_pushes_then_reports():
+    rec = Recorder([_rollout(3)])  # one group of 4 failed scoring: 6 samples, train batches of 4: 4 trained
+    assert _schedule(rec).step(1) is Decision.TRAIN
+    assert rec.calls == [("gather", 1), ("train", 4), ("push", 1), ("version", 1), ("report", 1, 4)]
+
+
+def test_start_pushes_version_0_before_any_step():
+    rec = Recorder([])
+    _schedule(rec).start()
+    assert rec.calls == [("push", 0), ("version", 0)]
+
+
+def test_too_few_samples_skip_the_update_and_keep_the_weights():
+    rec = Recorder([_rollout(1)])  # 2 samples < one train batch of 4 (scoring failed for the rest)
+    assert _schedule(rec).step(3) is Decision.SKIP
+    assert rec.calls == [("gather", 3), ("skipped", 3, 2)]
+
+
+def test_a_controller_failure_raises_on_rank_0():
+    rec = Recorder([TimeoutError("collect: 3 of 3 prompts not done")])
+    with pytest.raises(TimeoutError, match="not done"):
+        _schedule(rec).step(1)
+    assert rec.calls == []
+
+
+def test_other_ranks_stop_with_an_error_when_rank_0_fails(monkeypatch):
+    """Rank 0 broadcasts STOP before raising; a rank without a driver raises instead of
+    waiting in the rollout broadcast that rank 0 will never enter."""
+    monkeypatch.setattr(lockstep_module, "broadcast_decision", lambda mine: Decision.STOP)
+    rec = Recorder([])
+    with pytest.raises(StoppedByRank0, match="step 2: rank 0"):
+        _schedule(rec, driver=False).step(2)
+    assert rec.calls == []
