@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from common.protocol import Error, Heartbeat, Welcome
+from common.protocol import Error, Heartbeat, Hello, Welcome
 from common.transport import (
     AsyncEndpoint,
     CallTimeout,
@@ -82,6 +82,29 @@ class ServiceShell:
         self._said_last_words = False
         self._beats = 0
         self._next_beat = 0.0  # monotonic time the next heartbeat is due: the first, at once
+        self._rehello = 0  # call id of the Hello said again, until its Welcome
+        self._rehello_at = 0.0
+
+    # ------------------------------------------------------------------ forgotten by the controller
+    def hello_again(self, capabilities: dict[str, Any], call_id: int) -> Hello | None:
+        """The controller answered ``unknown_peer``: it declared this service dead (silent past
+        its deadline on an overloaded host, or a failed weight push) and gave its work back.
+        Returns the Hello to send (the caller sends it with ``call_id`` from its endpoint), or
+        None while one is pending: one Hello at a time, again after 10 s if no Welcome came."""
+        if self._rehello and time.monotonic() - self._rehello_at < 10.0:
+            return None
+        log.warning("the controller no longer knows %s; saying Hello again", self.name)
+        self._rehello, self._rehello_at = call_id, time.monotonic()
+        return Hello(role=self.role, name=self.name, capabilities=capabilities, call_id=call_id)
+
+    def welcomed_again(self, msg: Welcome) -> bool:
+        """True when ``msg`` answers the Hello said again (the service is known again); False
+        for a Welcome to an earlier Hello, which the caller ignores."""
+        if not self._rehello or msg.call_id != self._rehello:
+            return False
+        self._rehello = 0
+        log.info("%s welcomed again (controller policy version %d)", self.name, msg.policy_version)
+        return True
 
     # ------------------------------------------------------------------ handshake
     def say_hello(self, ep: Endpoint, capabilities: dict[str, Any]) -> Welcome:

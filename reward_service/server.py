@@ -250,9 +250,15 @@ class RewardServer:
             if msg.code == "fatal":
                 log.error("controller is going down (%s): exiting", msg.message)
                 return "exit"
+            if msg.code == "unknown_peer":  # declared dead (e.g. silent on an overloaded host)
+                hello = self.shell.hello_again(self.capabilities(), ep.core.new_call_id())
+                if hello is not None:
+                    ep.send(hello)
+                return None
             log.warning("controller sent error %s: %s", msg.code, msg.message)
         elif isinstance(msg, Welcome):
-            log.debug("ignoring a Welcome to an earlier Hello")
+            if not self.shell.welcomed_again(msg):
+                log.debug("ignoring a Welcome to an earlier Hello")
         else:
             self.counters["unhandled_messages"] += 1
             ep.reply(

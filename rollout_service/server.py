@@ -87,8 +87,6 @@ class RolloutServer:
         self._tasks: set[asyncio.Task] = set()
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
-        self._rehello = 0  # call id of a Hello sent again, until its Welcome
-        self._rehello_at = 0.0
         self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
             P.WeightSyncInit: self._on_sync_init,
             P.WeightUpdateStart: self._on_update_start,
@@ -149,10 +147,8 @@ class RolloutServer:
                 self._spawn(self._call(msg))
             elif isinstance(msg, P.Error) and msg.code == "unknown_peer":
                 await self._hello_again()
-            elif isinstance(msg, P.Welcome) and msg.call_id == self._rehello:
-                self._rehello = 0
+            elif isinstance(msg, P.Welcome) and self.shell.welcomed_again(msg):
                 self.core.version_floor = msg.policy_version
-                log.info("welcomed again (controller policy version %d)", msg.policy_version)
             elif isinstance(msg, P.Welcome):
                 log.debug("ignoring a Welcome to an earlier Hello")
             elif isinstance(msg, P.Error):
@@ -167,17 +163,11 @@ class RolloutServer:
                 )
 
     async def _hello_again(self) -> None:
-        """The controller declared us dead (we were silent too long, or a weight push to us
-        failed) and re-issued our prompts. Introduce ourselves again: it treats us as a joiner
-        (new weight group, current weights) before giving us work."""
-        if self._rehello and time.monotonic() - self._rehello_at < 10.0:
-            return  # one Hello at a time (again after 10 s if its Welcome never came)
-        log.warning("the controller no longer knows this server; saying Hello again")
-        hello = P.Hello(
-            role="rollout", name=self.name, capabilities=self.core.capabilities(), call_id=self.ep.core.new_call_id()
-        )
-        self._rehello, self._rehello_at = hello.call_id, time.monotonic()
-        await self._send(hello)
+        """Forgotten by the controller: introduce ourselves again. It treats us as a joiner (new
+        weight group, current weights) before giving us work."""
+        hello = self.shell.hello_again(self.core.capabilities(), self.ep.core.new_call_id())
+        if hello is not None:
+            await self._send(hello)
 
     async def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():

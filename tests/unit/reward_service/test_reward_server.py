@@ -118,3 +118,33 @@ def test_no_welcome_exits_1_naming_the_controller(caplog):
     t.join(10)
     assert result["rc"] == 1 and time.monotonic() - t0 < 5
     assert f"no Welcome from the controller at {address} within 1 s" in caplog.text
+
+
+def test_forgotten_by_the_controller_it_says_hello_again_once(router):
+    """The controller declared the service dead (silent on an overloaded host) and answers its
+    heartbeats with ``unknown_peer``: the service introduces itself again -- one Hello, not
+    one per refusal -- and is known again after the Welcome."""
+    srv = RewardServer(Idle(), controller=router.address, name="rw-forgot", heartbeat_s=0.1)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t.start()
+    try:
+        ident, hello = router.recv(timeout=10)
+        router.reply(hello, P.Welcome(peer_id="rw-forgot"), to=ident)
+        hellos = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # refuse every heartbeat for a while
+            got = router.recv(timeout=0.1)
+            if got is None:
+                continue
+            if isinstance(got[1], P.Hello):
+                hellos.append(got[1])
+            else:
+                router.send(P.Error(code="unknown_peer", message="say Hello first (or again)"), to=ident)
+        assert len(hellos) == 1 and hellos[0].name == "rw-forgot" and hellos[0].role == "reward"
+        router.reply(hellos[0], P.Welcome(peer_id="rw-forgot"), to=ident)
+        assert isinstance(router.call(P.Shutdown(reason="test"), to=ident, timeout=10), P.Ack)
+        t.join(10)
+        assert result["rc"] == 0 and srv.counters["unhandled_messages"] == 0
+    finally:
+        t.join(10)
