@@ -352,7 +352,7 @@ class Codec:
 # (or the named reply) on success, an Error on failure, and stays up either way. The weight
 # steps mirror vLLM's weight-transfer API (init / start / update / finish); the tensors
 # themselves never cross ZMQ, they go over the group WeightSyncInit forms
-# (common/weight_sync.py, docs/rollout.md).
+# (common/weights/publisher.py, docs/rollout.md).
 
 
 @register

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import flag
+from common.weights import known_backends
 
 
 @dataclass
@@ -55,7 +56,7 @@ class RolloutConfig:
     weight_transfer_backend: str = flag(
         "auto",
         "how weights arrive from the learner: nccl (GPU), gloo (CPU), auto (nccl when CUDA is available, else gloo)",
-        choices=("auto", "nccl", "gloo"),
+        choices=tuple(known_backends()),
         group="weights",
     )
     # -- wire

@@ -20,7 +20,7 @@ import torch
 
 from common import protocol as P
 from common.transport import Endpoint
-from common.weight_sync import WeightPublisher
+from common.weights.publisher import WeightPublisher
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
 
