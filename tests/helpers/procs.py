@@ -9,7 +9,7 @@ from pathlib import Path
 
 from helpers.paths import ROOT
 
-__all__ = ["ROOT", "read_log", "run_module", "worker_env"]
+__all__ = ["ROOT", "python_cmd", "read_log", "run_module", "worker_env"]
 
 
 def worker_env() -> dict:
@@ -26,22 +26,18 @@ def worker_env() -> dict:
     return env
 
 
+def python_cmd(target: list[str], nproc: int = 1) -> list[str]:
+    """``python TARGET`` (a world of one) or the same under ``torchrun --standalone`` with
+    ``nproc`` ranks; ``target`` is ``["-m", module, ...]`` or ``[script, ...]``."""
+    if nproc == 1:
+        return [sys.executable, *target]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
+
+
 def run_module(module: str, args: list[str], *, nproc: int = 1, timeout: float = 600) -> str:
     """``python -m module args`` (or under torchrun with ``nproc`` ranks); returns the output,
     raising with its tail when the run fails. Used by the trainer tests."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            module,
-            *args,
-        ]
+    cmd = python_cmd(["-m", module, *args], nproc)
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{module} failed ({proc.returncode}):\n{out[-6000:]}"

@@ -15,22 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers.procs import ROOT, read_log, run_module, worker_env  # noqa: F401 - re-used by trainer tests
+from helpers.procs import ROOT, python_cmd, worker_env
 
 
 def run_worker(args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict:
-    if nproc == 1:
-        cmd = [sys.executable, __file__, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            __file__,
-            *args,
-        ]
+    cmd = python_cmd([__file__, *args], nproc)
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and results, (
