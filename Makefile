@@ -59,6 +59,7 @@ demo: setup
 bench: setup
 	$(PY) bench/transport.py
 	$(PY) bench/rollout.py
+	$(PY) bench/learner.py --model small --zero_stage 0 1 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/

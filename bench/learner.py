@@ -124,7 +124,7 @@ class TorchStep:
         micro = [mine[m : m + args.micro_batch] for m in range(0, len(mine), args.micro_batch)]
         for k, idx in enumerate(micro):
             b = collate([rollout.samples[i] for i in idx], 0)
-            P, T = b["prompt_width"], b["response"].shape[1]
+            T = b["response"].shape[1]
             sync = self.ddp is None or k == len(micro) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 logits = fwd(
