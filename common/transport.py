@@ -91,27 +91,44 @@ def default_name(role: str) -> str:
     return f"{role}-{_socket.gethostname()}-{os.getpid()}"
 
 
+def safe_label(identity: bytes, limit: int = 64) -> str:
+    """A peer identity fit for a log line: as text when it is printable UTF-8 (our services
+    name themselves), else as hex. A hostile peer picks its identity; raw control bytes would
+    turn the controller's log into a binary file (and could forge line breaks)."""
+    try:
+        text = identity.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.isprintable() and len(text) <= limit:
+        return text
+    shown = identity[: limit // 2].hex()
+    return f"0x{shown}{'...' if len(identity) > limit // 2 else ''}"
+
+
 class _RateLimitedLog:
-    """Logs the first few rejections, then one summary line per interval: a fuzzing or
-    misconfigured peer must not turn the log into the bottleneck."""
+    """Logs the first few rejections of each peer, then one summary line per interval: a
+    fuzzing or misconfigured peer must not turn the log into the bottleneck, nor hide another
+    peer's rejections behind its own. At most ``max_peers`` are tracked (the oldest forgotten)."""
 
-    def __init__(self, burst: int = 20, interval_s: float = 5.0) -> None:
-        self.burst, self.interval_s = burst, interval_s
-        self._n = 0
-        self._suppressed = 0
-        self._last = 0.0
+    def __init__(self, burst: int = 20, interval_s: float = 5.0, max_peers: int = 1024) -> None:
+        self.burst, self.interval_s, self.max_peers = burst, interval_s, max_peers
+        self._peers: dict[bytes | None, list] = {}  # key -> [count, suppressed, last summary time]
 
-    def error(self, text: str) -> None:
-        self._n += 1
+    def error(self, text: str, key: bytes | None = None) -> None:
+        state = self._peers.get(key)
+        if state is None:
+            if len(self._peers) >= self.max_peers:
+                self._peers.pop(next(iter(self._peers)))
+            state = self._peers[key] = [0, 0, 0.0]
+        state[0] += 1
         now = time.monotonic()
-        if self._n <= self.burst:
+        if state[0] <= self.burst:
             log.error(text)
-        elif now - self._last >= self.interval_s:
-            log.error("%s (and %d more rejected messages since last report)", text, self._suppressed)
-            self._suppressed = 0
-            self._last = now
+        elif now - state[2] >= self.interval_s:
+            log.error("%s (and %d more rejected messages from this peer since the last report)", text, state[1])
+            state[1], state[2] = 0, now
         else:
-            self._suppressed += 1
+            state[1] += 1
 
 
 @dataclass
@@ -135,7 +152,7 @@ class _Core:
     def peer_label(self, identity: bytes | None) -> str:
         if identity is None:
             return self.remote_label
-        return self.peer_names.get(identity) or identity.decode("utf-8", "replace")
+        return self.peer_names.get(identity) or safe_label(identity)
 
     def send_failed(self, msg: Message, to: bytes | None, timeout: float | None) -> PeerUnavailable:
         """The error for a message no peer took within ``timeout`` (None: the socket's SNDTIMEO)."""
@@ -163,7 +180,7 @@ class _Core:
             msg = self.codec.decode(frames)
         except WireError as e:
             self.stats["rejected"] += 1
-            self._log.error(f"{self.name}: rejected message from {self.peer_label(identity)}: {e}")
+            self._log.error(f"{self.name}: rejected message from {self.peer_label(identity)}: {e}", key=identity)
             return identity, None, Error(code="bad_request", message=str(e))
         self.stats["received"] += 1
         return identity, msg, None

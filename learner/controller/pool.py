@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import Error, Heartbeat, Hello, Message, Welcome, version_error
-from common.transport import Endpoint, PeerUnavailable
+from common.transport import Endpoint, PeerUnavailable, safe_label
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class ServicePool:
             log.warning(
                 "message %s from unknown or dead peer %s; asking it to say Hello again",
                 type(msg).__name__,
-                identity.decode("utf-8", "replace"),
+                safe_label(identity),
             )
             self._try_send(Error(code="unknown_peer", message="say Hello first (or again)"), identity)
             return None

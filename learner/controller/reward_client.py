@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import Error, Message, SampleBatch, ScoredBatch, ScoreRequest
-from common.transport import CallTimeout, RemoteError
+from common.transport import CallTimeout, RemoteError, safe_label
 from learner.controller.pool import LostWork, Peer, ServicePool
 
 log = logging.getLogger(__name__)
@@ -132,9 +132,7 @@ class RewardClient:
         if p is None or p.peer.identity != identity:
             if isinstance(msg, ScoredBatch):
                 self.counters["late"] += 1
-                log.info(
-                    "dropping a late ScoredBatch (call %d) from %s", msg.call_id, identity.decode("utf-8", "replace")
-                )
+                log.info("dropping a late ScoredBatch (call %d) from %s", msg.call_id, safe_label(identity))
             return None
         del self.pending[msg.call_id]
         self.pool.complete(identity, p.keys)

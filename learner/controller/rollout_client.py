@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from common import protocol as P
-from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
+from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError, safe_label
 from common.weights.publisher import PushReport, WeightPublisher, WeightSyncError
 from learner.controller.pool import LostWork, Peer, ServicePool
 
@@ -107,9 +107,7 @@ class RolloutClient:
         elif peer is not None and peer.role != ROLE:
             self._inbox.append((ident, msg))  # another role's traffic: its own client matches it
         elif msg.call_id:
-            log.info(
-                "dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id, ident.decode("utf-8", "replace")
-            )
+            log.info("dropping late %s (call %d) from %s", type(msg).__name__, msg.call_id, safe_label(ident))
         else:
             if isinstance(msg, P.SampleBatch):
                 self.pool.complete(ident, set(msg.prompt_ids))

@@ -189,3 +189,44 @@ def test_async_endpoint_handshake_and_timeout(ctrl):
         lonely.close(0)
 
     asyncio.run(main())
+
+
+def test_hostile_identities_are_logged_as_hex_and_rejections_rate_limited_per_peer(ctrl, caplog):
+    """A peer picks its own identity: raw control bytes must not reach the log (1,000 random
+    frames once made the learner's log a binary file for grep). A flood from one peer is
+    summarised; another peer's first rejection is still logged."""
+    import logging
+
+    ctx = zmq.Context.instance()
+    hostile = ctx.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.IDENTITY, b"\x1b[2J\n\x00evil\xff")
+    hostile.connect(ctrl.address)
+    other = ctx.socket(zmq.DEALER)
+    other.setsockopt(zmq.IDENTITY, b"honest-but-buggy")
+    other.connect(ctrl.address)
+    caplog.set_level(logging.ERROR, logger="common.transport")
+    for _ in range(300):
+        hostile.send_multipart([b"\x07", b"\x00\x01garbage"])
+    deadline = time.monotonic() + 20
+    while ctrl.stats["rejected"] < 300 and time.monotonic() < deadline:
+        ctrl.recv(timeout=0.2)
+    other.send_multipart([b"\x07", b"junk"])
+    deadline = time.monotonic() + 10
+    while ctrl.stats["rejected"] < 301 and time.monotonic() < deadline:
+        ctrl.recv(timeout=0.2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert all(line.isprintable() for line in lines), [line for line in lines if not line.isprintable()][:2]
+    hostile_lines = [line for line in lines if "0x1b5b324a0a006576696cff" in line]
+    assert 1 <= len(hostile_lines) <= 21  # the burst, then at most a summary per interval
+    assert any("honest-but-buggy" in line for line in lines)
+    hostile.close(0)
+    other.close(0)
+
+
+def test_safe_label_keeps_names_and_hexes_the_rest():
+    from common.transport import safe_label
+
+    assert safe_label(b"rollout-0") == "rollout-0"
+    assert safe_label(b"\x00\x01") == "0x0001"
+    assert safe_label(b"a\nb") == "0x610a62"
+    assert safe_label(bytes(100)).endswith("...") and len(safe_label(bytes(100))) == 2 + 64 + 3
