@@ -226,10 +226,20 @@ class Endpoint:
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         context: zmq.Context | None = None,
+        auth_dir: str | None = None,
     ) -> Endpoint:
-        """Binds a ROUTER at ``address`` (``tcp://127.0.0.1:0`` picks a free port)."""
+        """Binds a ROUTER at ``address`` (``tcp://127.0.0.1:0`` picks a free port); with
+        ``auth_dir``, a CURVE server admitting only the run's keys (``common/auth.py``)."""
         sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         _apply_options(sock, True, None, hwm, max_message_bytes)
+        if auth_dir:
+            from common.auth import secure_server
+
+            try:
+                secure_server(sock, auth_dir)
+            except Exception:
+                sock.close(0)  # a bad key folder must not leak the socket
+                raise
         sock.bind(address)
         return cls(sock, _Core(name, True, max_message_bytes), sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -242,10 +252,20 @@ class Endpoint:
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         context: zmq.Context | None = None,
+        auth_dir: str | None = None,
     ) -> Endpoint:
-        """Connects a DEALER named ``name`` (its identity at the controller) to ``address``."""
+        """Connects a DEALER named ``name`` (its identity at the controller) to ``address``;
+        with ``auth_dir``, as a CURVE client holding the run's service key."""
         sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         _apply_options(sock, False, name, hwm, max_message_bytes)
+        if auth_dir:
+            from common.auth import secure_client
+
+            try:
+                secure_client(sock, auth_dir)
+            except Exception:
+                sock.close(0)  # a bad key folder must not leak the socket
+                raise
         sock.connect(address)
         core = _Core(name, False, max_message_bytes)
         core.remote_label = f"controller at {address}"
@@ -366,9 +386,18 @@ class AsyncEndpoint:
         hwm: int = DEFAULT_HWM,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         context: zmq.asyncio.Context | None = None,
+        auth_dir: str | None = None,
     ) -> None:
         self.sock = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         _apply_options(self.sock, False, name, hwm, max_message_bytes)
+        if auth_dir:
+            from common.auth import secure_client
+
+            try:
+                secure_client(self.sock, auth_dir)
+            except Exception:
+                self.sock.close(0)  # a bad key folder must not leak the socket
+                raise
         self.sock.connect(address)
         self.address = address
         self.core = _Core(name, False, max_message_bytes)

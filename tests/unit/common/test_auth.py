@@ -1,0 +1,68 @@
+"""ZeroMQ CURVE on the controller socket (common/auth.py): a keyed service joins; a keyless
+one and one with the wrong key are refused -- and logged -- while the run goes on; without
+--auth_dir nothing changes (the rest of the suite)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import zmq.auth
+
+from common import protocol as P
+from common.auth import keygen, main
+from common.transport import CallTimeout, Endpoint, PeerUnavailable, handshake
+
+
+def _serve_hellos(ctrl: Endpoint, stop: threading.Event) -> None:
+    while not stop.is_set():
+        got = ctrl.recv(timeout=0.1)
+        if got is not None and isinstance(got[1], P.Hello):
+            ctrl.reply(got[1], P.Welcome(peer_id=got[1].name), to=got[0])
+
+
+@pytest.fixture
+def secured(tmp_path):
+    keys = keygen(tmp_path / "keys")
+    ctrl = Endpoint.bind("tcp://127.0.0.1:0", auth_dir=str(keys))
+    stop = threading.Event()
+    t = threading.Thread(target=_serve_hellos, args=(ctrl, stop), daemon=True)
+    t.start()
+    yield ctrl, keys
+    stop.set()
+    t.join(5)
+    ctrl.close(0)
+
+
+def test_keyed_service_joins_keyless_and_wrong_key_are_refused_and_logged(secured, tmp_path, caplog):
+    ctrl, keys = secured
+    caplog.set_level(logging.WARNING, logger="common.auth")
+    keyless = Endpoint.connect(ctrl.address, name="keyless")
+    with pytest.raises((CallTimeout, PeerUnavailable)):
+        handshake(keyless, "rollout", {}, timeout=1.5)
+    keyless.close(0)
+
+    intruder_keys = keygen(tmp_path / "other")  # a valid pair, just not this run's
+    (intruder_keys / "controller.key").write_bytes((keys / "controller.key").read_bytes())
+    intruder = Endpoint.connect(ctrl.address, name="intruder", auth_dir=str(intruder_keys))
+    with pytest.raises((CallTimeout, PeerUnavailable)):
+        handshake(intruder, "rollout", {}, timeout=1.5)
+    intruder.close(0)
+    wrong_key = zmq.auth.load_certificate(str(intruder_keys / "peer.key"))[0].decode()
+    assert f"CURVE key {wrong_key} is not in the run's authorized keys" in caplog.text
+
+    member = Endpoint.connect(ctrl.address, name="member", auth_dir=str(keys))
+    assert handshake(member, "rollout", {}, timeout=10).peer_id == "member"  # the run goes on
+    member.close(0)
+
+
+def test_keygen_refuses_to_overwrite_and_a_missing_key_names_the_file(tmp_path, capsys):
+    assert main(["keygen", str(tmp_path / "k")]) == 0
+    assert main(["keygen", str(tmp_path / "k")]) == 1
+    assert "already holds keys" in capsys.readouterr().err
+    assert oct((tmp_path / "k" / "peer.key_secret").stat().st_mode & 0o777) == "0o600"
+    (tmp_path / "k" / "peer.key_secret").unlink()
+    with pytest.raises(FileNotFoundError, match="peer.key_secret is missing"):
+        Endpoint.connect("tcp://127.0.0.1:1", name="x", auth_dir=str(tmp_path / "k"))
+    assert main(["oops"]) == 2
