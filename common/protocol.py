@@ -452,3 +452,15 @@ class Health(Message):
     policy_version: int = 0
     # e.g. {"in_flight": 12, "waiting": 3, "tokens_per_s": 930.0, "generated_tokens": 1e5}
     stats: dict[str, float] = {}
+
+
+@register
+class Abort(Message):
+    # controller -> rollout server; not a call (no reply). Drop these prompts: those waiting to
+    # start are never started, those generating are aborted in vLLM (AsyncLLM.abort) and their
+    # samples never sent. A prompt already finished may still arrive: the controller drops it
+    # as a duplicate (it re-queues aborted prompts under new ids). The async schedule sends it
+    # before a weight push, for prompts that would exceed --max_staleness.
+    TAG: ClassVar[int] = 41
+    prompt_ids: list[int] = []
+    reason: str = ""

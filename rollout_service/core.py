@@ -116,8 +116,9 @@ class RolloutCore:
             "aborted": 0,
             "updates": 0,
             "failed_updates": 0,
-            "samples_across_updates": 0,
-        }  # kept in flight through an update: tokens of 2+ versions
+            "samples_across_updates": 0,  # kept in flight through an update: tokens of 2+ versions
+            "aborted_by_controller": 0,  # prompts the controller dropped (P.Abort: too stale to train on)
+        }
 
     # ------------------------------------------------------------------ lifecycle
     def engine_args(self):

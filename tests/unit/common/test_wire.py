@@ -78,6 +78,7 @@ EXAMPLES: dict[type, P.Message] = {
         P.WakeUp(tags=["weights"]),
         P.GetHealth(),
         P.Health(name="r0", state="serving", policy_version=4, stats={"in_flight": 3.0}),
+        P.Abort(prompt_ids=[3, 9], reason="older than --max_staleness allows"),
         sample_batch(),
         score_request(),
         scored_batch(),
