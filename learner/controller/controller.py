@@ -27,10 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.protocol import Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
+from common.protocol import Abort, Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
 from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
 from learner.controller.batches import concat_samples, split_by_prompt, split_scored_by_prompt
-from learner.controller.ledger import Entry, PromptLedger
+from learner.controller.ledger import Entry, PromptLedger, State
 from learner.controller.pool import ServicePool
 from learner.controller.reward_client import RewardClient, build_score_request
 from learner.controller.rollout_client import RolloutClient
@@ -187,7 +187,8 @@ class Controller:
                 )
                 for e in chunk:
                     if e.prompt_id not in unplaced:
-                        self.ledger.start_generation([e.prompt_id], self.pool.holder(e.prompt_id).name)
+                        holder = self.pool.holder(e.prompt_id).name
+                        self.ledger.start_generation([e.prompt_id], holder, version=self._policy_version)
                 if unplaced:
                     return
 
@@ -238,6 +239,34 @@ class Controller:
                 unconfirmed.append(call.server)
         return unconfirmed
 
+    # ------------------------------------------------------------------ non-blocking use (async schedule)
+    def take_done(self) -> list[Entry]:
+        """Generated and scored prompts, each returned once (``scored_samples(e)`` has its samples).
+        For a caller that drives ``pump`` itself instead of ``collect``."""
+        done = self.ledger.take_done()
+        for e in done:
+            self._sampling_of.pop(e.prompt_id, None)
+        return done
+
+    def abort(self, prompt_ids: list[int], reason: str) -> list[Entry]:
+        """Takes prompts out of the data path whatever their state; a rollout server generating
+        one is told to drop it (``Abort``, not a call), so it stops spending compute on it. A
+        late answer for one of them is dropped as a duplicate. Returns the removed entries."""
+        by_holder: dict[str, list[int]] = {}
+        for pid in prompt_ids:
+            e = self.ledger.entries.get(pid)
+            if e is not None and e.state is State.GENERATING and e.holder:
+                by_holder.setdefault(e.holder, []).append(pid)
+        for peer in self.pool.alive("rollout"):
+            pids = by_holder.get(peer.name)
+            if pids:
+                self.pool.complete(peer.identity, pids)  # its capacity is free for the next prompts
+                self.pool.send_work(peer, Abort(prompt_ids=pids, reason=reason), ())
+        removed = self.ledger.remove(prompt_ids)
+        for e in removed:
+            self._sampling_of.pop(e.prompt_id, None)
+        return removed
+
     # ------------------------------------------------------------------ collect
     def collect(
         self,
@@ -285,13 +314,13 @@ class Controller:
                 reasons.append(bad[0])
                 continue
             kept.append(e)
-            samples.extend(_scored_samples(e))
+            samples.extend(scored_samples(e))
         if failed_groups:
             log.warning("dropped %d group(s) whose scoring failed (first reason: %s)", failed_groups, reasons[0])
         return CollectResult(Rollout(samples, group_size), kept, failed_groups, reasons)
 
 
-def _scored_samples(e: Entry) -> list[ScoredSample]:
+def scored_samples(e: Entry) -> list[ScoredSample]:
     """A done ledger entry's samples, by sample index, joined with their scores."""
     sb, sc = e.samples, e.scores
     order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])

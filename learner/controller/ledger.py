@@ -37,6 +37,8 @@ class Entry:
     holder: str = ""  # name of the peer holding it
     deadline: float = float("inf")
     attempts: int = 0  # times handed out for generation
+    # The controller's policy version when last handed out: the sample's version is at least this.
+    dispatched_version: int = 0
     score_attempts: int = 0  # times sent for scoring
     samples: Any = None  # SampleBatch (one prompt's n samples) once generated
     scores: Any = None  # ScoredBatch once scored
@@ -81,7 +83,7 @@ class PromptLedger:
         return len(self.entries)
 
     # ----------------------------------------------------------------- transitions
-    def start_generation(self, prompt_ids: Iterable[int], peer: str) -> None:
+    def start_generation(self, prompt_ids: Iterable[int], peer: str, version: int = 0) -> None:
         now = self.clock()
         for pid in prompt_ids:
             e = self._get(pid, State.QUEUED, "start generation")
@@ -92,6 +94,7 @@ class PromptLedger:
                 )
             e.state, e.holder, e.deadline = State.GENERATING, peer, now + self.generate_timeout_s
             e.attempts += 1
+            e.dispatched_version = version
             e.history.append(f"generating@{peer}")
 
     def generated(self, prompt_id: int, samples: Any, peer: str) -> bool:
@@ -167,6 +170,11 @@ class PromptLedger:
             del self.entries[e.prompt_id]
         self.counters["trained"] += len(done)
         return done
+
+    def remove(self, prompt_ids: Iterable[int]) -> list[Entry]:
+        """Takes prompts out of the ledger whatever their state (aborted, abandoned); a later
+        answer for one of them is a duplicate. Not counted as trained."""
+        return [e for pid in prompt_ids if (e := self.entries.pop(pid, None)) is not None]
 
     def _get(self, pid: int, want: State, what: str) -> Entry:
         e = self.entries.get(pid)

@@ -1,0 +1,210 @@
+"""``OffPolicyFeed``: the async schedule's data path, a stream of groups with bounded staleness.
+
+Beside ``Controller.collect`` (hand over a batch, wait for all of it), the feed keeps the
+controller busy continuously: it admits prompts as the staleness budget allows, pumps the
+controller, and keeps scored groups ready until the learner takes a batch. Versions: the
+learner trains step ``s`` with the weights it pushed as version ``v = s - 1`` (the *train
+version*); a sample's version is the one that sampled its first token (the rollout server
+reports it); its lag is ``v - version``. ``max_staleness`` K bounds the lag in three places:
+
+1. admission (AReaL's rule): prompts are handed out only while
+   ``trained + ready + in flight < (K + v + 1) * B`` (B = groups per step, v = the version the
+   servers hold), so work that would be too stale is not generated in the first place, and a
+   slow learner makes the servers wait instead of growing memory;
+2. ``abort_stale`` before each push: a group still generating that was dispatched under a
+   version older than the next train version minus K is aborted in vLLM and its prompt
+   re-queued (ahead of new prompts) under a new prompt id;
+3. ``take_batch``: a ready group older than the bound is dropped whole and counted, a last
+   guard (re-issues after a server died, slow stragglers). Groups are kept or dropped whole:
+   group estimators need the whole group.
+
+With K = 0 this is lockstep: B prompts admitted after each push, none while training.
+
+Accounting, by admission (a prompt re-queued after an abort is admitted again)::
+
+    admitted == trained + dropped_stale + dropped_failed + dropped_filtered + aborted + in_flight
+
+Single-threaded and socket-free apart from the controller it drives: one thread owns it (the
+async schedule's pump thread, see ``learner/rl/schedules/async_.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from learner.controller.controller import Controller, scored_samples
+from learner.controller.ledger import State
+from learner.controller.types import PromptItem, ScoredSample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """One prompt's scored samples, ready to train on."""
+
+    item: PromptItem
+    samples: list[ScoredSample]  # G of them, by sample index
+    version: int  # the oldest first-token version among its samples
+    seq: int  # arrival order (ties among equal versions: first come, first trained)
+
+
+class OffPolicyFeed:
+    def __init__(
+        self,
+        controller: Controller,
+        prompts: Iterator[PromptItem],
+        *,
+        batch_groups: int,
+        max_staleness: int,
+        total_groups: int | None = None,
+        keep_group: Callable[[list[ScoredSample]], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``batch_groups`` B prompts per step; ``total_groups`` how many the run will train on
+        (no prompt is admitted beyond what it still needs); ``keep_group`` (dynamic filtering)
+        says whether a scored group is worth training on, else it is dropped and replaced."""
+        self.controller = controller
+        self.prompts = prompts
+        self.B = batch_groups
+        self.K = max_staleness
+        self.total_groups = total_groups
+        self.keep_group = keep_group
+        self.clock = clock
+        # Bringing a joiner up to date reads the learner's parameters; in async the learner is
+        # training meanwhile, so joiners wait for the next push (which syncs them first).
+        controller.sync_joiners_in_pump = False
+        self.ready: list[Group] = []
+        self.in_flight: dict[int, PromptItem] = {}  # prompt id -> item: admitted, not yet ready
+        self.requeued: deque[PromptItem] = deque()  # aborted prompts, admitted again first
+        self._seq = 0
+        self.counters = {
+            "admitted": 0,
+            "trained": 0,
+            "dropped_stale": 0,
+            "dropped_failed": 0,
+            "dropped_filtered": 0,
+            "aborted": 0,
+        }
+        self.rollout_idle_s = 0.0  # time with no prompt generating anywhere
+        self._last_turn = clock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def version(self) -> int:
+        """The version the rollout servers hold (the last push)."""
+        return self.controller.policy_version
+
+    def outstanding(self) -> int:
+        """Admitted and not yet trained or dropped: ready groups and prompts in flight."""
+        return len(self.ready) + len(self.in_flight)
+
+    def room(self) -> int:
+        """How many more prompts may be admitted now."""
+        n = (self.K + self.version + 1) * self.B - (self.counters["trained"] + self.outstanding())
+        if self.total_groups is not None:
+            n = min(n, self.total_groups - self.counters["trained"] - self.outstanding())
+        return max(0, n)
+
+    def check_accounting(self) -> None:
+        c = self.counters
+        ended = c["trained"] + c["dropped_stale"] + c["dropped_failed"] + c["dropped_filtered"] + c["aborted"]
+        if c["admitted"] != ended + self.outstanding():
+            raise AssertionError(f"feed accounting broken: {c}, outstanding {self.outstanding()}")
+
+    # ------------------------------------------------------------------ the loop
+    def admit(self) -> int:
+        n = self.room()
+        items = []
+        while len(items) < n and self.requeued:
+            items.append(self.requeued.popleft())
+        while len(items) < n:
+            item = next(self.prompts, None)
+            if item is None:
+                break
+            items.append(item)
+        if items:
+            for pid, item in zip(self.controller.add_prompts(items), items):
+                self.in_flight[pid] = item
+            self.counters["admitted"] += len(items)
+        return len(items)
+
+    def pump(self, timeout: float = 0.05) -> None:
+        """One turn: admit what the budget allows, move the controller, collect finished groups."""
+        now = self.clock()
+        if not any(e.state is State.GENERATING for e in self.controller.ledger.entries.values()):
+            self.rollout_idle_s += now - self._last_turn
+        self._last_turn = now
+        self.admit()
+        self.controller.pump(timeout)
+        for e in self.controller.take_done():
+            item = self.in_flight.pop(e.prompt_id, None)
+            if item is None:
+                continue  # not the feed's (an evaluation prompt)
+            if any(r for r in (e.scores.failed or [])):
+                self.counters["dropped_failed"] += 1
+                log.warning(
+                    "dropped prompt %d: scoring failed (%s)", e.prompt_id, next(r for r in e.scores.failed if r)
+                )
+                continue
+            samples = scored_samples(e)
+            if self.keep_group is not None and not self.keep_group(samples):
+                self.counters["dropped_filtered"] += 1
+                continue
+            self.ready.append(Group(item, samples, min(s.policy_version for s in samples), self._seq))
+            self._seq += 1
+
+    def take_batch(self, train_version: int) -> list[Group] | None:
+        """B groups to train ``train_version`` on, oldest first, or None if fewer are ready.
+        Groups older than ``train_version - K`` are dropped first (counted)."""
+        floor = train_version - self.K
+        stale = [g for g in self.ready if g.version < floor]
+        if stale:
+            self.counters["dropped_stale"] += len(stale)
+            log.warning(
+                "dropped %d group(s) older than v%d (training v%d, --max_staleness %d)",
+                len(stale),
+                floor,
+                train_version,
+                self.K,
+            )
+            self.ready = [g for g in self.ready if g.version >= floor]
+        if len(self.ready) < self.B:
+            return None
+        self.ready.sort(key=lambda g: (g.version, g.seq))
+        batch, self.ready = self.ready[: self.B], self.ready[self.B :]
+        self.counters["trained"] += len(batch)
+        return batch
+
+    def abort_stale(self, next_train_version: int) -> int:
+        """Before pushing ``next_train_version``: aborts groups still generating that were
+        dispatched under a version below ``next_train_version - K`` (they could only be dropped
+        later) and re-queues their prompts. Returns how many."""
+        floor = next_train_version - self.K
+        entries = self.controller.ledger.entries
+        doomed = [
+            pid
+            for pid in self.in_flight
+            if (e := entries.get(pid)) is not None and e.state is State.GENERATING and e.dispatched_version < floor
+        ]
+        if not doomed:
+            return 0
+        self.controller.abort(doomed, f"older than v{floor} (--max_staleness {self.K})")
+        for pid in doomed:
+            self.requeued.append(self.in_flight.pop(pid))
+        self.counters["aborted"] += len(doomed)
+        log.info("aborted %d group(s) still generating under versions below v%d; re-queued", len(doomed), floor)
+        return len(doomed)
+
+    def close(self) -> dict[str, int]:
+        """The run is over: prompts still in flight are aborted (servers stop generating them)
+        and, with ready groups, reported as left over. Returns the final counters."""
+        if self.in_flight:
+            self.controller.abort(list(self.in_flight), "training finished")
+        out = dict(self.counters, in_flight_at_end=len(self.in_flight), ready_at_end=len(self.ready))
+        log.info("async data path at the end: %s", out)
+        return out

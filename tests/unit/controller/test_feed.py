@@ -1,0 +1,189 @@
+"""The async data path (learner.controller.feed.OffPolicyFeed) over fake services: admission,
+the staleness guards, abort before a push, accounting, and K = 0 behaving as lockstep."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import protocol as P
+from common.transport import Endpoint
+from helpers.async_fakes import FakeReward, FakeRollout
+from learner.controller.controller import Controller
+from learner.controller.feed import OffPolicyFeed
+from learner.controller.ledger import PromptLedger
+from learner.controller.pool import ServicePool
+from learner.controller.rollout_client import RolloutClient
+from learner.controller.types import PromptItem
+from learner.rl.prompts import PromptStream
+
+B, G = 2, 2
+
+
+@pytest.fixture
+def ctrl():
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    pool = ServicePool(ep, peer_timeout_s=5.0, needs_preparation=())
+    ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
+    c = Controller(RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(n=G, max_new_tokens=2))
+    services = []
+
+    def start(svc):
+        svc.start()
+        services.append(svc)
+        return svc
+
+    yield c, start
+    for s in services:
+        s.stop.set()
+    ep.close(0)
+
+
+def items(n: int, labels=None) -> list[PromptItem]:
+    return [PromptItem(tokens=[100 + i, 7], text=f"p{i}", label=(labels or {}).get(i)) for i in range(n)]
+
+
+def make_feed(c, its, *, k, total=None, keep=None):
+    return OffPolicyFeed(c, iter(its), batch_groups=B, max_staleness=k, total_groups=total, keep_group=keep)
+
+
+def pump_until(feed, cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        feed.pump(0.01)
+        assert time.monotonic() < deadline, f"timed out; counters {feed.counters}, ready {len(feed.ready)}"
+
+
+def settle(feed, seconds=0.3):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        feed.pump(0.01)
+
+
+def tokens(groups):
+    return sorted(g.item.tokens[0] for g in groups)
+
+
+def test_admission_follows_the_staleness_budget(ctrl):
+    c, start = ctrl
+    start(FakeRollout(c.endpoint.address))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    feed = make_feed(c, items(20), k=1)
+    pump_until(feed, lambda: len(feed.ready) == 4)
+    settle(feed)
+    # (K + v + 1) * B with v = 0: two steps' worth, however fast generation is.
+    assert feed.counters["admitted"] == 4 and len(feed.ready) == 4
+    batch = feed.take_batch(0)
+    assert tokens(batch) == [100, 101]
+    settle(feed)
+    assert feed.counters["admitted"] == 4, "no new room until the next push"
+    c.set_policy_version(1)
+    pump_until(feed, lambda: feed.counters["admitted"] == 6 and len(feed.ready) == 4)
+    # Oldest first: step 2 (v1) trains the two v0 groups (lag 1), not the fresh v1 ones.
+    batch = feed.take_batch(1)
+    assert tokens(batch) == [102, 103] and {g.version for g in batch} == {0}
+    feed.check_accounting()
+
+
+def test_groups_older_than_the_bound_are_dropped_whole_and_counted(ctrl):
+    c, start = ctrl
+    start(FakeRollout(c.endpoint.address))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    feed = make_feed(c, items(20), k=1)
+    pump_until(feed, lambda: len(feed.ready) == 4)
+    # The learner jumped two versions (say, the servers were re-synced): v0 groups are 2 behind v2.
+    c.set_policy_version(2)
+    assert feed.take_batch(2) is None
+    assert feed.counters["dropped_stale"] == 4 and not feed.ready
+    # Dropped groups free their budget: refills come from the same stream, at the new version.
+    pump_until(feed, lambda: len(feed.ready) >= 2)
+    batch = feed.take_batch(2)
+    assert {g.version for g in batch} == {2} and tokens(batch) == [104, 105]
+    feed.check_accounting()
+
+
+def test_abort_before_push_requeues_under_new_ids_and_late_answers_are_duplicates(ctrl):
+    c, start = ctrl
+    held = {2, 3}  # prompt ids 2 and 3 (the 3rd and 4th prompts) never finish on their own
+    r = start(FakeRollout(c.endpoint.address, hold=lambda pid: pid in held))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    feed = make_feed(c, items(20), k=1)
+    pump_until(feed, lambda: len(feed.ready) == 2)
+    settle(feed)
+    assert feed.take_batch(0) is not None
+    c.set_policy_version(1)  # push v1: prompts 2, 3 (dispatched at v0) are still fine for step 2
+    assert feed.abort_stale(next_train_version=1) == 0
+    pump_until(feed, lambda: len(feed.ready) == 2)  # the v1 admissions (ids 4, 5)
+    assert feed.take_batch(1) is not None  # step 2 takes them: 2 and 3 are still generating
+    # Before pushing v2 (step 3 trains v2, floor v1): 2 and 3, dispatched at v0, are aborted.
+    assert feed.abort_stale(next_train_version=2) == 2
+    c.set_policy_version(2)
+    pump_until(feed, lambda: sorted(r.aborted) == [2, 3])
+    assert feed.counters["aborted"] == 2
+    held.discard(2)
+    r.answer_now(2, version=0)  # a SampleBatch that crossed the Abort: dropped as a duplicate
+    pump_until(feed, lambda: len(feed.ready) >= 2 and c.ledger.counters["duplicates"] >= 1)
+    batch = feed.take_batch(2)
+    # The re-queued prompts went first, under new ids, and were generated at v2.
+    assert tokens(batch) == [102, 103] and {g.version for g in batch} == {2}
+    assert min(g.samples[0].prompt_id for g in batch) > 5
+    feed.check_accounting()
+
+
+def test_accounting_with_failed_and_filtered_groups_and_the_end_of_the_run(ctrl):
+    c, start = ctrl
+    start(FakeRollout(c.endpoint.address, delay=0.01))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    its = items(30, labels={1: "poison", 4: "flat"})
+    feed = make_feed(c, its, k=1, total=3 * B, keep=lambda ss: len({s.reward for s in ss}) > 1)
+    trained = []
+    for v in range(3):
+        pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
+        c.set_policy_version(v + 1)
+        feed.abort_stale(v + 1)
+        feed.check_accounting()
+    flat = [p.item.tokens[0] for b in trained for p in b]
+    assert len(flat) == len(set(flat)) == 3 * B, "each prompt trained once"
+    assert 101 not in flat and 104 not in flat
+    assert feed.counters["dropped_failed"] == 1 and feed.counters["dropped_filtered"] == 1
+    end = feed.close()
+    c_ = feed.counters
+    dropped = c_["dropped_stale"] + c_["dropped_failed"] + c_["dropped_filtered"]
+    assert c_["admitted"] == c_["trained"] + dropped + c_["aborted"] + end["in_flight_at_end"] + end["ready_at_end"]
+    # total_groups: nothing is admitted beyond what the run still needs.
+    assert c_["admitted"] == 3 * B + dropped
+
+
+def test_k0_is_lockstep(ctrl):
+    """K = 0: each step trains exactly lockstep's prompts for that step, all at lag 0, and no
+    prompt is generated while the learner trains."""
+    c, start = ctrl
+    start(FakeRollout(c.endpoint.address))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    its = items(10)
+    stream = PromptStream(its, B)
+    feed = make_feed(c, (it for s in range(1, 6) for it in stream.batch(s)), k=0, total=4 * B)
+    for step in range(1, 5):
+        batch = None
+
+        def got():
+            nonlocal batch
+            batch = feed.take_batch(step - 1)
+            return batch is not None
+
+        pump_until(feed, got)
+        assert tokens(batch) == sorted(it.tokens[0] for it in stream.batch(step))
+        assert {s.policy_version for g in batch for s in g.samples} == {step - 1}
+        settle(feed, 0.1)  # "training"
+        assert feed.outstanding() == 0 and feed.counters["admitted"] == step * B
+        c.set_policy_version(step)
+        assert feed.abort_stale(step) == 0
+    assert feed.counters == dict(
+        admitted=4 * B, trained=4 * B, dropped_stale=0, dropped_failed=0, dropped_filtered=0, aborted=0
+    )
