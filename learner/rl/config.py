@@ -149,9 +149,10 @@ class PPOConfig:
         -1.0, "reward of samples cut at the max length (<0: off)", group="algorithm"
     )
     is_correction: str = flag(
-        "",
-        "vLLM-vs-learner mismatch correction: tis | icepop | seq_mask_tis | '' (off)",
-        choices=("", "tis", "icepop", "seq_mask_tis"),
+        "auto",
+        "importance correction against the sampler's log-probs (vLLM mismatch; with --async_train also the "
+        "policy lag): tis | icepop | seq_mask_tis | none (off) | auto (tis with --async_train, else off)",
+        choices=("auto", "none", "", "tis", "icepop", "seq_mask_tis"),
         group="algorithm",
     )
     is_correction_low_high: list[float] = flag(
@@ -178,6 +179,20 @@ class PPOConfig:
     temperature: float = flag(1.0, "sampling temperature", group="rollout")
     top_p: float = flag(1.0, "nucleus sampling", group="rollout")
     top_k: int = flag(-1, "top-k sampling (-1: off)", group="rollout")
+
+    # ---- the off-policy async schedule (learner/rl/schedules/async_.py, docs/async.md)
+    async_train: bool = flag(
+        False,
+        "async (off-policy) schedule: rollout servers keep generating while the learner trains; "
+        "weights are pushed after every step without stopping generation",
+        group="async",
+    )
+    max_staleness: int = flag(
+        1,
+        "--async_train: every trained sample was started by weights at most this many versions behind "
+        "the ones being trained (0: lockstep's samples, on-policy)",
+        group="async",
+    )
 
     # ---- processes and the wire (rayless's own)
     controller_bind: str = flag(
@@ -240,7 +255,29 @@ class PPOConfig:
                 f"--train_batch_size {self.train_batch_size} must be a multiple of "
                 f"--micro_train_batch_size {self.micro_train_batch_size}"
             )
+        self._check_async()
         self._check_algorithm()
+
+    def _check_async(self) -> None:
+        """--async_train's flags, and the IS correction it defaults (``auto`` resolves here)."""
+        if self.max_staleness < 0:
+            raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if not self.async_train:
+            if self.max_staleness != 1:
+                raise ValueError("--max_staleness bounds the async schedule's lag: it needs --async_train")
+            self.is_correction = "" if self.is_correction in ("auto", "none") else self.is_correction
+            return
+        if self.is_correction == "":
+            # Samples are up to K versions old: without a correction the update is biased by the lag.
+            raise ValueError(
+                "--async_train trains on samples from older weights and needs --is_correction "
+                "(default tis); pass --is_correction none to train without one"
+            )
+        if self.is_correction == "none":
+            log.warning("--async_train with --is_correction none: no importance correction for the policy lag")
+            self.is_correction = ""
+        elif self.is_correction == "auto":
+            self.is_correction = "tis"
 
     def _check_algorithm(self) -> None:
         """Flag combinations that would fail deep inside a step, refused at parse time."""

@@ -333,7 +333,7 @@ def test_every_registered_variant_is_reachable_from_its_flag():
     from learner.rl.config import PPOConfig
 
     choices = {f.name: set(f.metadata["choices"] or ()) for f in fields(PPOConfig)}
-    assert choices["is_correction"] == set(IS_CORRECTIONS) | {""}
+    assert choices["is_correction"] == set(IS_CORRECTIONS) | {"", "none", "auto"}
     assert choices["policy_loss_type"] == set(POLICY_LOSSES)
 
 
