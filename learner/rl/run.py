@@ -108,7 +108,7 @@ def run(cfg: PPOConfig) -> int:
             )
             driver.wait_for_services()
         parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps)
-        schedule = SCHEDULES["lockstep"](parts)
+        schedule = SCHEDULES["async" if cfg.async_train else "lockstep"](parts)
         schedule.start()  # servers may have loaded other weights: everyone starts equal
         if driver is not None:
             driver.evaluate(0, "eval/accuracy")

@@ -1,0 +1,281 @@
+"""Async (off-policy): generation never waits for training; staleness is bounded and corrected.
+
+``--async_train``. Rank 0 runs a pump thread that owns the controller between steps: it
+admits prompts under the staleness budget, routes samples to scoring and keeps scored groups
+ready (``learner.controller.feed.OffPolicyFeed``, which documents the three places
+``--max_staleness`` K is enforced). Every rank runs the same collectives in the same order as
+lockstep: the decision broadcast, the rollout broadcast, the optimizer steps, the weight push.
+Step ``s`` trains the weights pushed as version ``s - 1`` on a batch whose samples were started
+by versions ``>= s - 1 - K``; the loss corrects the lag with ``--is_correction`` (default
+``tis``: decoupled PPO, the proximal policy is the learner's own old log-probs, the behaviour
+policy the sampler's).
+
+Why a thread on rank 0 (and not pumping between micro-steps): the trainer stays unaware of
+the schedule, and the data path keeps moving through the old log-prob pass and the optimizer
+steps alike. The controller is single-threaded: only the pump thread touches it, except
+inside ``hold()``, which parks the pump between two turns; the main thread holds it to abort
+stale work and push weights (the push talks on the controller's socket), and to read
+counters. Batches cross from the pump to the main thread through a one-slot queue. A push
+uses pause mode "keep": in-flight requests continue on the new weights, so the generation
+gap per push is the push itself.
+
+Differences from AReaL's async PPO: the same bound and admission rule, but groups are
+dropped whole, aborts happen only at pushes, and weights are pushed after every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from learner.controller.feed import Group, OffPolicyFeed
+from learner.controller.types import CollectResult, Rollout
+from learner.rl.driver import StepBatch
+from learner.rl.experience import broadcast_rollout
+from learner.rl.schedules.base import Decision, RunParts, Schedule, StoppedByRank0, broadcast_decision
+
+log = logging.getLogger("learner")
+
+# Test-only: seconds of sleep added to every training step, to make the learner the slow side.
+SLOW_LEARNER_ENV = "RAYLESS_TEST_SLOW_LEARNER_S"
+
+
+class _Pump(threading.Thread):
+    """Rank 0's data path while the learner trains. See the module docstring."""
+
+    def __init__(self, feed: OffPolicyFeed) -> None:
+        super().__init__(name="async-pump", daemon=True)
+        self.feed = feed
+        self._lock = threading.Lock()
+        self._holders = 0  # main-thread hold() requests waiting: the pump lets them in
+        self._stop_evt = threading.Event()
+        self._want: int | None = None  # train version the main thread waits for a batch of
+        self.batches: queue.Queue[list[Group]] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_evt.is_set():
+                if self._holders:
+                    time.sleep(0.001)  # Lock is not fair: step aside so hold() gets in
+                    continue
+                with self._lock:
+                    n_ready = len(self.feed.ready)
+                    self.feed.pump(0.02)
+                    if len(self.feed.ready) != n_ready:
+                        self.last_progress = time.monotonic()
+                    if self._want is not None:
+                        batch = self.feed.take_batch(self._want)
+                        if batch is not None:
+                            self._want = None
+                            self.batches.put(batch)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.error = e
+
+    @contextlib.contextmanager
+    def hold(self):
+        """The feed (and its controller) for the main thread, the pump parked meanwhile."""
+        self._holders += 1
+        try:
+            with self._lock:
+                yield self.feed
+        finally:
+            self._holders -= 1
+
+    def next_batch(self, train_version: int, timeout_s: float) -> list[Group]:
+        with self.hold():
+            self._want = train_version
+            self.last_progress = time.monotonic()
+        while True:
+            try:
+                return self.batches.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            if self.error is not None:
+                raise RuntimeError(f"the async data path failed: {self.error!r}") from self.error
+            if not self.is_alive():
+                raise RuntimeError("the async data path stopped")
+            if time.monotonic() - self.last_progress > timeout_s:
+                with self.hold() as feed:
+                    c = feed.controller
+                    raise TimeoutError(
+                        f"async: no scored group for {timeout_s:.0f} s while waiting for a batch for v{train_version} "
+                        f"({len(feed.ready)} ready, {len(feed.in_flight)} in flight, counters {feed.counters}); "
+                        f"rollout servers alive: {[p.name for p in c.pool.alive('rollout')]}, "
+                        f"reward services alive: {[p.name for p in c.pool.alive('reward')]}"
+                    )
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=10)
+
+
+def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.Tensor | None) -> dict[str, float]:
+    """Lag histogram of the trained samples and behaviour KL (sampler vs learner old log-probs,
+    ``mean_t log pi_rollout - log pi_old``, the k1 estimate of KL(behaviour || proximal)) by lag."""
+    lags = [train_version - s.policy_version for s in samples]
+    hist = Counter(lags)
+    out: dict[str, float] = {f"async/lag_{i}": float(hist.get(i, 0)) for i in range(k + 1)}
+    out["async/max_lag"] = float(max(lags))
+    out["async/min_version"] = float(min(s.policy_version for s in samples))
+    out["async/train_version"] = float(train_version)
+    if old_lp is not None and old_lp.shape[0] == len(samples):
+        sums: dict[int, list[float]] = {}
+        for i, (s, lag) in enumerate(zip(samples, lags)):
+            t = len(s.response)
+            if t:
+                d = s.rollout_logprobs[:t].float() - old_lp[i, :t].float().cpu()
+                acc = sums.setdefault(lag, [0.0, 0.0])
+                acc[0] += float(d.sum())
+                acc[1] += t
+        for lag, (total, n) in sums.items():
+            out[f"async/behaviour_kl_lag_{lag}"] = total / max(n, 1)
+    return out
+
+
+class AsyncSchedule(Schedule):
+    name = "async"
+
+    def __init__(self, parts: RunParts) -> None:
+        super().__init__(parts)
+        self.pump: _Pump | None = None
+        self.slow_s = float(os.environ.get(SLOW_LEARNER_ENV, "0") or 0)
+        self._last_report = time.monotonic()
+        self._last_idle = 0.0
+
+    # ------------------------------------------------------------------ rank 0's data path
+    def _start_pump(self, first_step: int) -> None:
+        cfg, driver = self.cfg, self.driver
+        keep = None
+        if cfg.dynamic_filtering:
+            from learner.algorithms.shaping import dynamic_filter_mask
+
+            reward_range = tuple(cfg.dynamic_filtering_reward_range) or None
+
+            def keep(samples):
+                rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+                return bool(dynamic_filter_mask(rewards, len(samples), reward_range)[0])
+
+        feed = OffPolicyFeed(
+            driver.controller,
+            _stream(driver.prompts, first_step),
+            batch_groups=cfg.rollout_batch_size,
+            max_staleness=cfg.max_staleness,
+            total_groups=(self.parts.total_steps - first_step + 1) * cfg.rollout_batch_size,
+            keep_group=keep,
+        )
+        self.pump = _Pump(feed)
+        self.pump.start()
+        self._last_report = time.monotonic()
+
+    def _stop_pump(self) -> dict[str, int]:
+        if self.pump is None:
+            return {}
+        pump, self.pump = self.pump, None
+        pump.stop()
+        return pump.feed.close()
+
+    def push_weights(self, version: int) -> None:
+        if self.pump is None:
+            return super().push_weights(version)
+        with self.pump.hold() as feed:
+            feed.abort_stale(next_train_version=version)
+            super().push_weights(version)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, step: int) -> Decision:
+        try:
+            return self._step(step)
+        except BaseException:
+            self._stop_pump()  # the controller's socket is the main thread's again (driver.close)
+            raise
+
+    def _step(self, step: int) -> Decision:
+        cfg, parts = self.cfg, self.parts
+        t0 = time.time()
+        train_version = step - 1
+        groups, decision = None, None
+        if self.driver is not None:
+            try:
+                if self.pump is None:
+                    self._start_pump(step)
+                groups = self.pump.next_batch(train_version, cfg.generate_timeout_s + cfg.score_timeout_s)
+            except BaseException:
+                broadcast_decision(Decision.STOP)
+                raise
+            decision = Decision.TRAIN
+        decision = broadcast_decision(decision)
+        if decision is Decision.STOP:
+            raise StoppedByRank0(f"step {step}: rank 0 (the controller) failed; its log has the error")
+        t_wait = time.time() - t0
+        local = Rollout([s for g in groups for s in g.samples], cfg.n_samples_per_prompt) if groups else None
+        rollout = broadcast_rollout(local, cfg.n_samples_per_prompt, device=parts.device)
+        rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
+        metrics = parts.trainer.step(rollout)
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        t_train = time.time() - t0 - t_wait
+        self.push_weights(step)
+        if self.driver is not None:
+            self._report(step, train_version, rollout, metrics, t0, t_wait, t_train)
+        if step == parts.total_steps and self.driver is not None:
+            self._stop_pump()
+        return decision
+
+    def _report(self, step, train_version, rollout, metrics, t0, t_wait, t_train) -> None:
+        cfg, parts = self.cfg, self.parts
+        now = time.monotonic()
+        with self.pump.hold() as feed:
+            counters = dict(feed.counters)
+            idle = feed.rollout_idle_s
+            outstanding = feed.outstanding()
+            feed.check_accounting()
+        span = max(now - self._last_report, 1e-6)
+        step_s = time.time() - t0
+        old_lp = getattr(parts.trainer, "last_old_logprobs", None)
+        metrics.update(_lag_metrics(rollout.samples, train_version, cfg.max_staleness, old_lp))
+        metrics.update(
+            {
+                "async/dropped_stale": counters["dropped_stale"],
+                "async/dropped_failed": counters["dropped_failed"],
+                "async/aborted": counters["aborted"],
+                "async/admitted": counters["admitted"],
+                "async/trained_groups": counters["trained"],
+                "async/outstanding": outstanding,
+                "async/learner_idle_frac": t_wait / max(step_s, 1e-6),
+                "async/rollout_idle_frac": min(1.0, (idle - self._last_idle) / span),
+                "async/is_truncated_frac": metrics.get("policy/is_filter_frac", 0.0),
+            }
+        )
+        if cfg.dynamic_filtering:
+            metrics["filter/groups_filtered"] = counters["dropped_filtered"]
+        self._last_report, self._last_idle = now, idle
+        timings = {
+            "generate_s": step_s,  # generation ran throughout; what the learner waited is learner_idle_frac
+            "train_s": t_train,
+            "step_s": step_s,
+            "eta_s": self.eta_s(step),
+            "total_steps": parts.total_steps,
+        }
+        collected = CollectResult(rollout, [], counters["dropped_failed"])
+        self.driver.report(
+            step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
+        )
+
+
+def _stream(prompts: Any, step: int):
+    """The run's prompts in lockstep's order from ``step`` on (that step's batch, the next
+    one's, ...), without end: refills for dropped groups come from the same stream."""
+    while True:
+        yield from prompts.batch(step)
+        step += 1
