@@ -168,6 +168,7 @@ def worker(args) -> None:
         generate_max_len=args.response_len,
         init_kl_coef=0.0,
         actor_learning_rate=1e-6,
+        recompute_old_logprobs=args.recompute_old_logprobs,
     )
     floor = TorchStep(E.load_causal_lm(str(path)), args, world, rank)
     variants = {"torch": lambda: floor.step(rollout)}
@@ -187,7 +188,8 @@ def worker(args) -> None:
             lr_warmup_ratio=0.0,
         )
         trainer = PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
-        variants[f"rayless zero{stage}"] = lambda t=trainer: t.step(rollout)
+        # on_policy: the batch stands for a lockstep rollout, sampled by the current weights
+        variants[f"rayless zero{stage}"] = lambda t=trainer: t.step(rollout, on_policy=True)
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.iters + 1):
@@ -223,6 +225,9 @@ def main() -> None:
     p.add_argument("--micro_batch", type=int, default=16, help="samples per forward/backward per rank")
     p.add_argument("--response_len", type=int, default=6)
     p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
+    p.add_argument(
+        "--recompute_old_logprobs", action="store_true", help="run the old-log-probs forward even when not needed"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--cache", default=str(ROOT / "runs" / "bench"), help="where models are built")
     args = p.parse_args()

@@ -84,6 +84,12 @@ class PPOConfig:
     train_batch_size: int = flag(128, "samples per optimizer step (global)", group="batch")
     micro_train_batch_size: int = flag(8, "samples per forward/backward pass per rank", group="batch")
     max_epochs: int = flag(1, "passes over each rollout batch", group="batch")
+    recompute_old_logprobs: bool = flag(
+        False,
+        "always run the no-grad old-log-probs forward; by default an on-policy rollout trained by one optimizer "
+        "step in one epoch takes them from the training forward (the same values)",
+        group="batch",
+    )
     num_episodes: int = flag(1, "passes over the prompt dataset", group="batch")
     max_steps: int = flag(0, "stop after this many rollout steps (0: no limit)", group="batch")
 
@@ -130,7 +136,9 @@ class PPOConfig:
     kl_horizon: int = flag(10000, "adaptive KL controller horizon", group="algorithm")
     use_kl_loss: bool = flag(False, "KL as a loss term instead of in the reward", group="algorithm")
     kl_estimator: str = flag("k1", "KL estimator", choices=("k1", "k2", "k3"), group="algorithm")
-    entropy_loss_coef: float = flag(0.0, "entropy bonus coefficient (entropy is logged regardless)", group="algorithm")
+    entropy_loss_coef: float = flag(
+        0.0, "entropy bonus coefficient (with 0, entropy is still logged every --logging_steps)", group="algorithm"
+    )
     value_clip: float = flag(0.5, "critic value clipping around the old values (<= 0: off; gae)", group="algorithm")
     freezing_actor_steps: int = flag(
         0, "critic-only warm-up: the policy is not updated for this many rollout steps (gae)", group="algorithm"

@@ -3,7 +3,10 @@
 Runs on every learner rank with the same ``Rollout`` (see ``learner.rl.experience``):
 
 1. old log-probs: each rank scores its slice of the batch with the current policy (no grad)
-   and the slices are all-gathered, so every rank has them all;
+   and the slices are all-gathered, so every rank has them all. Skipped when they would equal
+   the training forward's own log-probs (``PolicyTrainer.reuses_logprobs``: on-policy samples,
+   one optimizer step, one epoch, nothing needs them before training), as TRL does: the ratio
+   of that single update is exactly 1 either way;
 2. rewards shaped (clip, overlong, stop-properly), KL to the reference per token, and
    advantages over the WHOLE batch — computed identically on every rank, hence exact group
    and global statistics without an extra collective;
@@ -17,17 +20,27 @@ With ``--advantage_estimator gae`` a ``learner.rl.critic.Critic`` adds its old v
 the first ``--freezing_actor_steps`` steps only the critic is updated.
 
 The difference between the learner's old log-probs and vLLM's sampling log-probs is logged
-as ``rollout/logprob_diff``: the health metric of the weight sync and of numerics.
+as ``rollout/logprob_diff``: the health metric of the weight sync and of numerics. When the
+old-log-probs pass is skipped it is taken from the training forward (train mode: the same
+values for models without dropout, which is every model this project trains).
+
+The model projects onto the vocabulary only at the positions that predict response tokens
+(HF's ``logits_to_keep``); the prompt's logits were computed and thrown away before. Entropy
+over the full vocabulary is computed with grad only when it is in the loss
+(``--entropy_loss_coef``), else without grad on logged steps only.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from common.weights.source import unwrap
 from learner.algorithms.advantages import compute_advantages
 from learner.algorithms.kl import AdaptiveKLController, FixedKLController, compute_kl
 from learner.algorithms.losses import (
@@ -52,20 +65,46 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+@functools.cache
+def _takes_logits_to_keep(module_type: type) -> bool:
+    """Whether an HF causal LM's forward can project only the last columns onto the vocabulary."""
+    return "logits_to_keep" in inspect.signature(module_type.forward).parameters
+
+
 def response_logprobs(
-    model: Any, batch: dict[str, Any], temperature: float, with_entropy: bool = False
+    model: Any,
+    batch: dict[str, Any],
+    temperature: float,
+    with_entropy: bool = False,
+    response_only: bool = True,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (N, T) of the response tokens (and their entropy) under ``model``."""
+    """Log-probs (N, T) of the response tokens (and their entropy) under ``model``.
+
+    With ``response_only`` (and a model that takes ``logits_to_keep``) only the last T + 1
+    columns go through ``lm_head``: prompts are left-padded and responses right-padded
+    (``collate``), so columns P-1 .. P+T-2, the predictions of the T response tokens, are the
+    last T + 1 but one. The prompt's (N, P-1, V) logits were most of the old work (and memory).
+    ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
+    """
+    P, T = batch["prompt_width"], batch["response"].shape[1]
+    keep = response_only and _takes_logits_to_keep(type(unwrap(model)))
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
+        **({"logits_to_keep": T + 1} if keep else {}),
     )
-    P, T = batch["prompt_width"], batch["response"].shape[1]
-    logits = out.logits[:, P - 1 : P - 1 + T]  # (N, T, V): position P-1+t predicts response token t
+    # (N, T, V): column P-1+t of the full sequence predicts response token t
+    logits = out.logits[:, :T] if keep else out.logits[:, P - 1 : P - 1 + T]
     lp = log_probs_from_logits(logits, batch["response"], temperature=temperature)
-    ent = entropy_from_logits(logits, temperature=temperature) if with_entropy else None
+    ent = None
+    if with_entropy and entropy_grad:
+        ent = entropy_from_logits(logits, temperature=temperature)
+    elif with_entropy:
+        with torch.no_grad():
+            ent = entropy_from_logits(logits.detach(), temperature=temperature)
     return lp, ent
 
 
@@ -115,17 +154,54 @@ class PolicyTrainer:
         return r
 
     # ---------------------------------------------------------------- step 3
-    def step(self, rollout: Rollout) -> dict[str, float]:
+    def reuses_logprobs(self, rollout: Rollout, on_policy: bool) -> bool:
+        """Whether this step can skip the old-log-probs forward and use the training forward's.
+
+        Exact when all of these hold: the samples come from the learner's current weights
+        (``on_policy``: the schedule's promise; lockstep keeps it, an async schedule's lagging
+        samples do not); the rollout is ONE optimizer step of ONE epoch, so every micro-batch
+        runs on the weights the samples came from; the actor is updated this step (its forward
+        is where the log-probs come from); and nothing needs them before training, i.e. no KL
+        in the reward with a non-zero coefficient (advantages would depend on it). The old
+        log-probs of such a step equal ``lp.detach()`` of the training forward, so ratio = 1 and
+        the loss and gradient are the same. The same on every rank (same rollout and config),
+        as it must be: the skipped pass is a collective.
+        """
+        cfg = self.cfg
+        have_ref = all(s.ref_logprobs is not None for s in rollout.samples)
+        kl_in_reward = have_ref and not cfg.use_kl_loss and self.kl_ctl.value != 0
+        return (
+            on_policy
+            and not cfg.recompute_old_logprobs
+            and cfg.max_epochs == 1
+            and len(rollout) == cfg.train_batch_size
+            and self.steps_done >= cfg.freezing_actor_steps
+            and not kl_in_reward
+        )
+
+    def step(self, rollout: Rollout, *, on_policy: bool = False) -> dict[str, float]:
+        """One RL step on ``rollout`` (every rank, the same rollout); returns metrics.
+
+        ``on_policy``: the caller (the schedule) vouches that every sample was generated by
+        the weights the learner holds now, which lets ``reuses_logprobs`` skip a forward.
+        """
         cfg = self.cfg
         rank, world = _world()
         full = collate(rollout.samples, self.pad_id)  # CPU, whole batch: masks and stored log-probs
         mask = full["action_mask"]  # (N, T)
-        old_lp = self.old_logprobs(rollout)  # (N, T)
+        reuse = self.reuses_logprobs(rollout, on_policy)
+        # (N, T); with `reuse` filled in by the training forward below, each rank its own rows
+        old_lp = torch.zeros(mask.shape, dtype=torch.float32) if reuse else self.old_logprobs(rollout)
         have_ref = all(s.ref_logprobs is not None for s in rollout.samples)
-        ref_lp = full["ref_logprobs"] if have_ref else old_lp
-        kl = compute_kl(old_lp, ref_lp, mask, estimator=cfg.kl_estimator)  # (N, T)
         rewards = self.shaped_rewards(rollout)
         kl_coef = self.kl_ctl.value
+        kl_in_reward = have_ref and not cfg.use_kl_loss
+        # (N, T) KL to the reference; when the advantages do not need it, computed after training
+        kl = (
+            compute_kl(old_lp, full["ref_logprobs"], mask, estimator=cfg.kl_estimator)
+            if kl_in_reward and not reuse
+            else None
+        )
         old_values = self.critic.values(rollout) if self.critic is not None else None  # (N, T)
         advantages, returns = compute_advantages(
             cfg.advantage_estimator,
@@ -133,13 +209,16 @@ class PolicyTrainer:
             mask,
             group_size=rollout.group_size,
             values=old_values,
-            kl=None if cfg.use_kl_loss or not have_ref else kl,
+            kl=kl,  # None with `reuse`, which implies a zero coefficient: the KL term is 0 either way
             kl_coef=kl_coef,
             gamma=cfg.gamma,
             lambd=cfg.lambd,
             std_norm=not cfg.no_advantage_std_norm,
         )
         update_actor = self.steps_done >= cfg.freezing_actor_steps
+        # Full-vocabulary entropy: with grad when in the loss, else a no-grad metric on logged steps.
+        entropy_in_loss = cfg.entropy_loss_coef != 0
+        log_entropy = entropy_in_loss or self.steps_done % cfg.logging_steps == 0
         self.steps_done += 1
 
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -168,10 +247,14 @@ class PolicyTrainer:
                             metrics[f"critic/{k}"].append(v)
                     if not update_actor:
                         continue
-                    lp, ent = response_logprobs(self.engine, batch, cfg.temperature, with_entropy=True)
+                    lp, ent = response_logprobs(
+                        self.engine, batch, cfg.temperature, with_entropy=log_entropy, entropy_grad=entropy_in_loss
+                    )
+                    if reuse:
+                        old_lp[idx, :T] = lp.detach().float().cpu()
                     loss, pm = policy_loss(
                         lp,
-                        sl(old_lp),
+                        lp.detach() if reuse else sl(old_lp),
                         sl(advantages),
                         mmask,
                         agg,
@@ -190,14 +273,22 @@ class PolicyTrainer:
                         )
                         loss = loss + kloss
                         pm.update(km)
-                    eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.entropy_loss_coef)
-                    if cfg.entropy_loss_coef:
-                        loss = loss + eloss
-                    pm.update(em)
+                    if ent is not None:
+                        eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.entropy_loss_coef)
+                        if entropy_in_loss:
+                            loss = loss + eloss
+                        pm.update(em)
                     self.engine.backward(loss * scale)
                     self.engine.step()
                     for k, v in pm.items():
                         metrics[f"policy/{k}"].append(float(v))
+        if reuse and world > 1:
+            old_lp = old_lp.to(self.device)
+            dist.all_reduce(old_lp)  # each row was filled on exactly one rank, zeros elsewhere
+            old_lp = old_lp.cpu()
+        self.last_old_logprobs = old_lp  # the async schedule logs behaviour KL (sampler vs this) by lag
+        if kl is None:
+            kl = compute_kl(old_lp, full["ref_logprobs"] if have_ref else old_lp, mask, estimator=cfg.kl_estimator)
         mean_kl = float(masked_mean(kl, mask))
         self.kl_ctl.update(float(kl.sum(-1).mean()), n)  # the controller wants per-sequence KL
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
@@ -214,6 +305,7 @@ class PolicyTrainer:
                 "policy/advantage_abs": float(masked_mean(advantages.abs(), mask)),
                 "policy/return_mean": float(masked_mean(returns, mask)),
                 "policy/actor_updated": float(update_actor),
+                "policy/old_logprobs_reused": float(reuse),
             }
         )
         return out
