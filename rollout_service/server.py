@@ -85,6 +85,7 @@ class RolloutServer:
         self._stop = asyncio.Event()
         self._exit_code = ExitCode.STOPPED
         self._tasks: set[asyncio.Task] = set()
+        self._prompt_tasks: dict[int, asyncio.Task] = {}  # prompt id -> its task, for Abort
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
@@ -142,7 +143,9 @@ class RolloutServer:
                 continue
             if isinstance(msg, P.PromptBatch):
                 for pid, toks in zip(msg.prompt_ids, msg.token_ids):
-                    self._spawn(self._serve_prompt(pid, toks, msg.sampling, msg.policy_version))
+                    self._track(pid, self._spawn(self._serve_prompt(pid, toks, msg.sampling, msg.policy_version)))
+            elif isinstance(msg, P.Abort):
+                self._abort(msg)
             elif type(msg) in self._handlers:
                 self._spawn(self._call(msg))
             elif isinstance(msg, P.Error) and msg.code == "unknown_peer":
@@ -161,6 +164,23 @@ class RolloutServer:
                         message=f"a rollout server does not take {type(msg).__name__}",
                     )
                 )
+
+    def _track(self, pid: int, task: asyncio.Task) -> None:
+        self._prompt_tasks[pid] = task
+        task.add_done_callback(
+            lambda t: self._prompt_tasks.pop(pid, None) if self._prompt_tasks.get(pid) is t else None
+        )
+
+    def _abort(self, msg: P.Abort) -> None:
+        """Cancelling a prompt's task aborts its request in vLLM (``RolloutCore.generate``) or,
+        before admission, keeps it from starting; nothing is sent for it."""
+        tasks = [t for pid in msg.prompt_ids if (t := self._prompt_tasks.pop(pid, None)) is not None]
+        for t in tasks:
+            t.cancel()
+        self.core.counters["aborted_by_controller"] += len(tasks)
+        log.info(
+            "aborted %d of %d prompt(s) on the controller's request: %s", len(tasks), len(msg.prompt_ids), msg.reason
+        )
 
     async def _hello_again(self) -> None:
         """Forgotten by the controller: introduce ourselves again. It treats us as a joiner (new
