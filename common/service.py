@@ -10,6 +10,19 @@ sends, on its own thread, through its own endpoint. The two steps that send come
 method and an ``a``-prefixed coroutine with the same meaning (``say_hello`` / ``asay_hello``,
 ``send_last_words`` / ``asend_last_words``).
 
+A controller that goes away (the learner was killed, or is being restarted from a checkpoint)
+is noticed when a send cannot leave: the DEALER queues only on a live connection (IMMEDIATE),
+so with the controller's socket gone every send waits out its timeout and fails -- a heartbeat
+within ``LOST_AFTER_BEATS`` periods -- and ZMTP heartbeats close a connection to a vanished
+host within seconds. Silence from the controller proves nothing: it sends nothing to an idle
+service while it trains. The service then keeps its
+engine and says Hello every ``heartbeat_s`` for up to ``reconnect_timeout_s`` (logging the
+wait), and on the Welcome of the restarted controller serves again: the controller treats it
+as a joiner and pushes its weights before giving it work. Work taken before the Welcome belongs
+to the old controller and is dropped (``session``). No Welcome in time: the service exits with
+its no-Welcome code. A heartbeat that reaches a restarted controller before the loss is
+noticed ends the same way: it answers ``unknown_peer`` and the service says Hello again.
+
 Exit codes (``ExitCode``): 0 the service was stopped (Shutdown), 1 it broke and said so, 2 it
 never served (a bad flag or file). Two endings are the service's to name, and the two
 services name them differently today: a SIGTERM/SIGINT (rollout 1, so a supervisor counts the
@@ -51,6 +64,15 @@ FATAL_SEND_S = 2.0
 # that then broke (the controller restarted, or was not up yet) is never answered.
 HELLO_ATTEMPT_S = 30.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# While the controller is gone: how long one Hello may wait for a connection to leave on (the
+# caller's send timeout), and how often the wait is logged.
+RECONNECT_SEND_S = 1.0
+RECONNECT_LOG_S = 30.0
+DEFAULT_RECONNECT_S = 1800.0  # long enough for a learner to restart from a checkpoint
+# A heartbeat that cannot leave within this many periods means no connection to the controller.
+# More than one: a TCP reconnect after a network blip takes a moment, and a false alarm costs a
+# Hello (the controller then re-issues this service's work).
+LOST_AFTER_BEATS = 3
 
 
 class ExitCode(enum.IntEnum):
@@ -71,6 +93,7 @@ class ServiceShell:
         signal_exit: ExitCode,
         no_welcome_exit: ExitCode,
         hello_attempt_s: float = HELLO_ATTEMPT_S,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_S,
     ) -> None:
         self.role, self.name, self.controller = role, name, controller
         self.heartbeat_s = heartbeat_s
@@ -84,6 +107,12 @@ class ServiceShell:
         self._next_beat = 0.0  # monotonic time the next heartbeat is due: the first, at once
         self._rehello = 0  # call id of the Hello said again, until its Welcome
         self._rehello_at = 0.0
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.lost_since: float | None = None  # monotonic time the controller was found gone
+        self._lost_logged = 0.0
+        # Bumped by every Welcome to a Hello said again: work taken in an earlier session was
+        # handed out by a controller that forgot it (or is gone); its results are dropped.
+        self.session = 0
 
     # ------------------------------------------------------------------ forgotten by the controller
     def hello_again(self, capabilities: dict[str, Any], call_id: int) -> Hello | None:
@@ -98,13 +127,81 @@ class ServiceShell:
         return Hello(role=self.role, name=self.name, capabilities=capabilities, call_id=call_id)
 
     def welcomed_again(self, msg: Welcome) -> bool:
-        """True when ``msg`` answers the Hello said again (the service is known again); False
-        for a Welcome to an earlier Hello, which the caller ignores."""
+        """True when ``msg`` answers the Hello said again (the service is known again, in a new
+        ``session``); False for a Welcome to an earlier Hello, which the caller ignores."""
         if not self._rehello or msg.call_id != self._rehello:
             return False
         self._rehello = 0
-        log.info("%s welcomed again (controller policy version %d)", self.name, msg.policy_version)
+        self.session += 1
+        if self.lost_since is not None:
+            log.info(
+                "%s reconnected to the controller at %s after %.0f s (its policy version %d)",
+                self.name,
+                self.controller,
+                time.monotonic() - self.lost_since,
+                msg.policy_version,
+            )
+            self.lost_since = None
+        else:
+            log.info("%s welcomed again (controller policy version %d)", self.name, msg.policy_version)
         return True
+
+    # ------------------------------------------------------------------ the controller went away
+    def controller_lost(self, why: str) -> None:
+        """A send could not leave (no connection to the controller within its timeout): from now
+        on the caller says ``reconnect_hello`` instead of heartbeats. Idempotent while lost."""
+        if self.lost_since is not None:
+            return
+        self.lost_since = self._lost_logged = time.monotonic()
+        self._rehello = 0  # a Hello said before the loss will not be answered
+        log.warning(
+            "%s: the controller at %s is gone (%s); reconnecting for up to %.0f s (--reconnect_timeout_s)",
+            self.name,
+            self.controller,
+            why,
+            self.reconnect_timeout_s,
+        )
+
+    @property
+    def lost(self) -> bool:
+        return self.lost_since is not None
+
+    def reconnect_expired(self) -> bool:
+        """True once the controller has been gone longer than ``reconnect_timeout_s``: the
+        caller exits with ``no_welcome_exit``."""
+        if self.lost_since is None or time.monotonic() - self.lost_since < self.reconnect_timeout_s:
+            return False
+        log.error(
+            "%s: no controller at %s for %.0f s (--reconnect_timeout_s); giving up",
+            self.name,
+            self.controller,
+            self.reconnect_timeout_s,
+        )
+        return True
+
+    def reconnect_hello(self, capabilities: dict[str, Any], call_id: int) -> Hello | None:
+        """While lost: the Hello to try now (send it with ``call_id`` and a RECONNECT_SEND_S
+        timeout; a send that fails is ``hello_unsent``), or None while a sent one may still be
+        answered (``heartbeat_s``, at least RECONNECT_SEND_S). Logs the wait now and then."""
+        now = time.monotonic()
+        if now - self._lost_logged >= RECONNECT_LOG_S:
+            self._lost_logged = now
+            log.info(
+                "%s: still waiting for the controller at %s (%.0f of %.0f s)",
+                self.name,
+                self.controller,
+                now - (self.lost_since or now),
+                self.reconnect_timeout_s,
+            )
+        if self._rehello and now - self._rehello_at < max(self.heartbeat_s, RECONNECT_SEND_S):
+            return None
+        self._rehello, self._rehello_at = call_id, now
+        return Hello(role=self.role, name=self.name, capabilities=capabilities, call_id=call_id)
+
+    def hello_unsent(self) -> None:
+        """The Hello from ``reconnect_hello`` could not leave (still no connection): the next
+        one may be said at once (the caller's send already waited)."""
+        self._rehello = 0
 
     # ------------------------------------------------------------------ handshake
     def say_hello(self, ep: Endpoint, capabilities: dict[str, Any]) -> Welcome:
@@ -145,6 +242,11 @@ class ServiceShell:
         self._beats += 1
         self._next_beat = time.monotonic() + self.heartbeat_s
         return beat
+
+    @property
+    def heartbeat_send_s(self) -> float:
+        """Send timeout of a heartbeat: one that cannot leave in time marks the controller lost."""
+        return max(LOST_AFTER_BEATS * self.heartbeat_s, RECONNECT_SEND_S)
 
     def heartbeat_in(self) -> float:
         """Seconds until the next Heartbeat is due (0: now)."""

@@ -30,6 +30,11 @@ class RewardConfig:
     connect_timeout_s: float = flag(
         60.0, "give up if the controller does not answer Hello within this many seconds", group="wiring"
     )
+    reconnect_timeout_s: float = flag(
+        1800.0,
+        "when the controller goes away (a learner restart), say Hello for this long before exiting",
+        group="wiring",
+    )
     capacity: int = flag(
         64,
         "prompts the controller may have in flight here (announced in Hello as capabilities['capacity'])",
@@ -138,7 +143,7 @@ class RewardConfig:
         for name in ("micro_batch_size", "func_workers", "max_pending", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "temperature"):
+        for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "reconnect_timeout_s", "temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0 or self.retry_backoff_s < 0:

@@ -37,8 +37,8 @@ import time
 
 import zmq
 
-from common.protocol import Ack, Error, Message, ScoreRequest, Shutdown, Welcome
-from common.service import ExitCode, ServiceShell
+from common.protocol import Ack, Error, Hello, Message, ScoreRequest, Shutdown, Welcome
+from common.service import DEFAULT_RECONNECT_S, RECONNECT_SEND_S, ExitCode, ServiceShell
 from common.transport import Endpoint, TransportError, default_name
 from reward_service.inputs import BadRequest
 from reward_service.scorer import Scorer
@@ -58,6 +58,7 @@ class RewardServer:
         name: str = "",
         heartbeat_s: float = 2.0,
         connect_timeout_s: float = 60.0,
+        reconnect_timeout_s: float = DEFAULT_RECONNECT_S,
         max_pending: int = 64,
         capacity: int = 64,
     ) -> None:
@@ -73,11 +74,14 @@ class RewardServer:
             # Zero: a signal is a stop someone asked for; the controller re-issues the work.
             signal_exit=ExitCode.STOPPED,
             no_welcome_exit=ExitCode.FATAL,
+            reconnect_timeout_s=reconnect_timeout_s,
         )
         self.max_pending = max_pending
         self.capacity = capacity
-        self._todo: queue.Queue[ScoreRequest | None] = queue.Queue()
-        self._done: queue.Queue[Message] = queue.Queue()
+        # Each request travels with the shell's session it arrived in: a reply for a controller
+        # that has since gone (or forgotten us) is dropped, not sent to its successor.
+        self._todo: queue.Queue[tuple[int, ScoreRequest] | None] = queue.Queue()
+        self._done: queue.Queue[tuple[int, Message]] = queue.Queue()
         self._busy = 0  # requests taken by the scoring thread and not yet answered
         self._consecutive_internal = 0
         self._fatal: str | None = None  # set by the scoring thread: the main loop announces it
@@ -104,11 +108,12 @@ class RewardServer:
 
         try:
             while True:
-                req = self._todo.get()
-                if req is None:
+                item = self._todo.get()
+                if item is None:
                     return
+                session, req = item
                 reply, fatal = self._answer(req)
-                self._done.put(reply)
+                self._done.put((session, reply))
                 if fatal:  # after the reply is queued: the main loop sends it before the notice
                     self._fatal = fatal
                 poke()
@@ -183,9 +188,12 @@ class RewardServer:
         shutdown_call: Shutdown | None = None
         while True:
             while not self._done.empty():
-                msg = self._done.get()
+                session, msg = self._done.get()
                 self._busy -= 1
-                ep.send(msg)
+                if session == self.shell.session:
+                    self._send(ep, msg)
+                else:
+                    log.info("dropping the reply to call %d: asked by a controller that is gone", msg.call_id)
             if self._fatal:
                 self.shell.send_last_words(ep, f"{self.name}: {self._fatal}")
                 return ExitCode.FATAL
@@ -196,10 +204,16 @@ class RewardServer:
                 if self._busy:
                     log.warning("shutting down with %d request(s) unanswered after %.0f s", self._busy, DRAIN_S)
                 if shutdown_call is not None and shutdown_call.call_id:
-                    ep.reply(shutdown_call, Ack(info={"unanswered": self._busy}))
+                    self._send(ep, Ack(info={"unanswered": self._busy}, call_id=shutdown_call.call_id))
                 return ExitCode.STOPPED
-            if self.shell.heartbeat_in() <= 0:
-                ep.send(self.shell.heartbeat(self.stats()))
+            if self.shell.lost:
+                if self.shell.reconnect_expired():
+                    return self.shell.no_welcome_exit
+                hello = self.shell.reconnect_hello(self.capabilities(), ep.core.new_call_id())
+                if hello is not None and not self._send(ep, hello, timeout=RECONNECT_SEND_S):
+                    self.shell.hello_unsent()
+            elif self.shell.heartbeat_in() <= 0:
+                self._send(ep, self.shell.heartbeat(self.stats()), timeout=self.shell.heartbeat_send_s)
             # Wake for the next heartbeat, and often enough to notice a signal.
             events = dict(poller.poll(timeout=min(self.shell.heartbeat_in(), 0.2) * 1000))
             if wake in events:
@@ -219,12 +233,13 @@ class RewardServer:
                     shutdown_call, drain_deadline = msg, time.monotonic() + DRAIN_S
                 elif drain_deadline is not None:
                     if isinstance(msg, ScoreRequest):
-                        ep.reply(
-                            msg,
+                        self._send(
+                            ep,
                             Error(
                                 code="shutting_down",
                                 message=f"{self.name} is shutting down",
                                 prompt_ids=list(msg.samples.prompt_ids),
+                                call_id=msg.call_id,
                             ),
                         )
                 else:
@@ -235,17 +250,18 @@ class RewardServer:
         if isinstance(msg, ScoreRequest):
             if self._busy >= self.max_pending:
                 self.counters["overloaded"] += 1
-                ep.reply(
-                    msg,
+                self._send(
+                    ep,
                     Error(
                         code="overloaded",
                         message=f"{self.name} has {self._busy} requests queued (--max_pending {self.max_pending})",
                         prompt_ids=list(msg.samples.prompt_ids),
+                        call_id=msg.call_id,
                     ),
                 )
                 return None
             self._busy += 1
-            self._todo.put(msg)
+            self._todo.put((self.shell.session, msg))
         elif isinstance(msg, Error):
             if msg.code == "fatal":
                 log.error("controller is going down (%s): exiting", msg.message)
@@ -253,7 +269,7 @@ class RewardServer:
             if msg.code == "unknown_peer":  # declared dead (e.g. silent on an overloaded host)
                 hello = self.shell.hello_again(self.capabilities(), ep.core.new_call_id())
                 if hello is not None:
-                    ep.send(hello)
+                    self._send(ep, hello)
                 return None
             log.warning("controller sent error %s: %s", msg.code, msg.message)
         elif isinstance(msg, Welcome):
@@ -261,13 +277,27 @@ class RewardServer:
                 log.debug("ignoring a Welcome to an earlier Hello")
         else:
             self.counters["unhandled_messages"] += 1
-            ep.reply(
-                msg,
+            self._send(
+                ep,
                 Error(
-                    code="bad_request", message=f"{self.name} (a reward service) does not handle {type(msg).__name__}"
+                    code="bad_request",
+                    message=f"{self.name} (a reward service) does not handle {type(msg).__name__}",
+                    call_id=msg.call_id,
                 ),
             )
         return None
+
+    def _send(self, ep: Endpoint, msg: Message, timeout: float | None = None) -> bool:
+        """Sends; a send that cannot leave means the controller is gone (no connection within
+        the timeout): the shell starts reconnecting. False when it did not leave."""
+        try:
+            ep.send(msg, timeout=timeout)
+            return True
+        except TransportError as e:
+            if not isinstance(msg, Hello):
+                log.error("could not send %s: %s", type(msg).__name__, e)
+                self.shell.controller_lost(f"could not send {type(msg).__name__}")
+            return False
 
     def stats(self) -> dict[str, float]:
         """Heartbeat stats: the scorer's counters plus queue depth and error counts."""
@@ -298,6 +328,7 @@ def serve(cfg) -> int:
         name=name,
         heartbeat_s=cfg.heartbeat_s,
         connect_timeout_s=cfg.connect_timeout_s,
+        reconnect_timeout_s=cfg.reconnect_timeout_s,
         max_pending=cfg.max_pending,
         capacity=cfg.capacity,
     ).run()

@@ -64,6 +64,11 @@ class RolloutConfig:
     name: str = flag("", "name at the controller (default rollout-HOST-PID); unique per process", group="wire")
     heartbeat_s: float = flag(2.0, "seconds between heartbeats to the controller", group="wire")
     connect_timeout_s: float = flag(120.0, "give up if the controller does not answer Hello within this", group="wire")
+    reconnect_timeout_s: float = flag(
+        1800.0,
+        "when the controller goes away (a learner restart), keep the engine and say Hello for this long before exiting",
+        group="wire",
+    )
     coalesce_ms: float = flag(
         0.0,
         "gather prompts finishing within this many ms into one SampleBatch "

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from common import protocol as P
-from common.service import ExitCode, ServiceShell
+from common.service import RECONNECT_SEND_S, ExitCode, ServiceShell
 from common.transport import AsyncEndpoint, TransportError, default_name
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
@@ -81,6 +81,7 @@ class RolloutServer:
             # Non-zero: a supervisor (launch.local) counts a signalled server as gone.
             signal_exit=ExitCode.FATAL,
             no_welcome_exit=ExitCode.NO_START,
+            reconnect_timeout_s=cfg.reconnect_timeout_s,
         )
         self._stop = asyncio.Event()
         self._exit_code = ExitCode.STOPPED
@@ -194,15 +195,40 @@ class RolloutServer:
             if self.core.llm is not None and self.core.llm.errored:
                 await self._fatal("vLLM engine died (see its log above)")
                 return
-            await self._send(self.shell.heartbeat(self.core.metrics(), self.core.version))
+            if self.shell.lost:
+                await self._reconnect()
+                continue
+            await self._send(self.shell.heartbeat(self.core.metrics(), self.core.version), self.shell.heartbeat_send_s)
             await asyncio.sleep(self.shell.heartbeat_in())
 
-    async def _send(self, msg: P.Message) -> None:
+    async def _reconnect(self) -> None:
+        """The controller is gone (a send could not leave): Hello until a restarted one
+        welcomes us (the receive loop sees the Welcome), keeping the engine; give up after
+        --reconnect_timeout_s."""
+        if self.shell.reconnect_expired():
+            self._exit_code = self.shell.no_welcome_exit
+            self._stop.set()
+            return
+        if self._prompt_tasks:  # asked by the gone controller: free vLLM of them at once
+            log.info("aborting %d prompt(s) of the controller that went away", len(self._prompt_tasks))
+            for t in list(self._prompt_tasks.values()):
+                t.cancel()
+            self._prompt_tasks.clear()
+        hello = self.shell.reconnect_hello(self.core.capabilities(), self.ep.core.new_call_id())
+        if hello is not None:
+            try:
+                await self.ep.send(hello, timeout=RECONNECT_SEND_S)
+            except TransportError:
+                self.shell.hello_unsent()
+        await asyncio.sleep(RECONNECT_SEND_S)
+
+    async def _send(self, msg: P.Message, timeout: float | None = None) -> None:
         try:
-            await self.ep.send(msg)
+            await self.ep.send(msg, timeout=timeout)
         except TransportError as e:
             # The controller is gone or not reading; what we could not deliver it re-issues.
             log.error("could not send %s: %s", type(msg).__name__, e)
+            self.shell.controller_lost(f"could not send {type(msg).__name__}")
 
     async def _fatal(self, why: str) -> None:
         await self._die(f"{self.name}: {why}", ExitCode.FATAL)
@@ -216,6 +242,7 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ work
     async def _serve_prompt(self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int) -> None:
+        session = self.shell.session
         try:
             result = await self.core.generate(pid, toks, sampling, min_version)
         except asyncio.CancelledError:
@@ -229,6 +256,11 @@ class RolloutServer:
             else:
                 log.exception("prompt %d failed", pid)
                 await self._send(P.Error(code="internal", message=f"prompt {pid}: {e!r}", prompt_ids=[pid]))
+            return
+        if session != self.shell.session:
+            # Asked by a controller that has since forgotten us (or restarted): its prompt ids
+            # mean nothing to the one we serve now.
+            log.info("dropping prompt %d: asked before the controller welcomed us again", pid)
             return
         if self.cfg.coalesce_ms <= 0:
             await self._send(sample_batch([result], self.name))

@@ -234,3 +234,127 @@ def test_the_shell_imports_no_role_package():
         for alias in node.names
     }
     assert not imported & {"learner", "rollout_service", "reward_service", "launch"}
+
+
+# ---------------------------------------------------------------------------- the controller goes away
+
+
+def test_a_lost_controller_gets_a_hello_per_period_until_welcomed_in_a_new_session():
+    sh = shell(nobody(), heartbeat_s=0.2, reconnect_timeout_s=60.0)
+    assert not sh.lost and sh.session == 0
+    sh.controller_lost("could not send Heartbeat")
+    sh.controller_lost("could not send SampleBatch")  # still the same loss
+    assert sh.lost
+    first = sh.reconnect_hello({"capacity": 4}, call_id=11)
+    assert (first.role, first.name, first.capabilities, first.call_id) == ("reward", "svc", {"capacity": 4}, 11)
+    assert sh.reconnect_hello({}, call_id=12) is None  # the first may still be answered
+    sh.hello_unsent()  # it never left: the next may go at once
+    again = sh.reconnect_hello({}, call_id=13)
+    assert again.call_id == 13
+    assert not sh.welcomed_again(P.Welcome(peer_id="svc", call_id=11))  # answers a Hello that never left
+    assert sh.lost
+    assert sh.welcomed_again(P.Welcome(peer_id="svc", call_id=13, policy_version=5))
+    assert not sh.lost and sh.session == 1  # work of the old controller is now dropped
+
+
+def test_a_lost_controller_is_given_up_after_the_reconnect_timeout():
+    sh = shell(nobody(), reconnect_timeout_s=0.3)
+    assert not sh.reconnect_expired()  # not lost: nothing to give up
+    sh.controller_lost("test")
+    assert not sh.reconnect_expired()
+    time.sleep(0.35)
+    assert sh.reconnect_expired()
+
+
+def test_a_heartbeat_that_cannot_leave_for_a_few_periods_means_the_controller_is_gone():
+    sh = shell(nobody(), heartbeat_s=0.2)
+    assert sh.heartbeat_send_s == pytest.approx(max(3 * 0.2, 1.0))
+    ep = Endpoint.connect(sh.controller, name="svc")  # nobody bound: no connection
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TransportError):
+            ep.send(sh.heartbeat({}), timeout=sh.heartbeat_send_s)
+        assert time.monotonic() - t0 < sh.heartbeat_send_s + 1.0
+    finally:
+        ep.close(0)
+
+
+class _Idle:
+    """A scorer never asked to score."""
+
+    def score(self, req):
+        raise AssertionError("not asked to score")
+
+    def capabilities(self):
+        return {"sources": ["func:idle.py"]}
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def _welcome_first_hello(router: Endpoint, timeout_s: float = 15.0) -> tuple[bytes, P.Hello]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = router.recv(timeout=0.1)
+        if got is not None and isinstance(got[1], P.Hello):
+            router.reply(got[1], P.Welcome(peer_id=got[1].name, policy_version=3), to=got[0])
+            return got
+    raise AssertionError("no Hello")
+
+
+def test_a_reward_service_outlives_its_controller_and_joins_the_restarted_one():
+    """A real RewardServer (in a thread, real sockets): the controller's socket closes (a killed
+    learner), the service notices within a few heartbeats, says Hello to the controller bound
+    again at the same address, and serves it: heartbeats, then Shutdown -> exit 0."""
+    from reward_service.server import RewardServer
+
+    address = nobody()
+    first = Endpoint.bind(address)
+    srv = RewardServer(_Idle(), controller=address, name="rw-outlive", heartbeat_s=0.2, reconnect_timeout_s=60.0)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t.start()
+    try:
+        _welcome_first_hello(first)
+        assert first.recv(timeout=5) is not None  # serving: a heartbeat
+        first.close(0)  # the learner is killed
+        deadline = time.monotonic() + 10
+        while not srv.shell.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.shell.lost and t.is_alive()
+        second = Endpoint.bind(address)  # the restarted learner's controller
+        try:
+            ident, hello = _welcome_first_hello(second)
+            assert hello.name == "rw-outlive" and hello.role == "reward"
+            got = second.recv(timeout=5)
+            assert got is not None and isinstance(got[1], P.Heartbeat)
+            assert not srv.shell.lost and srv.shell.session == 1
+            assert isinstance(second.call(P.Shutdown(reason="test"), to=ident, timeout=10), P.Ack)
+            t.join(10)
+            assert result["rc"] == ExitCode.STOPPED
+        finally:
+            second.close(0)
+    finally:
+        t.join(10)
+
+
+def test_a_reward_service_gives_up_after_its_reconnect_timeout():
+    from reward_service.server import RewardServer
+
+    address = nobody()
+    first = Endpoint.bind(address)
+    srv = RewardServer(_Idle(), controller=address, name="rw-giveup", heartbeat_s=0.2, reconnect_timeout_s=1.0)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
+    t.start()
+    try:
+        _welcome_first_hello(first)
+        assert first.recv(timeout=5) is not None  # welcomed (closing at once could drop the Welcome)
+        first.close(0)
+        t.join(15)
+        assert not t.is_alive() and result["rc"] == srv.shell.no_welcome_exit
+    finally:
+        t.join(10)

@@ -18,6 +18,7 @@ def test_every_flag_keeps_its_default():
         "name": defaults["name"],  # reward-HOST-PID, checked below
         "heartbeat_s": 2.0,
         "connect_timeout_s": 60.0,
+        "reconnect_timeout_s": 1800.0,
         "capacity": 64,
         "max_pending": 64,
         "ref_pretrain": None,
