@@ -169,6 +169,12 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op; same signature as ``AdaptiveKLController.update``."""
 
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
 
 class AdaptiveKLController:
     """Adaptive KL coefficient, Ziegler et al. 2019 (arXiv:1909.08593), section 2.2.
@@ -197,3 +203,10 @@ class AdaptiveKLController:
         """
         error = min(max(float(current_kl) / self.kl_target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        """What a resumed run needs: the coefficient it has drifted to (target and horizon are flags)."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

@@ -224,7 +224,20 @@ class PPOConfig:
 
     # ---- logging
     logging_steps: int = flag(1, "log every N steps", group="logging")
-    save_steps: int = flag(0, "save an HF checkpoint every N steps (0: only at the end)", group="logging")
+    save_steps: int = flag(
+        0,
+        "save a checkpoint (DeepSpeed state and run state, see docs/checkpoints.md) in --ckpt_path every N steps "
+        "(0: none; the final HF policy is written to SAVE_PATH regardless)",
+        group="ckpt",
+    )
+    ckpt_path: str = flag("", "checkpoint directory (default: SAVE_PATH/checkpoints)", group="ckpt")
+    max_ckpt_num: int = flag(
+        3, "keep at most this many checkpoints (older ones go once a new one is complete)", group="ckpt"
+    )
+    load_checkpoint: bool = flag(
+        False, "resume from the newest complete checkpoint in --ckpt_path if there is one", group="ckpt"
+    )
+    save_hf_ckpt: bool = flag(False, "also write the policy in HF format into each checkpoint (hf/)", group="ckpt")
     use_tensorboard: str = flag("", "TensorBoard log dir (default: SAVE_PATH/tensorboard)", group="logging")
     metrics_file: str = flag("", "JSON-lines metrics (default: SAVE_PATH/metrics.jsonl)", group="logging")
 

@@ -18,7 +18,7 @@ from learner.controller.types import CollectResult, PromptItem, Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.filtering import filter_and_refill
 from learner.rl.metrics import log_step, run_metrics
-from learner.rl.prompts import PromptStream
+from learner.rl.prompts import PromptStream, fingerprint
 from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("learner")
@@ -76,6 +76,13 @@ class Driver:
     def weights_pushed(self, version: int) -> None:
         self.controller.set_policy_version(version)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only."""
+        return {"prompts": self.prompts.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+
     def skipped(self, step: int, batch: StepBatch) -> None:
         log.warning("step %d: too few scored samples to train (%d); skipping", step, len(batch.rollout))
         if self.cfg.dynamic_filtering:
@@ -93,6 +100,9 @@ class Driver:
     ) -> None:
         metrics.update(run_metrics(self.controller, batch.collected, n_trained, timings))
         metrics.update(batch.filter_stats)
+        # Which prompts this step trained on, as one number: a resumed run's must equal the
+        # uninterrupted run's step for step (tests/e2e/test_e2e_resume.py).
+        metrics["data/prompts_crc"] = fingerprint(s.prompt for s in batch.rollout.samples[:: batch.rollout.group_size])
         if step % self.cfg.logging_steps == 0 or step == total_steps:
             self.sink.write(step, metrics)
             log_step(step, total_steps, metrics)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from learner.controller.types import PromptItem
@@ -58,8 +59,35 @@ class PromptStream:
         offset = ((step - 1) % self.steps_per_episode) * self.batch_size
         return self.items[offset : offset + self.batch_size]
 
+    def state_dict(self) -> dict[str, Any]:
+        """What pins the stream down. Its position needs no saving: step s draws ``batch(s)``
+        and ``refills(s)`` whatever came before, so a run resumed after step k draws from step
+        k+1 exactly what the uninterrupted run drew. Saved to refuse a resume on other data."""
+        return {
+            "batch_size": self.batch_size,
+            "n_items": len(self.items),
+            "fingerprint": fingerprint(it.tokens for it in self.items),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        diffs = [f"{k} {state[k]} (now {mine[k]})" for k in mine if k in state and state[k] != mine[k]]
+        if diffs:
+            raise ValueError(
+                f"the checkpoint's prompt stream differs from this run's: {', '.join(diffs)}; "
+                "the data file, its order (--seed) or the filters changed"
+            )
+
     def refills(self, step: int) -> Callable[[int], list[PromptItem]]:
         """``more(k)``: the next k prompts after ``step``'s batch, cycling through the data."""
         offset = ((step - 1) % self.steps_per_episode) * self.batch_size + self.batch_size
         following = itertools.islice(itertools.cycle(self.items), offset, None)
         return lambda k: list(itertools.islice(following, k))
+
+
+def fingerprint(prompts: Iterable[list[int]]) -> int:
+    """crc32 of prompts' token ids in order: equal for two sequences of the same prompts."""
+    crc = 0
+    for tokens in prompts:
+        crc = zlib.crc32(repr(list(tokens)).encode(), crc)
+    return crc

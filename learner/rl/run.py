@@ -8,7 +8,6 @@ publisher. Which schedule runs is the flags' choice (``learner.rl.schedules.SCHE
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -21,6 +20,7 @@ from learner.rl.build import (
     setup_logging,
     train_engine,
 )
+from learner.rl.checkpoint import Checkpointer, CheckpointMismatch, check_resumable
 from learner.rl.config import PPOConfig
 from learner.rl.schedules import SCHEDULES, RunParts
 from learner.rl.schedules.base import broadcast_int
@@ -74,6 +74,10 @@ def run(cfg: PPOConfig) -> int:
             f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
             f"({cfg.rollout_batch_size}); nothing to train"
         )
+    try:  # before the models load: a wrong resume fails in seconds, not minutes
+        check_resumable(cfg, world_size=info.world_size, n_prompts=n_items)
+    except CheckpointMismatch as e:
+        raise SystemExit(f"learner: {e}") from None
     samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     optimizer_steps = total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
 
@@ -109,13 +113,31 @@ def run(cfg: PPOConfig) -> int:
             driver.wait_for_services()
         parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps)
         schedule = SCHEDULES["async" if cfg.async_train else "lockstep"](parts)
-        schedule.start()  # servers may have loaded other weights: everyone starts equal
-        if driver is not None:
+        ckpt = Checkpointer(
+            cfg,
+            trainer,
+            rank=info.rank,
+            world_size=info.world_size,
+            n_prompts=n_items,
+            steps_per_episode=steps_per_episode,
+            tokenizer=tokenizer,
+            driver=driver,
+            schedule=schedule,
+        )
+        resumed = ckpt.resume() if cfg.load_checkpoint else None
+        first = resumed.step + 1 if resumed else 1
+        if resumed:
+            # The resumed weights, as the version they were at, before any prompt is handed out:
+            # servers that outlived the old learner still hold its later weights.
+            schedule.push_weights(resumed.state["policy_version"])
+        else:
+            schedule.start()  # servers may have loaded other weights: everyone starts equal
+        if driver is not None and not resumed:
             driver.evaluate(0, "eval/accuracy")
-        for step in range(1, total_steps + 1):
+        for step in range(first, total_steps + 1):
             schedule.step(step)
             if cfg.save_steps and step % cfg.save_steps == 0:
-                E.save_hf(engine, tokenizer, Path(cfg.save_path) / f"step_{step}")
+                ckpt.save(step)
         if driver is not None:
             driver.evaluate(total_steps, "eval/accuracy_final")
         E.save_hf(engine, tokenizer, cfg.save_path)
