@@ -58,10 +58,17 @@ class LocalConfig:
         900.0, "how long services wait for the learner's controller to answer (it loads its model and DeepSpeed first)"
     )
     quiet: bool = flag(False, "no progress line (logs only)")
+    restart_learner: int = flag(
+        0,
+        "restart a learner that fails up to N times, from its newest checkpoint (--load_checkpoint; give the "
+        "learner --save_steps), while the services stay up and rejoin it",
+    )
 
     def __post_init__(self) -> None:
         if self.threads_per_process < 1:
             raise ValueError(f"--threads_per_process must be >= 1, got {self.threads_per_process}")
+        if self.restart_learner < 0:
+            raise ValueError(f"--restart_learner must be >= 0, got {self.restart_learner}")
         if self.learner_threads < 0:
             raise ValueError(
                 f"--learner_threads must be >= 1 (or 0: --threads_per_process), got {self.learner_threads}"
@@ -191,6 +198,8 @@ class Supervisor:
         self._metrics_pos = 0
         self._shown = -1
         self.last: dict = {}
+        self.restarts = 0
+        self._env: dict[str, dict[str, str]] = {}
 
     def start(self) -> None:
         env = dict(
@@ -200,21 +209,41 @@ class Supervisor:
             TOKENIZERS_PARALLELISM="false",
         )
         learner_env = dict(env, OMP_NUM_THREADS=str(self.cfg.learner_threads or self.cfg.threads_per_process))
+        self._env = {"learner": learner_env, "service": env}
         for r in self.roles:
-            r.log.parent.mkdir(parents=True, exist_ok=True)
-            fh = open(r.log, "w")
-            fh.write("$ " + shlex.join(r.cmd) + "\n")
-            fh.flush()
-            # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
-            # e.g. vLLM's engine core) as a whole.
-            r.proc = subprocess.Popen(
-                r.cmd,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env=learner_env if r.kind == "learner" else env,
-                start_new_session=True,
-            )
-            print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
+            self._start(r, mode="w")
+
+    def _start(self, r: Role, mode: str) -> None:
+        r.log.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(r.log, mode)
+        fh.write("$ " + shlex.join(r.cmd) + "\n")
+        fh.flush()
+        # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
+        # e.g. vLLM's engine core) as a whole.
+        r.proc = subprocess.Popen(
+            r.cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=self._env["learner" if r.kind == "learner" else "service"],
+            start_new_session=True,
+        )
+        print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
+
+    def restart_learner(self, learner: Role, code: int) -> None:
+        """The learner failed: start it again from its newest checkpoint. The services outlive
+        it (they reconnect for --reconnect_timeout_s) and the new learner pushes them the
+        resumed weights before any prompt. Its log is appended to."""
+        self.restarts += 1
+        _signal_group(learner.proc, signal.SIGKILL)  # torchrun's ranks, if any are left
+        print(
+            f"\nthe learner exited with code {code}; restarting it from its newest checkpoint "
+            f"(restart {self.restarts} of {self.cfg.restart_learner}); log: {learner.log}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if "--load_checkpoint" not in learner.cmd:
+            learner.cmd = [*learner.cmd, "--load_checkpoint"]
+        self._start(learner, mode="a")
 
     def watch(self) -> int:
         """Returns the run's exit code: the learner's, or 1 if every process of a service kind died."""
@@ -226,6 +255,9 @@ class Supervisor:
                 if code is None:
                     continue
                 if r is learner:
+                    if code != 0 and self.restarts < self.cfg.restart_learner:
+                        self.restart_learner(learner, code)
+                        continue
                     self._progress(final=True)
                     if code != 0:
                         print(
@@ -271,6 +303,8 @@ class Supervisor:
     def _progress(self, final: bool = False) -> None:
         if not self.metrics.exists():
             return
+        if self.metrics.stat().st_size < self._metrics_pos:  # a resumed learner dropped what it redoes
+            self._metrics_pos = 0
         with open(self.metrics) as fh:
             fh.seek(self._metrics_pos)
             for line in fh:

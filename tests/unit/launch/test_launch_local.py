@@ -113,3 +113,43 @@ def test_thread_counts_are_checked():
         LocalConfig(pretrain="x", learner_threads=-1)
     with pytest.raises(ValueError, match="--threads_per_process"):
         LocalConfig(pretrain="x", threads_per_process=0)
+
+
+def test_a_failed_learner_is_restarted_with_load_checkpoint_while_services_stay_up(tmp_path, capsys):
+    """--restart_learner 2: the learner fails twice (killed -9, then exit 1), is started again
+    with --load_checkpoint each time, and the third run's exit code is the run's; the service
+    kept its process throughout."""
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True, restart_learner=2)
+    count = tmp_path / "starts"
+    learner = (
+        "import os, sys, signal; p = sys.argv[1]; n = int(open(p).read()) + 1 if os.path.exists(p) else 1; "
+        "open(p, 'w').write(str(n)); print('args', sys.argv[2:], flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL) if n == 1 else sys.exit(1 if n == 2 else 0)"
+    )
+    roles = [
+        _role("rollout-0", "import time; time.sleep(120)", tmp_path),
+        Role("learner", [sys.executable, "-c", learner, str(count)], tmp_path / "logs" / "learner.log", kind="learner"),
+    ]
+    sup = Supervisor(roles, cfg)
+    sup.start()
+    service_pid = roles[0].proc.pid
+    try:
+        assert sup.watch() == 0
+        assert roles[0].proc.pid == service_pid and roles[0].proc.poll() is None  # never restarted
+    finally:
+        sup.stop()
+    assert count.read_text() == "3" and sup.restarts == 2
+    log = (tmp_path / "logs" / "learner.log").read_text()  # appended across restarts
+    assert log.count("args []") == 1 and log.count("args ['--load_checkpoint']") == 2
+    err = capsys.readouterr().err
+    assert "exited with code -9; restarting it from its newest checkpoint (restart 1 of 2)" in err
+    assert "restart 2 of 2" in err
+
+
+def test_a_learner_failing_past_its_restarts_ends_the_run(tmp_path):
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True, restart_learner=1)
+    roles = [
+        _role("rollout-0", "import time; time.sleep(120)", tmp_path),
+        _role("learner", "import sys; sys.exit(3)", tmp_path),
+    ]
+    assert _supervise(roles, cfg) == 3
