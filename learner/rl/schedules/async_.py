@@ -197,7 +197,10 @@ class AsyncSchedule(Schedule):
         try:
             return self._step(step)
         except BaseException:
-            self._stop_pump()  # the controller's socket is the main thread's again (driver.close)
+            try:
+                self._stop_pump()  # the controller's socket is the main thread's again (driver.close)
+            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                log.exception("stopping the async data path after a failed step")
             raise
 
     def _step(self, step: int) -> Decision:
@@ -268,9 +271,10 @@ class AsyncSchedule(Schedule):
             "total_steps": parts.total_steps,
         }
         collected = CollectResult(rollout, [], counters["dropped_failed"])
-        self.driver.report(
-            step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
-        )
+        with self.pump.hold():  # run_metrics reads the pool, which the pump thread changes
+            self.driver.report(
+                step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
+            )
 
 
 def _stream(prompts: Any, step: int):
