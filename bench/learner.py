@@ -233,7 +233,10 @@ def main() -> None:
     args = p.parse_args()
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         model_dir(args.model, Path(args.cache))  # build once, before the ranks race for it
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", *sys.argv]
+        # --nproc stays here: torchrun would read it as an abbreviation of its own --nproc-per-node
+        rest = [a for i, a in enumerate(sys.argv[1:]) if a != "--nproc" and sys.argv[i] != "--nproc"]
+        rest = [a for a in rest if not a.startswith("--nproc=")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", sys.argv[0], *rest]
         raise SystemExit(subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}))
     worker(args)
 

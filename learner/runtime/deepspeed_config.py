@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["grad_accum_steps", "train_ds_config", "frozen_ds_config", "load_ds_config"]
+__all__ = ["grad_accum_steps", "effective_zero_stage", "train_ds_config", "frozen_ds_config", "load_ds_config"]
 
 # DeepSpeed prints a throughput line every `steps_per_print` steps; we log our own metrics.
 _QUIET = {"steps_per_print": 1_000_000_000, "wall_clock_breakdown": False}
@@ -43,7 +43,30 @@ def grad_accum_steps(train_batch_size: int, micro_train_batch_size: int, world_s
     return train_batch_size // per_step
 
 
-def _zero_section(stage: int, *, offload_optimizer: bool, offload_params: bool, overlap_comm: bool) -> dict[str, Any]:
+def effective_zero_stage(zero_stage: int, *, world_size: int, bf16: bool, adam_offload: bool) -> int:
+    """The stage a trained engine runs: ZeRO-1/2 on ONE rank in fp32 become stage 0.
+
+    ZeRO-1/2 partition optimizer state and gradients across data-parallel ranks; one rank has
+    nothing to partition, yet the machinery still runs. Stage 2's gradient hooks copy every
+    micro-batch's gradients into a reduce bucket, then copy or add them into the fp32
+    partition; stage 1 flattens and re-casts them at each optimizer step. Measured with
+    ``bench/learner.py`` (docs/performance.md): stage 2's backward was 1.2-1.46x plain
+    torch's, stage 0's 1.05x. Stage 0 keeps torch's in-place ``.grad`` accumulation and its
+    optimizer over the parameters themselves, with identical arithmetic (fp32, same clipping).
+    On one GPU the same holds, and it also spares the 5e8-element reduce bucket (2 GB fp32).
+    Kept as asked under bf16 (DeepSpeed has no stage-0 path with fp32 gradient accumulation)
+    and with ``--adam_offload`` (offload needs ZeRO). A checkpoint saved by a one-rank run is a
+    stage-0 checkpoint; DeepSpeed's ZeRO-1/2 checkpoints are tied to the data-parallel size
+    anyway.
+    """
+    if world_size == 1 and zero_stage in (1, 2) and not bf16 and not adam_offload:
+        return 0
+    return zero_stage
+
+
+def _zero_section(
+    stage: int, *, offload_optimizer: bool, offload_params: bool, overlap_comm: bool, contiguous_gradients: bool = True
+) -> dict[str, Any]:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {stage}")
     zero: dict[str, Any] = {"stage": stage}
@@ -64,6 +87,12 @@ def _zero_section(stage: int, *, offload_optimizer: bool, offload_params: bool, 
     if stage >= 1:
         zero["overlap_comm"] = overlap_comm
         zero["reduce_bucket_size"] = "auto" if stage == 3 else 5e8
+        # True (DeepSpeed's default) copies each gradient into a contiguous bucket as backward
+        # produces it, which keeps the CUDA caching allocator from fragmenting on big models;
+        # CPU memory has no such allocator, and the copies and the partition-wise reduces that
+        # follow made ZeRO-1/2 backward 1.3-1.6x plain torch's on 2 gloo ranks (False: 1.0-1.2x,
+        # docs/performance.md). The same gradients either way.
+        zero["contiguous_gradients"] = contiguous_gradients
     return zero
 
 
@@ -77,15 +106,24 @@ def train_ds_config(
     grad_clip: float = 1.0,
     adam_offload: bool = False,
     overlap_comm: bool = False,
+    contiguous_gradients: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of a trained engine (policy, critic, SFT/RM/DPO model).
 
-    ``grad_clip`` <= 0 turns clipping off. ``extra`` is merged last (shallow, per top-level
+    ``grad_clip`` <= 0 turns clipping off. ``contiguous_gradients``: True on GPUs, False on
+    CPUs (``learner.runtime.engine.make_engine`` decides; see ``_zero_section``). ``extra`` is merged last (shallow, per top-level
     key) for settings this function does not model.
     """
     accum = grad_accum_steps(train_batch_size, micro_train_batch_size, world_size)
-    zero = _zero_section(zero_stage, offload_optimizer=adam_offload, offload_params=False, overlap_comm=overlap_comm)
+    zero_stage = effective_zero_stage(zero_stage, world_size=world_size, bf16=bf16, adam_offload=adam_offload)
+    zero = _zero_section(
+        zero_stage,
+        offload_optimizer=adam_offload,
+        offload_params=False,
+        overlap_comm=overlap_comm,
+        contiguous_gradients=contiguous_gradients,
+    )
     if zero.get("reduce_bucket_size") == "auto":
         zero.pop("reduce_bucket_size")  # "auto" needs an HF model config; DeepSpeed's default is fine
     config: dict[str, Any] = {

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from common.transport import free_port
-from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config, train_ds_config
+from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
     "DistInfo",
@@ -329,6 +329,13 @@ def make_engine(
     micro-batch. ``num_training_steps`` counts optimizer steps (for the LR schedule).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
+    stage = effective_zero_stage(zero_stage, world_size=world, bf16=bf16, adam_offload=adam_offload)
+    if stage != zero_stage and is_rank0():
+        log.info(
+            "ZeRO-%d with one rank partitions nothing: running stage %d (same arithmetic, fewer copies)",
+            zero_stage,
+            stage,
+        )
     config = train_ds_config(
         zero_stage=zero_stage,
         bf16=bf16,
@@ -338,6 +345,7 @@ def make_engine(
         grad_clip=grad_clip,
         adam_offload=adam_offload,
         overlap_comm=overlap_comm,
+        contiguous_gradients=get_accelerator().device_name() != "cpu",  # why: deepspeed_config._zero_section
         extra=ds_extra,
     )
     optimizer = make_optimizer(

@@ -52,6 +52,21 @@ def test_grad_accum_is_derived_and_must_divide():
     assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
 
 
+def test_one_fp32_rank_runs_zero_1_and_2_as_stage_0():
+    from learner.runtime.deepspeed_config import effective_zero_stage, train_ds_config
+
+    kw = dict(bf16=False, train_batch_size=4, micro_train_batch_size=2)
+    for stage in (1, 2):
+        assert train_ds_config(zero_stage=stage, world_size=1, **kw)["zero_optimization"]["stage"] == 0
+        assert train_ds_config(zero_stage=stage, world_size=2, **kw)["zero_optimization"]["stage"] == stage
+        # bf16 (no stage-0 path with fp32 accumulation) and offload (needs ZeRO) keep the stage
+        assert effective_zero_stage(stage, world_size=1, bf16=True, adam_offload=False) == stage
+        assert effective_zero_stage(stage, world_size=1, bf16=False, adam_offload=True) == stage
+    assert effective_zero_stage(3, world_size=1, bf16=False, adam_offload=False) == 3
+    z = train_ds_config(zero_stage=2, world_size=2, contiguous_gradients=False, **kw)["zero_optimization"]
+    assert z["contiguous_gradients"] is False  # CPUs (make_engine); GPUs keep DeepSpeed's True
+
+
 def test_frozen_config_only_keeps_stage3_and_offload_forces_it():
     from learner.runtime.deepspeed_config import frozen_ds_config, load_ds_config
 
