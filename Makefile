@@ -53,8 +53,8 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 # A real Slurm on this host (root; installs Debian's packages when missing): an emulated
-# 4-node cluster runs launch/grpo_70b.slurm unedited on CPU, then every daemon is stopped.
-# About 4 minutes on 2 cores; docs/slurm.md.
+# 4-node cluster runs launch/grpo_70b.slurm unedited on CPU, and launch/add_rollouts.slurm
+# against a running job; then every daemon is stopped. About 3 minutes on 2 cores; docs/slurm.md.
 test-slurm: setup
 	launch/slurm_emulation/ensure_packages.sh
 	launch/slurm_emulation/cluster.sh --nodes 4 -- $(PY) -m pytest tests/slurm -m slurm --durations=0 $(PYTEST_ARGS)
