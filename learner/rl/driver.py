@@ -103,6 +103,8 @@ class Driver:
         # Which prompts this step trained on, as one number: a resumed run's must equal the
         # uninterrupted run's step for step (tests/e2e/test_e2e_resume.py).
         metrics["data/prompts_crc"] = fingerprint(s.prompt for s in batch.rollout.samples[:: batch.rollout.group_size])
+        if batch.rollout.samples:  # the oldest weights that sampled this step (lockstep: step - 1)
+            metrics["rollout/min_policy_version"] = min(s.policy_version for s in batch.rollout.samples)
         if step % self.cfg.logging_steps == 0 or step == total_steps:
             self.sink.write(step, metrics)
             log_step(step, total_steps, metrics)

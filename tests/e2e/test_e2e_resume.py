@@ -1,0 +1,174 @@
+"""End to end: a learner killed -9 mid-run is restarted by ``launch.local --restart_learner``
+from its newest checkpoint, while the rollout server (vLLM) and the reward service stay up.
+
+What is asserted, and what is not:
+- the resumed learner continues at k+1 and ends at the planned step, each step in
+  metrics.jsonl exactly once (the killed run's steps after k are dropped and done again);
+- the prompts trained at every step (``data/prompts_crc``) are those of an uninterrupted
+  run: the PromptStream's batch for that step, and equal to what the killed run trained at
+  the steps it did after k;
+- the services kept their processes (one start each), rejoined the new controller, and the
+  first samples after the restart came from the resumed weights (policy version k);
+- vLLM and the learner agree on log-probs after the restart (the resumed weights arrived).
+Per-step losses and rewards are NOT compared with an uninterrupted run: train_ppo samples
+without a seed (``SamplingParams.seed`` None) and vLLM's batching order is not reproducible, so
+two runs' samples differ from step 1 on; with seeded sampling the seed is offset by the
+controller's prompt id, which restarts at 0 in a new learner process. The learner-side state
+(weights, optimizer, LR schedule, RNGs, KL) is checked exactly in tests/unit/rl/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.paths import HELPERS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS, SAVE_EVERY, KILL_AFTER = 9, 3, 4  # steps take ~0.2 s: the kill lands after step 4 or a little later
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"input": f"{a}+{b}="}) + "\n" for a in range(10) for b in range(10)))
+    return path
+
+
+def _learner_flags(prompts: Path) -> list[str]:
+    return [
+        "--prompt_data", str(prompts), "--input_key", "input",
+        "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
+        "--train_batch_size", "32", "--micro_train_batch_size", "32",
+        "--max_steps", str(STEPS), "--generate_max_len", "4",
+        "--actor_learning_rate", "1e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0",
+        "--peer_timeout_s", "30", "--save_steps", str(SAVE_EVERY),
+        # A learner killed during a weight push leaves the server's receive waiting for it until
+        # the group's timeout; only then can the server join the restarted learner's group.
+        "--weight_sync_timeout_s", "20",
+    ]  # fmt: skip
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
+    """What an uninterrupted run trains at each step: the PromptStream's batch."""
+    from transformers import AutoTokenizer
+
+    from learner.rl.config import PPOConfig
+    from learner.rl.prompts import PromptStream, fingerprint, load_prompt_items
+
+    cfg = PPOConfig(pretrain=str(tiny_model_dir), **{
+        "prompt_data": str(prompts), "input_key": "input", "n_samples_per_prompt": 4, "rollout_batch_size": 8,
+        "train_batch_size": 32, "micro_train_batch_size": 32, "seed": 0,
+    })  # fmt: skip
+    stream = PromptStream(load_prompt_items(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), str(prompts)), 8)
+    return {s: fingerprint(it.tokens for it in stream.batch(s)) for s in range(1, STEPS + 1)}
+
+
+@pytest.mark.skip(
+    reason="open: a learner killed during a weight push leaves the rollout server's gloo receive (and "
+    "RolloutCore's update lock) waiting on it until the group timeout, so the restarted learner's "
+    "WeightSyncInit times out and the retries chase each other (issue 15; RolloutCore needs to abort an "
+    "open update when the controller is lost)"
+)
+def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
+    prompts = _prompts(tmp_path)
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(tiny_model_dir),
+        "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
+        "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
+        "--learner_args", " ".join(_learner_flags(prompts)),
+        "--restart_learner", "1", "--stop_timeout_s", "15", "--quiet",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    out_path = tmp_path / "launch.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in _metrics(run)):
+            assert proc.poll() is None, out_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the run never reached the kill point"
+            time.sleep(0.1)
+        learner_pid = int(re.search(r"started learner \(pid (\d+)\)", out_path.read_text()).group(1))
+        os.kill(learner_pid, signal.SIGKILL)
+        killed_run = {m["step"]: m for m in _metrics(run) if "rollout/reward" in m}  # before the resume trims it
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+    out = out_path.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    logs = run / "logs"
+    learner_log = (logs / "learner.log").read_text()
+    k = int(re.search(r"resumed from \S+step_(\d+): step (\d+)", learner_log).group(2))
+    assert k % SAVE_EVERY == 0 and KILL_AFTER - SAVE_EVERY < k < STEPS, learner_log[-3000:]
+
+    # continues at k+1, ends at the planned step, each step once
+    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
+    # the prompts of every step are the uninterrupted run's
+    expected = _expected_crcs(tiny_model_dir, prompts)
+    assert {m["step"]: m["data/prompts_crc"] for m in rows} == expected
+    assert all(killed_run[s]["data/prompts_crc"] == expected[s] for s in killed_run)
+    # the services never restarted: one start each, and they rejoined the new controller
+    assert out.count("started rollout-0") == 1 and out.count("started reward-0") == 1
+    assert out.count("started learner") == 2 and "restart 1 of 1" in out
+    for name in ("rollout-0", "reward-0"):
+        text = (logs / f"{name}.log").read_text()
+        assert "reconnected to the controller" in text or "welcomed again" in text, text[-3000:]
+    # the first samples after the restart came from the resumed weights, and every step's
+    # samples from the previous step's (lockstep), as in an uninterrupted run
+    assert [m["rollout/min_policy_version"] for m in rows] == [s - 1 for s in range(1, STEPS + 1)]
+    assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3
+    assert sorted(p.name for p in (run / "model" / "checkpoints").iterdir()) == [
+        f"step_{s:08d}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
+    ]  # --max_ckpt_num 3
+
+
+def test_a_resume_with_another_batch_size_fails_fast_naming_it(tmp_path, tiny_model_dir):
+    """No services needed: the check runs before the model loads."""
+    from learner.rl import checkpoint as C
+
+    prompts = _prompts(tmp_path)
+    ckpt = tmp_path / "ckpt" / "step_00000003"
+    ckpt.mkdir(parents=True)
+    match = {f: None for f in C.MATCH_FIELDS}
+    match.update(pretrain=str(tiny_model_dir), prompt_data=str(prompts), seed=0, rollout_batch_size=8,
+                 n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=32,
+                 advantage_estimator="group_norm", zero_stage=2, world_size=1, n_prompts=100)  # fmt: skip
+    (ckpt / "state.json").write_text(json.dumps({"format": C.FORMAT, "step": 3, "match": match}))
+    flags = [f if f != "8" else "16" for f in _learner_flags(prompts)]  # --rollout_batch_size 16
+    flags = [f if f != "32" else "64" for f in flags]
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "learner.train_ppo", "--pretrain", str(tiny_model_dir), *flags,
+         "--ckpt_path", str(tmp_path / "ckpt"), "--load_checkpoint", "--save_path", str(tmp_path / "out"),
+         "--controller_bind", "tcp://127.0.0.1:0"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert res.returncode != 0
+    assert "rollout_batch_size: checkpoint 8, this run 16" in res.stderr, res.stderr[-3000:]
+    assert "step_00000003" in res.stderr and time.monotonic() - t0 < 120
