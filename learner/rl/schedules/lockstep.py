@@ -41,7 +41,12 @@ class LockstepSchedule(Schedule):
         t_gen = time.time() - t0
         rollout = broadcast_rollout(batch.rollout if batch else None, cfg.n_samples_per_prompt, device=parts.device)
         rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
-        metrics = parts.trainer.step(rollout)
+        # On-policy when every sample came from the weights pushed after the previous step
+        # (version step - 1): then the learner's "old" log-probs are its current ones and the
+        # trainer may take them from the training forward. A sample from older weights (it
+        # should not happen in lockstep) makes the trainer recompute them.
+        on_policy = all(s.policy_version == step - 1 for s in rollout.samples)
+        metrics = parts.trainer.step(rollout, on_policy=on_policy)
         t_train = time.time() - t0 - t_gen
         self.push_weights(step)
         if self.driver is not None:

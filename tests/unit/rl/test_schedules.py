@@ -16,9 +16,14 @@ from learner.rl.schedules import lockstep as lockstep_module
 G = 2
 
 
-def _rollout(n_groups: int) -> Rollout:
+def _rollout(n_groups: int, version: int = 0) -> Rollout:
     return Rollout(
-        [ScoredSample(g, j, [1], [2, 3], torch.zeros(2), None, float(j)) for g in range(n_groups) for j in range(G)], G
+        [
+            ScoredSample(g, j, [1], [2, 3], torch.zeros(2), None, float(j), policy_version=version)
+            for g in range(n_groups)
+            for j in range(G)
+        ],
+        G,
     )
 
 
@@ -30,8 +35,8 @@ class Recorder:
         self.calls: list[tuple] = []
 
     # trainer
-    def step(self, rollout):
-        self.calls.append(("train", len(rollout)))
+    def step(self, rollout, *, on_policy=False):
+        self.calls.append(("train", len(rollout), on_policy))
         return {"rollout/reward": 0.5}
 
     # weight push
@@ -73,7 +78,16 @@ def _schedule(rec: Recorder, *, driver: bool = True, train_batch_size: int = 4):
 def test_a_step_gathers_trains_a_whole_number_of_train_batches_pushes_then_reports():
     rec = Recorder([_rollout(3)])  # one group of 4 failed scoring: 6 samples, train batches of 4: 4 trained
     assert _schedule(rec).step(1) is Decision.TRAIN
-    assert rec.calls == [("gather", 1), ("train", 4), ("push", 1), ("version", 1), ("report", 1, 4)]
+    assert rec.calls == [("gather", 1), ("train", 4, True), ("push", 1), ("version", 1), ("report", 1, 4)]
+
+
+def test_a_sample_from_older_weights_makes_the_step_off_policy():
+    """Step 3 trains weights v2; a sample of v1 means the learner must recompute old log-probs."""
+    rollout = _rollout(2, version=2)
+    rollout.samples[0].policy_version = 1
+    rec = Recorder([rollout])
+    _schedule(rec).step(3)
+    assert ("train", 4, False) in rec.calls
 
 
 def test_start_pushes_version_0_before_any_step():
