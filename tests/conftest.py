@@ -23,3 +23,16 @@ def tiny_model_dir(tmp_path_factory):
     from common.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    """Tests that let a service install its SIGTERM/SIGINT handlers put pytest's back after."""
+    import signal
+
+    from common.service import STOP_SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

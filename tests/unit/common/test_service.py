@@ -160,14 +160,6 @@ def test_no_welcome_names_the_controller_within_the_connect_timeout(flavour):
 # ---------------------------------------------------------------------------- signals
 
 
-@pytest.fixture
-def restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
 def test_a_signal_is_recorded_for_the_serving_loop(sig, restore_signal_handlers):
     sh = shell(nobody())

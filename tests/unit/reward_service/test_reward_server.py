@@ -14,6 +14,7 @@ import pytest
 from common import protocol as P
 from common.service import STOP_SIGNALS
 from common.transport import Endpoint, free_port
+from helpers.fake_controller import welcome_then
 from reward_service.server import RewardServer
 
 
@@ -38,44 +39,10 @@ def router():
     ep.close(0)
 
 
-@pytest.fixture
-def restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
-def welcome_then(router: Endpoint, after_first_heartbeat, seen: list[P.Message]) -> threading.Thread:
-    """The controller: welcomes the Hello, calls ``after_first_heartbeat(identity)`` once, and
-    records everything else it gets until a fatal notice (or 15 s)."""
-
-    def run() -> None:
-        deadline, acted = time.monotonic() + 15, False
-        while time.monotonic() < deadline:
-            got = router.recv(timeout=0.1)
-            if got is None:
-                continue
-            ident, msg = got
-            if isinstance(msg, P.Hello):
-                router.reply(msg, P.Welcome(peer_id=msg.name), to=ident)
-                continue
-            seen.append(msg)
-            if isinstance(msg, P.Heartbeat) and not acted:
-                acted = True
-                after_first_heartbeat(ident)
-            if isinstance(msg, P.Error) and msg.code == "fatal":
-                return
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
 def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handlers):
     seen: list[P.Message] = []
-    t = welcome_then(router, lambda _ident: os.kill(os.getpid(), sig), seen)
+    t = welcome_then(router, lambda _r, _ident: os.kill(os.getpid(), sig), seen)
     srv = RewardServer(Idle(), controller=router.address, name="rw-sig", heartbeat_s=0.2)
     try:
         rc = srv.run()  # in the main thread: only there does Python deliver signals

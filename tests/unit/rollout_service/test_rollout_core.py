@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from common import protocol as P
-from common.service import STOP_SIGNALS
 from common.transport import AsyncEndpoint, Endpoint
+from helpers.fake_controller import welcome_then
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, RolloutCore
 
@@ -257,14 +255,6 @@ def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
 # wears common/service.py's shell (last words, signal -> exit code, Shutdown -> Ack).
 
 
-@pytest.fixture
-def restore_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 def serve_in_process(core, act) -> tuple[int, list[P.Message]]:
     """Serves ``core`` in the main thread (only there may asyncio catch signals) against a
     controller thread that welcomes it, calls ``act(router, identity)`` after the first
@@ -275,23 +265,6 @@ def serve_in_process(core, act) -> tuple[int, list[P.Message]]:
     cfg = RolloutConfig(model="m", controller=router.address, heartbeat_s=0.2, weight_transfer_backend="gloo")
     seen: list[P.Message] = []
 
-    def controller() -> None:
-        deadline, acted = time.monotonic() + 15, False
-        while time.monotonic() < deadline:
-            got = router.recv(timeout=0.1)
-            if got is None:
-                continue
-            ident, msg = got
-            if isinstance(msg, P.Hello):
-                router.reply(msg, P.Welcome(peer_id=msg.name), to=ident)
-                continue
-            seen.append(msg)
-            if isinstance(msg, P.Heartbeat) and not acted:
-                acted = True
-                act(router, ident)
-            if isinstance(msg, P.Ack) or (isinstance(msg, P.Error) and msg.code == "fatal"):
-                return
-
     async def main() -> int:
         ep = AsyncEndpoint(router.address, name="r-shell")
         try:
@@ -299,8 +272,7 @@ def serve_in_process(core, act) -> tuple[int, list[P.Message]]:
         finally:
             ep.close(0)
 
-    t = threading.Thread(target=controller)
-    t.start()
+    t = welcome_then(router, act, seen)
     try:
         return asyncio.run(main()), seen
     finally:
