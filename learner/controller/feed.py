@@ -91,6 +91,9 @@ class OffPolicyFeed:
             "aborted": 0,
         }
         self.rollout_idle_s = 0.0  # time with no prompt generating anywhere
+        # The most groups ever admitted and not yet trained or dropped (ready + in flight): the
+        # back-pressure check. Admission keeps it <= (K + 1) x B; a slow learner must not raise it.
+        self.outstanding_max = 0
         self._last_turn = clock()
 
     # ------------------------------------------------------------------ state
@@ -131,6 +134,7 @@ class OffPolicyFeed:
             for pid, item in zip(self.controller.add_prompts(items), items):
                 self.in_flight[pid] = item
             self.counters["admitted"] += len(items)
+            self.outstanding_max = max(self.outstanding_max, self.outstanding())
         return len(items)
 
     def pump(self, timeout: float = 0.05) -> None:
@@ -178,6 +182,15 @@ class OffPolicyFeed:
         self.ready.sort(key=lambda g: (g.version, g.seq))
         batch, self.ready = self.ready[: self.B], self.ready[self.B :]
         self.counters["trained"] += len(batch)
+        # One line per step: tests and operators read the back-pressure bound from the log.
+        log.info(
+            "batch for v%d: %d group(s) left ready, %d in flight; outstanding at most %d so far (bound %d)",
+            train_version,
+            len(self.ready),
+            len(self.in_flight),
+            self.outstanding_max,
+            (self.K + 1) * self.B,
+        )
         return batch
 
     def abort_stale(self, next_train_version: int) -> int:
@@ -205,6 +218,11 @@ class OffPolicyFeed:
         and, with ready groups, reported as left over. Returns the final counters."""
         if self.in_flight:
             self.controller.abort(list(self.in_flight), "training finished")
-        out = dict(self.counters, in_flight_at_end=len(self.in_flight), ready_at_end=len(self.ready))
+        out = dict(
+            self.counters,
+            in_flight_at_end=len(self.in_flight),
+            ready_at_end=len(self.ready),
+            outstanding_max=self.outstanding_max,
+        )
         log.info("async data path at the end: %s", out)
         return out
