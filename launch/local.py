@@ -58,6 +58,11 @@ class LocalConfig:
         900.0, "how long services wait for the learner's controller to answer (it loads its model and DeepSpeed first)"
     )
     quiet: bool = flag(False, "no progress line (logs only)")
+    auth: bool = flag(
+        False,
+        "ZeroMQ CURVE between the roles: keys made once in RUN_DIR/auth (python -m common.auth) and passed to "
+        "every role as --auth_dir; peers without them are refused",
+    )
     restart_learner: int = flag(
         0,
         "restart a learner that fails up to N times, from its newest checkpoint (--load_checkpoint; give the "
@@ -91,6 +96,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     port = cfg.port or free_port()
     controller = f"tcp://127.0.0.1:{port}"
     py = sys.executable
+    auth = ["--auth_dir", str(run / "auth")] if cfg.auth else []  # before the user's args: theirs win
     roles: list[Role] = []
     for i in range(cfg.rollout_servers):
         roles.append(
@@ -108,6 +114,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                     f"rollout-{i}",
                     "--connect_timeout_s",
                     str(cfg.connect_timeout_s),
+                    *auth,
                     *shlex.split(cfg.rollout_args),
                 ],
                 logs / f"rollout-{i}.log",
@@ -130,6 +137,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                     "--connect_timeout_s",
                     str(cfg.connect_timeout_s),
                     *reward_extra,
+                    *auth,
                     *shlex.split(cfg.reward_args),
                 ],
                 logs / f"reward-{i}.log",
@@ -151,6 +159,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         str(run / "metrics.jsonl"),
         "--use_tensorboard",
         str(run / "tensorboard"),
+        *auth,
         *shlex.split(cfg.learner_args),
     ]
     if cfg.learner_nproc > 1:
@@ -351,6 +360,11 @@ def _tail(path: Path, n: int = 15) -> str:
 
 def run(cfg: LocalConfig) -> int:
     roles = build_roles(cfg)
+    keys = Path(cfg.run_dir) / "auth"
+    if cfg.auth and not (keys / "controller.key_secret").exists():
+        from common.auth import keygen
+
+        keygen(keys)
     sup = Supervisor(roles, cfg)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

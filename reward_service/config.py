@@ -35,6 +35,11 @@ class RewardConfig:
         "when the controller goes away (a learner restart), say Hello for this long before exiting",
         group="wiring",
     )
+    auth_dir: str = flag(
+        "",
+        "folder of the run's CURVE keys (python -m common.auth keygen DIR): encrypted, and only peers holding them are admitted; empty: no authentication",
+        group="wiring",
+    )
     capacity: int = flag(
         64,
         "prompts the controller may have in flight here (announced in Hello as capabilities['capacity'])",

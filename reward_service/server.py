@@ -61,9 +61,11 @@ class RewardServer:
         reconnect_timeout_s: float = DEFAULT_RECONNECT_S,
         max_pending: int = 64,
         capacity: int = 64,
+        auth_dir: str | None = None,
     ) -> None:
         self.scorer = scorer
         self.controller = controller
+        self.auth_dir = auth_dir or None
         self.name = name or default_name("reward")
         self.shell = ServiceShell(
             "reward",
@@ -154,7 +156,7 @@ class RewardServer:
         self.shell.catch_signals()
         wake = self._ctx.socket(zmq.PAIR)
         wake.bind(self._wake_addr)
-        ep = self._ep = Endpoint.connect(self.controller, name=self.name)
+        ep = self._ep = Endpoint.connect(self.controller, name=self.name, auth_dir=self.auth_dir)
         worker = threading.Thread(target=self._score_loop, name="reward-score", daemon=True)
         try:
             try:
@@ -331,4 +333,5 @@ def serve(cfg) -> int:
         reconnect_timeout_s=cfg.reconnect_timeout_s,
         max_pending=cfg.max_pending,
         capacity=cfg.capacity,
+        auth_dir=cfg.auth_dir,
     ).run()

@@ -69,6 +69,11 @@ class RolloutConfig:
         "when the controller goes away (a learner restart), keep the engine and say Hello for this long before exiting",
         group="wire",
     )
+    auth_dir: str = flag(
+        "",
+        "folder of the run's CURVE keys (python -m common.auth keygen DIR): encrypted, and only peers holding them are admitted; empty: no authentication",
+        group="wire",
+    )
     coalesce_ms: float = flag(
         0.0,
         "gather prompts finishing within this many ms into one SampleBatch "

@@ -347,7 +347,7 @@ async def amain(cfg: RolloutConfig) -> int:
     t0 = time.monotonic()
     await core.start()
     log.info("%s: engine ready in %.1f s", name, time.monotonic() - t0)
-    ep = AsyncEndpoint(cfg.controller, name=name)
+    ep = AsyncEndpoint(cfg.controller, name=name, auth_dir=cfg.auth_dir or None)
     server = RolloutServer(cfg, core, ep)
     try:
         return await server.serve()

@@ -212,6 +212,11 @@ class PPOConfig:
     peer_timeout_s: float = flag(
         30.0, "a service silent this long is declared dead; its work is re-issued", group="services"
     )
+    auth_dir: str = flag(
+        "",
+        "folder of the run's CURVE keys (python -m common.auth keygen DIR): encrypted, and only peers holding them are admitted; empty: no authentication",
+        group="services",
+    )
     generate_timeout_s: float = flag(600.0, "re-issue a prompt not generated within this long", group="services")
     score_timeout_s: float = flag(300.0, "re-score a prompt not scored within this long", group="services")
     weight_sync_timeout_s: float = flag(300.0, "deadline of one weight push to one server", group="services")

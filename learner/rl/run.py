@@ -99,7 +99,7 @@ def run(cfg: PPOConfig) -> int:
     ok = False
     try:
         if rank0:
-            endpoint = Endpoint.bind(cfg.controller_bind)
+            endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
             rollout = weights.connect(endpoint, ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s))
             controller = make_controller(cfg, sampling, rollout, tokenizer, sync_joiners=weights.rank0_can_push_alone)
             driver = Driver(

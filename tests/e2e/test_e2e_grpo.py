@@ -31,7 +31,9 @@ def _prompts(tmp_path: Path) -> Path:
     return path
 
 
-def _launch(tmp_path: Path, model: Path, *, steps: int, servers: int, extra_learner: list[str] = ()):
+def _launch(
+    tmp_path: Path, model: Path, *, steps: int, servers: int, extra_learner: list[str] = (), extra_local: list[str] = ()
+):
     learner = [
         "--prompt_data",
         str(_prompts(tmp_path)),
@@ -81,6 +83,7 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, servers: int, extra_lear
         " ".join(learner),
         "--stop_timeout_s",
         "15",
+        *extra_local,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     return subprocess.Popen(
@@ -127,10 +130,14 @@ def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
 
 def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     steps = 12
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1)
+    # With CURVE on (launch.local --auth): every role holds the run's keys; the rest of the
+    # suite runs without, so both paths stay covered.
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"])
     out = _finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
+    assert (run / "auth" / "authorized" / "peer.key").exists()
+    assert "--auth_dir" in (run / "logs" / "rollout-0.log").read_text().splitlines()[0]
     # The learner's Shutdown reached every service: none had to be killed by launch.local.
     assert "did not exit within" not in out, out[-4000:]
     rows = [m for m in _metrics(run) if "rollout/reward" in m]

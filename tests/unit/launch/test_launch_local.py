@@ -86,6 +86,13 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
     assert ref[ref.index("--ref_pretrain") + 1] == "/m"
 
 
+def test_auth_gives_every_role_the_run_key_folder(tmp_path):
+    roles = build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", auth=True))
+    for role in roles:
+        assert role.cmd[role.cmd.index("--auth_dir") + 1] == str(tmp_path / "auth"), role.name
+    assert not any("--auth_dir" in r.cmd for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m")))
+
+
 def test_learner_reward_flags_reach_the_reward_services(tmp_path):
     cfg = LocalConfig(
         run_dir=str(tmp_path),

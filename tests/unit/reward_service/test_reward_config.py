@@ -19,6 +19,7 @@ def test_every_flag_keeps_its_default():
         "heartbeat_s": 2.0,
         "connect_timeout_s": 60.0,
         "reconnect_timeout_s": 1800.0,
+        "auth_dir": "",
         "capacity": 64,
         "max_pending": 64,
         "ref_pretrain": None,
