@@ -15,6 +15,23 @@ and a sample's ``policy_version`` is the label of its first token. Requests in f
 update starts are kept (vLLM pause mode "keep") and continue on the new weights afterwards;
 their version says they started on the old ones.
 
+A controller lost mid-push. A learner killed between WeightUpdateStart and WeightUpdateFinish
+leaves an update open that nobody will finish, and a group whose other end is gone. When the
+server finds its controller gone, or a new controller welcomes it, ``abort_weight_sync`` marks
+the open update failed (the weights may be half-loaded: nothing is served until a complete
+update lands, which the new controller pushes before any prompt), drops the group, and bumps
+the weight epoch: a weight call of the old controller still queued behind the update lock is
+refused when its turn comes instead of running against a learner that is gone. A receive that
+was already running cannot be interrupted (it is a collective inside vLLM's worker), but it
+does not need to be: gloo raises "Connection closed by peer" within milliseconds of the
+learner's death. What did hang was the rendezvous: a worker that tries to join a store nobody
+listens on any more (the learner died, or gave up on us and dropped its store) retries the
+connect until its timeout, about three times over, holding the worker and the update lock
+while the restarted learner's own WeightSyncInit waits behind it and times out in turn. So a
+WeightSyncInit runs only within the learner's own deadline: the worker is given what is left of
+``timeout_s`` after the call waited for the lock, and one that waited it all out is answered
+with an error at once (the learner has given up on that group; it asks again).
+
 Stale KV. After every update the prefix cache is reset. vLLM refuses that reset while kept
 requests still hold KV blocks, so prompts are also salted with the version
 (``cache_salt="rayless-v{N}"``): a block computed under one version can never be a prefix hit
@@ -28,7 +45,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +123,8 @@ class RolloutCore:
         self._update_lock = asyncio.Lock()  # one weight-update step at a time
         self._admission = asyncio.Lock()  # orders adds against pauses (see generate)
         self._update_open = False
+        self._group_open = False  # a weight group was formed and not yet shut down
+        self._weight_epoch = 0  # bumped by abort_weight_sync: older weight calls are refused
         self._ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # vLLM request id -> prompt id
         self._waiting = 0
@@ -367,7 +386,8 @@ class RolloutCore:
 
     # ------------------------------------------------------------------ weights
     async def init_weight_transfer(self, backend: str, init_info: dict[str, Any], timeout_s: float) -> int:
-        """Joins the learner's group; returns how many ranks this server contributes."""
+        """Joins the learner's group; returns how many ranks this server contributes.
+        ``timeout_s``: how long the learner waits for us to join (it gives up after that)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         if backend != self.backend:
@@ -375,9 +395,22 @@ class RolloutCore:
                 f"learner pushes weights over {backend!r}, this server was started with "
                 f"--weight_transfer_backend {self.backend!r}"
             )
+        epoch, t0 = self._weight_epoch, time.monotonic()
         async with self._update_lock:
+            self._check_epoch(epoch, "WeightSyncInit")
             if self._update_open:
                 raise BadRequest("a weight update is open; finish it before re-forming the group")
+            left = timeout_s - (time.monotonic() - t0)
+            if left < 1.0:
+                # The learner has dropped this group's store by now: joining it would only hold
+                # the worker (and the next WeightSyncInit) for the rendezvous timeout.
+                raise TimeoutError(
+                    f"waited {time.monotonic() - t0:.1f} s for the previous weight step to end; the learner gave "
+                    f"up on this group after {timeout_s:.0f} s (it forms a new one when it asks again)"
+                )
+            if self.backend == "gloo":  # our receiver takes it (vLLM's own engines reject unknown fields)
+                init_info = {**init_info, "rendezvous_timeout_s": left}
+            self._group_open = True
             # The group's own timeouts (in init_info) end a stuck rendezvous; this is a backstop.
             await asyncio.wait_for(
                 self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), timeout_s + 10
@@ -386,10 +419,37 @@ class RolloutCore:
 
     async def close_weight_transfer(self) -> None:
         async with self._update_lock:
+            self._group_open = False
             await self.llm.shutdown_weight_transfer_engine()
 
-    async def start_weight_update(self, version: int) -> None:
+    def abort_weight_sync(self, why: str) -> Awaitable[None]:
+        """The controller that drove the weight group is gone (``why``). Weight calls it queued
+        are refused from now on (synchronously: call this before handing on any message of the
+        next controller); the returned awaitable, once the update lock is free, fails the open
+        update (if any) and shuts the group down."""
+        self._weight_epoch += 1
+        return self._drop_weight_sync(why)
+
+    async def _drop_weight_sync(self, why: str) -> None:
         async with self._update_lock:
+            if self._update_open:
+                log.warning("aborting the open weight update: %s; serving nothing until a complete one lands", why)
+                await self._fail_update()
+            if self._group_open and self.llm is not None:
+                self._group_open = False
+                try:
+                    await self.llm.shutdown_weight_transfer_engine()
+                except Exception as e:  # noqa: BLE001 - the next WeightSyncInit replaces the group anyway
+                    log.warning("could not shut down the weight group of the controller that went away: %r", e)
+
+    def _check_epoch(self, epoch: int, what: str) -> None:
+        if epoch != self._weight_epoch:
+            raise BadRequest(f"{what} dropped: asked by a controller that has gone away since")
+
+    async def start_weight_update(self, version: int) -> None:
+        epoch = self._weight_epoch
+        async with self._update_lock:
+            self._check_epoch(epoch, "WeightUpdateStart")
             if self._update_open:
                 raise BadRequest(f"weight update to v{version}: an update is already open")
             await self._hold("update")
@@ -403,7 +463,9 @@ class RolloutCore:
     async def update_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        epoch = self._weight_epoch
         async with self._update_lock:
+            self._check_epoch(epoch, "WeightUpdate")
             if not self._update_open:
                 raise BadRequest("WeightUpdate without WeightUpdateStart")
             t0 = time.perf_counter()
@@ -421,7 +483,9 @@ class RolloutCore:
     async def finish_weight_update(self, version: int) -> bool:
         """Returns whether the prefix cache could be reset outright (False: kept requests still
         hold blocks; the version salt keeps them apart)."""
+        epoch = self._weight_epoch
         async with self._update_lock:
+            self._check_epoch(epoch, "WeightUpdateFinish")
             if not self._update_open:
                 raise BadRequest("WeightUpdateFinish without WeightUpdateStart")
             try:

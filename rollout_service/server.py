@@ -89,6 +89,7 @@ class RolloutServer:
         self._prompt_tasks: dict[int, asyncio.Task] = {}  # prompt id -> its task, for Abort
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
+        self._weights_dropped = False  # abort_weight_sync done for the current loss of the controller
         self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
             P.WeightSyncInit: self._on_sync_init,
             P.WeightUpdateStart: self._on_update_start,
@@ -153,6 +154,9 @@ class RolloutServer:
                 await self._hello_again()
             elif isinstance(msg, P.Welcome) and self.shell.welcomed_again(msg):
                 self.core.version_floor = msg.policy_version
+                # Before any call of the new controller is spawned: the old one's weight calls
+                # still queued are refused, its open update failed, its group dropped.
+                self._drop_weight_sync("a new controller session began")
             elif isinstance(msg, P.Welcome):
                 log.debug("ignoring a Welcome to an earlier Hello")
             elif isinstance(msg, P.Error):
@@ -209,6 +213,8 @@ class RolloutServer:
             self._exit_code = self.shell.no_welcome_exit
             self._stop.set()
             return
+        if not self._weights_dropped:  # once per loss: free the engine of the gone learner's push
+            self._drop_weight_sync("the controller went away")
         if self._prompt_tasks:  # asked by the gone controller: free vLLM of them at once
             log.info("aborting %d prompt(s) of the controller that went away", len(self._prompt_tasks))
             for t in list(self._prompt_tasks.values()):
@@ -221,6 +227,12 @@ class RolloutServer:
             except TransportError:
                 self.shell.hello_unsent()
         await asyncio.sleep(RECONNECT_SEND_S)
+
+    def _drop_weight_sync(self, why: str) -> None:
+        """A learner killed mid-push would otherwise leave the update open and the next
+        learner's WeightSyncInit refused or stuck behind it (``RolloutCore.abort_weight_sync``)."""
+        self._weights_dropped = self.shell.lost
+        self._spawn(self.core.abort_weight_sync(why))
 
     async def _send(self, msg: P.Message, timeout: float | None = None) -> None:
         try:

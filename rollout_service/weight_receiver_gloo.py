@@ -28,9 +28,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.distributed import TCPStore
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -65,6 +67,9 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     segment_bytes: int = DEFAULT_SEGMENT_BYTES  # must equal the sender's (common/weights/gloo.py)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # Joining the learner's store, if shorter than timeout_s: RolloutCore passes what is left of
+    # the learner's own wait, so a worker never keeps connecting to a store the learner dropped.
+    rendezvous_timeout_s: float | None = None
 
 
 @dataclass
@@ -143,13 +148,33 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.packed_buffer_size_bytes
         self.segment_bytes = init_info.segment_bytes
+        label = f"learner@{init_info.master_address}:{init_info.master_port}"
+        join_s = min(init_info.timeout_s, init_info.rendezvous_timeout_s or init_info.timeout_s)
+        # A store client retries a refused connect until its timeout, and overshoots it by up
+        # to about 3x (measured with torch 2.x: 22 s for 8 s): a third of the budget keeps the
+        # whole join within it. Collectives still get the full timeout_s.
+        try:
+            store = TCPStore(
+                init_info.master_address,
+                init_info.master_port,
+                init_info.world_size,
+                is_master=False,
+                timeout=timedelta(seconds=max(join_s / 3, 1.0)),
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised naming the learner
+            raise RuntimeError(
+                f"weight-transfer group {label}: the learner's store did not answer within {join_s:.0f} s "
+                f"(it gave up on this group, or died): {e}"
+            ) from e
+        store.set_timeout(timedelta(seconds=join_s))  # forming the group: the learner is there
         self.group = GlooGroup.open(
             init_info.master_address,
             init_info.master_port,
             rank,
             init_info.world_size,
             timeout_s=init_info.timeout_s,
-            label=f"learner@{init_info.master_address}:{init_info.master_port}",
+            label=label,
+            store=store,
         )
 
     def start_weight_update(self) -> None:

@@ -98,6 +98,13 @@ class FakeLLM:
         if self.fail_update:
             raise RuntimeError("receiving bucket 2/3 from learner@h:1 failed: Connection reset by peer")
 
+    async def init_weight_transfer_engine(self, request):
+        self.calls.append("init")
+        self.init_info = request.init_info
+
+    async def shutdown_weight_transfer_engine(self):
+        self.calls.append("shutdown")
+
     async def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
         self.version = weight_version
@@ -195,6 +202,70 @@ def test_a_failed_update_gates_the_server_until_a_full_update_lands(core):
         assert not task.done()  # half-loaded weights serve nothing
         await _update(core, 1)
         assert core.state == "serving" and (await task).samples[0].policy_version == 1
+
+    run(main())
+
+
+def test_a_controller_lost_mid_push_frees_the_engine_for_the_next_one(core):
+    """The learner dies inside a push: its receive fails (gloo sees the peer's sockets close),
+    its queued Finish is refused, the open update is failed and the group dropped, and the next
+    learner forms a group and lands a full update at once."""
+
+    async def main():
+        await core.init_weight_transfer("gloo", {"master_port": 1}, 30.0)
+        await core.start_weight_update(1)
+        receiving = asyncio.Event()
+
+        async def receive_until_the_learner_dies(request):
+            receiving.set()
+            await asyncio.sleep(0.1)
+            raise RuntimeError("Connection closed by peer")
+
+        core.llm.update_weights = receive_until_the_learner_dies
+        update = asyncio.ensure_future(core.update_weights(["w"], ["float32"], [[1]]))
+        await receiving.wait()
+        finish = asyncio.ensure_future(core.finish_weight_update(1))  # sent before the kill, queued
+        await asyncio.sleep(0)
+        await core.abort_weight_sync("the controller went away")
+        with pytest.raises(RuntimeError, match="closed by peer"):
+            await update
+        with pytest.raises(BadRequest, match="gone away"):
+            await finish
+        assert core.state == "update_failed" and core.llm.calls[-1] == "shutdown"
+        del core.llm.update_weights
+        await core.init_weight_transfer("gloo", {"master_port": 2}, 30.0)
+        assert 0 < core.llm.init_info["rendezvous_timeout_s"] <= 30.0
+        await _update(core, 1)
+        assert core.state == "serving" and core.version == 1
+
+    run(main())
+
+
+def test_an_update_left_open_by_a_gone_controller_is_failed_not_kept(core):
+    async def main():
+        await core.start_weight_update(1)  # killed before its WeightUpdate
+        await core.abort_weight_sync("a new controller session began")
+        assert core.state == "update_failed" and core.counters["failed_updates"] == 1
+        await core.init_weight_transfer("gloo", {}, 30.0)  # not "a weight update is open"
+        await _update(core, 1)
+        assert core.state == "serving"
+
+    run(main())
+
+
+def test_a_group_init_that_waited_out_the_learners_deadline_is_refused_at_once(core):
+    async def main():
+        async def slow_finish(weight_version=None):
+            await asyncio.sleep(1.2)
+
+        core.llm.finish_weight_update = slow_finish
+        await core.start_weight_update(1)
+        finish = asyncio.ensure_future(core.finish_weight_update(1))
+        await asyncio.sleep(0)
+        with pytest.raises(TimeoutError, match="gave up on this group"):
+            await core.init_weight_transfer("gloo", {}, 1.5)
+        await finish
+        assert "init" not in core.llm.calls  # never sent a worker to a dropped store
 
     run(main())
 
