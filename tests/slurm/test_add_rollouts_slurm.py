@@ -34,6 +34,7 @@ def test_rollout_server_added_by_sbatch_and_removed_by_scancel(tmp_path, tiny_mo
         CONTROLLER=f"tcp://node1:{env['PORT']}",  # the run's first learner node, as its output says
         LOGS=str(add_dir / "logs"),
         MAX_MODEL_LEN=str(PROMPT_MAX_LEN + GENERATE_MAX_LEN),
+        AUTH_DIR=str(tmp_path / "save" / "auth"),  # the run's CURVE keys (grpo_70b.slurm makes them)
     )
     added = submit("add_rollouts.slurm", 1, add_env, add_dir)
     save, logs = tmp_path / "save", tmp_path / "save" / "logs"

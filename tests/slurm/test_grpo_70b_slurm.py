@@ -34,6 +34,8 @@ def test_grpo_70b_script_runs_on_four_nodes(tmp_path, tiny_model_dir):
     why = tails(*every_log)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields["JobState"], why)
     assert fields["NodeList"] == "node[1-4]", fields["NodeList"]
+    # CURVE is on by default: the script made the run's keys and every role got --auth_dir.
+    assert (save / "auth" / "authorized" / "peer.key").exists()
 
     # Logs land where the script says: the job's output in its working dir, one per role and node.
     assert all(p.exists() for p in every_log), sorted(str(p) for p in logs.iterdir())
