@@ -51,8 +51,9 @@ def _learner_flags(prompts: Path) -> list[str]:
         "--max_steps", str(STEPS), "--generate_max_len", "4",
         "--actor_learning_rate", "1e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0",
         "--peer_timeout_s", "30", "--save_steps", str(SAVE_EVERY),
-        # A learner killed during a weight push leaves the server's receive waiting for it until
-        # the group's timeout; only then can the server join the restarted learner's group.
+        # A learner killed during a weight push: the server fails the open update and drops the
+        # group once it finds the controller gone (RolloutCore.abort_weight_sync); a short
+        # timeout bounds any join still aimed at the dead learner's store.
         "--weight_sync_timeout_s", "20",
     ]  # fmt: skip
 
@@ -85,12 +86,6 @@ def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
     return {s: fingerprint(it.tokens for it in stream.batch(s)) for s in range(1, STEPS + 1)}
 
 
-@pytest.mark.skip(
-    reason="open: a learner killed during a weight push leaves the rollout server's gloo receive (and "
-    "RolloutCore's update lock) waiting on it until the group timeout, so the restarted learner's "
-    "WeightSyncInit times out and the retries chase each other (issue 15; RolloutCore needs to abort an "
-    "open update when the controller is lost)"
-)
 def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
