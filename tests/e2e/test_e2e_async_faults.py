@@ -1,0 +1,178 @@
+"""End to end: the async schedule (--async_train, K = 1) under pressure, through launch.local with
+real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny model:
+
+- back-pressure: the learner slowed (a test-only env var) to several times the generation time:
+  admitted-and-unfinished prompts never exceed (K + 1) x B, the rollout server waits, no deadlock;
+- a rollout server SIGKILLed mid-run (two servers): its prompts are re-issued, every step
+  trains a full batch, and the feed's accounting identity holds at every step;
+- dynamic filtering: all-equal groups are dropped and refilled from the same stream, every step
+  trains a full batch, and the accounting identity (with the filtered groups) holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers.paths import HELPERS
+from learner.rl.schedules.async_ import SLOW_LEARNER_ENV
+
+pytestmark = pytest.mark.slow
+
+K = 1
+
+
+def _launch(
+    tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, slow_s: float = 0.0, extra=()
+) -> subprocess.Popen:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"{a}+{c}="}) + "\n" for a in range(30) for c in range(10)))
+    learner = [
+        *("--prompt_data", str(prompts), "--input_key", "input"),
+        *("--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
+        *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g)),
+        *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps)),
+        *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
+        *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(K)),
+        *extra,
+    ]
+    cmd = [
+        *(sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(model)),
+        *("--rollout_servers", str(servers)),
+        *("--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"),
+        *("--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"),
+        *("--learner_args", " ".join(learner), "--stop_timeout_s", "15"),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env[SLOW_LEARNER_ENV] = str(slow_s)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # A deadlock shows here: the run is stopped and its tail reported.
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"run did not finish within {timeout:.0f} s:\n{out[-4000:]}")
+    return out
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [m for m in rows if "async/admitted" in m]
+
+
+def _check_steps_and_accounting(rows: list[dict], steps: int, b: int, g: int) -> None:
+    """Every step trained a full batch (B groups of G) within the bound, and each step the feed's
+    identity held: admitted = trained + dropped (stale, failed, filtered) + aborted + outstanding."""
+    assert [m["step"] for m in rows] == list(range(1, steps + 1)), [m.get("step") for m in rows]
+    for m in rows:
+        assert m["samples"] == b * g and 0 <= m["async/max_lag"] <= K, m
+        assert m["async/trained_groups"] == m["step"] * b, m
+        ended = (
+            m["async/trained_groups"]
+            + m["async/dropped_stale"]
+            + m["async/dropped_failed"]
+            + m.get("filter/groups_filtered", 0)
+            + m["async/aborted"]
+        )
+        assert m["async/admitted"] == ended + m["async/outstanding"], m
+
+
+def test_slow_learner_back_pressure_bounds_outstanding_prompts(tmp_path, tiny_model_dir):
+    # Generation of a batch of 8 x 4 four-token answers takes a fraction of a second here; the
+    # learner sleeps 1.5 s more per step, several times the generation time.
+    steps, b, g = 5, 8, 4
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, slow_s=1.5, extra=["--generate_max_len", "4"])
+    out = _finish(proc, 400)
+    assert proc.returncode == 0, out[-4000:]
+    run = tmp_path / "run"
+    rows = _rows(run)
+    _check_steps_and_accounting(rows, steps, b, g)
+    bound = (K + 1) * b
+    assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
+    # The feed logs, at every batch, the most admitted-and-unfinished groups it has held so far.
+    log = (run / "logs" / "learner.log").read_text()
+    seen = [int(x) for x in re.findall(r"outstanding at most (\d+) so far", log)]
+    assert len(seen) == steps, log[-3000:]
+    print("outstanding at most", seen, "bound", bound)
+    assert max(seen) <= bound, seen
+    # The bound was reached: generation ran ahead as far as admission allows, then waited. The
+    # rollout side idles most of each step after the first (the learner is the slow side).
+    assert max(seen) == bound, seen
+    idle = [round(m["async/rollout_idle_frac"], 2) for m in rows]
+    print("rollout idle", idle, "learner idle", [round(m["async/learner_idle_frac"], 2) for m in rows])
+    assert sum(idle[1:]) / len(idle[1:]) >= 0.4, idle
+
+
+def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
+    # Longer answers keep generation the slow side, so prompts are always in flight on both
+    # servers when one is killed.
+    steps, b, g = 5, 8, 4
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, servers=2, extra=["--generate_max_len", "24"])
+    run = tmp_path / "run"
+    pids: dict[str, int] = {}
+    lines: list[str] = []
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and len(pids) < 3:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
+            pids[m.group(1)] = int(m.group(2))
+    killed = False
+    while not killed and time.monotonic() < deadline and proc.poll() is None:
+        if any(m["step"] >= 2 for m in _rows(run)):
+            os.killpg(pids["rollout-1"], signal.SIGKILL)
+            killed = True
+        time.sleep(0.01)
+    assert killed, "".join(lines)[-4000:]
+    out = "".join(lines) + _finish(proc, max(60.0, deadline - time.monotonic()))
+    assert proc.returncode == 0, out[-4000:]
+    assert "rollout-1 died" in out, out[-4000:]
+    rows = _rows(run)
+    _check_steps_and_accounting(rows, steps, b, g)
+    assert rows[-1]["pool/died"] == 1
+    log = (run / "logs" / "learner.log").read_text()
+    reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", log)]
+    print("re-issued", reissued, "aborted", rows[-1]["async/aborted"], "stale", rows[-1]["async/dropped_stale"])
+    assert reissued and reissued[0] >= 1 and rows[-1]["ledger/reissued"] >= reissued[0], log[-3000:]
+
+
+def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir):
+    # Groups of 2 under a reward that is 0 or 1 with about even odds: about half are all-equal
+    # and dropped, so every step needs refills from the stream.
+    steps, b, g = 4, 8, 2
+    proc = _launch(
+        tmp_path,
+        tiny_model_dir,
+        steps=steps,
+        b=b,
+        g=g,
+        extra=["--generate_max_len", "4", "--dynamic_filtering", "--advantage_estimator", "rloo"],
+    )
+    out = _finish(proc, 400)
+    assert proc.returncode == 0, out[-4000:]
+    rows = _rows(tmp_path / "run")
+    _check_steps_and_accounting(rows, steps, b, g)
+    filtered = rows[-1]["filter/groups_filtered"]
+    print("filtered", filtered, "admitted", rows[-1]["async/admitted"])
+    assert filtered >= 1, rows[-1]
+    # The refills are new prompts from the stream: more admitted than trained.
+    assert rows[-1]["async/admitted"] >= steps * b + filtered
