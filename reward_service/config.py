@@ -58,6 +58,27 @@ class RewardConfig:
         "divide reference logits by this before log-softmax (use the policy's sampling temperature)",
         group="reference model",
     )
+    ref_backend: str = flag(
+        "hf",
+        "hf: transformers on one device; vllm: a vLLM engine (prompt log-probs), sharded over "
+        "--ref_tensor_parallel_size GPUs, for reference models larger than one GPU",
+        choices=("hf", "vllm"),
+        group="reference model",
+    )
+    ref_tensor_parallel_size: int = flag(
+        1, "--ref_backend vllm: GPUs the reference model spans", group="reference model"
+    )
+    ref_max_model_len: int = flag(
+        0, "--ref_backend vllm: longest prompt + response scored (0: the model's own limit)", group="reference model"
+    )
+    ref_gpu_memory_utilization: float = flag(
+        0.9, "--ref_backend vllm: share of each GPU vLLM may take", group="reference model"
+    )
+    ref_enforce_eager: bool = flag(
+        False,
+        "--ref_backend vllm: no CUDA graphs / torch.compile (faster start, slower steps)",
+        group="reference model",
+    )
 
     # -- reward model
     reward_pretrain: str | None = flag(
@@ -151,6 +172,16 @@ class RewardConfig:
         for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "reconnect_timeout_s", "temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")
+        if self.ref_backend == "vllm":
+            if not self.ref_pretrain:
+                raise ValueError("--ref_backend vllm serves the reference model: give --ref_pretrain")
+            if self.temperature != 1.0:
+                raise ValueError(
+                    "--ref_backend vllm reads log-probs from the raw logits: --temperature must be 1 "
+                    "(use --ref_backend hf for a temperature-scaled reference)"
+                )
+            if self.ref_tensor_parallel_size < 1:
+                raise ValueError(f"--ref_tensor_parallel_size must be >= 1, got {self.ref_tensor_parallel_size}")
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("--retries and --retry_backoff_s must be >= 0")
 

@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -40,6 +40,9 @@ from common.protocol import ScoredBatch, ScoreRequest
 from reward_service.config import RewardConfig
 from reward_service.inputs import BadRequest, ScoringInput, from_request, with_text
 from reward_service.ref_model import ReferenceScorer
+
+if TYPE_CHECKING:
+    from reward_service.ref_vllm import VLLMReferenceScorer
 from reward_service.results import NAN, SourceResult
 
 log = logging.getLogger(__name__)
@@ -177,7 +180,7 @@ class Scorer:
     def __init__(
         self,
         *,
-        ref: ReferenceScorer | None = None,
+        ref: ReferenceScorer | VLLMReferenceScorer | None = None,
         sources: list[RewardSource] = (),
         tokenizer=None,
         name: str = "reward",
@@ -198,7 +201,18 @@ class Scorer:
             for build in SOURCES.values():
                 sources += build(cfg)
             ref = None
-            if cfg.ref_pretrain:
+            if cfg.ref_pretrain and cfg.ref_backend == "vllm":
+                from reward_service.ref_vllm import VLLMReferenceScorer
+
+                ref = VLLMReferenceScorer.load(
+                    cfg.ref_pretrain,
+                    dtype="bfloat16" if cfg.bf16 else "float32",
+                    tensor_parallel_size=cfg.ref_tensor_parallel_size,
+                    max_model_len=cfg.ref_max_model_len or None,
+                    gpu_memory_utilization=cfg.ref_gpu_memory_utilization,
+                    enforce_eager=cfg.ref_enforce_eager,
+                )
+            elif cfg.ref_pretrain:
                 ref = ReferenceScorer.load(
                     cfg.ref_pretrain,
                     dtype=_dtype(cfg),

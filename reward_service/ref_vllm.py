@@ -1,0 +1,98 @@
+"""Reference scorer on a vLLM engine: the reference model served across a node's GPUs.
+
+``--ref_backend vllm``: per-token reference log-probs come from vLLM's *prompt* log-probs of
+the sequence prompt + response (``SamplingParams(max_tokens=1, prompt_logprobs=0)``: for each
+position, the log-prob of the token that is there), read at the response positions. This is
+for reference models that do not fit on one GPU: vLLM shards them with
+``--ref_tensor_parallel_size`` (a 70B bf16 reference needs 140 GB of weights alone), batches
+and pages the KV cache itself, and uses the same kernels as the rollout servers. The HF backend
+(``ref_model.py``) stays the default for models that fit one device.
+
+Same contract as ``ReferenceScorer``: ``logprobs(prompts, responses) -> (L,)`` float32, the
+responses' log-probs concatenated in input order. vLLM's log-probs are taken from the raw logits
+(its default ``logprobs_mode``), so the temperature must be 1: the config refuses anything else.
+On the tiny model in fp32 they equal transformers' to ~1e-6 (``tests/unit/reward_service/
+test_ref_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class VLLMReferenceScorer:
+    def __init__(self, llm: Any, vocab_size: int) -> None:
+        self.llm = llm
+        self._vocab_size = vocab_size
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        *,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        seed: int = 0,
+    ) -> VLLMReferenceScorer:
+        from vllm import LLM
+
+        kw: dict[str, Any] = {}
+        if max_model_len:
+            kw["max_model_len"] = max_model_len
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on CPU kills the engine when a request is chunk-prefilled with
+            # prompt log-probs on; a reference forward is one prefill per sequence anyway.
+            kw["enable_chunked_prefill"] = False
+        llm = LLM(
+            model=path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            # Every request is a different sequence scored once: a prefix cache would only
+            # hold memory (and prompt log-probs are not served from it).
+            enable_prefix_caching=False,
+            seed=seed,
+            **kw,
+        )
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        log.info("reference model %s on vLLM (tp %d, %s)", path, tensor_parallel_size, dtype)
+        return cls(llm, vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # the log-probs come back as host tensors
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> torch.Tensor:
+        """Log-probs of every response token, concatenated in input order: ``(L,)`` float32."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
+        seqs = [[*p.tolist(), *r.tolist()] for p, r in zip(prompts, responses)]
+        todo = [i for i, r in enumerate(responses) if len(r)]  # an empty response has no log-probs
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=seqs[i]) for i in todo], params, use_tqdm=False)
+        per_sample: list[list[float]] = [[] for _ in prompts]
+        for i, out in zip(todo, outs):
+            seq, start = seqs[i], len(prompts[i])
+            # prompt_logprobs[t]: {token at t: its log-prob given tokens < t} (None at t = 0)
+            per_sample[i] = [out.prompt_logprobs[t][seq[t]].logprob for t in range(start, len(seq))]
+        return torch.tensor([x for row in per_sample for x in row], dtype=torch.float32)  # (L,)

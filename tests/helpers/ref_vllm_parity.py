@@ -1,0 +1,41 @@
+"""Reference log-probs from the reward service's vLLM backend vs its transformers backend.
+
+Run as a script (vLLM spawns workers, which re-import __main__):
+    python tests/helpers/ref_vllm_parity.py MODEL_DIR
+Output: `RESULT {"max_abs_diff": ..., "lengths": [...], "vocab": ...}`.
+"""
+
+import json
+import sys
+
+
+def main() -> None:
+    model = sys.argv[1]
+    import torch
+
+    from reward_service.config import parse_config
+    from reward_service.ref_model import ReferenceScorer
+    from reward_service.scorer import Scorer
+
+    # The service's own path: flags -> config -> Scorer -> the vLLM reference.
+    cfg = parse_config(
+        ["--controller", "tcp://127.0.0.1:1", "--ref_pretrain", model, "--ref_backend", "vllm"]
+        + ["--ref_enforce_eager", "--ref_max_model_len", "128"]
+    )
+    scorer = Scorer.from_config(cfg)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (5, 17, 1, 9)]
+    responses = [torch.randint(3, 200, (n,), generator=g) for n in (4, 11, 6, 0)]  # one empty
+    got = scorer.ref.logprobs(prompts, responses)
+    want = ReferenceScorer.load(model).logprobs(prompts, responses)
+    result = {
+        "max_abs_diff": float((got - want).abs().max()),
+        "lengths": [len(got), len(want)],
+        "vocab": scorer.ref.vocab_size,
+        "sources": scorer.capabilities()["sources"],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

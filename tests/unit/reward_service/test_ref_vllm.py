@@ -1,0 +1,44 @@
+"""The reward service's vLLM reference backend (``--ref_backend vllm``, for reference models
+larger than one GPU): its log-probs equal the transformers backend's on the tiny model (fp32),
+through the service's own config -> Scorer path; and the flags it cannot honour are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.paths import HELPERS
+from reward_service.config import parse_config
+
+
+@pytest.mark.slow
+def test_vllm_reference_logprobs_equal_transformers(tiny_model_dir):
+    proc = subprocess.run(
+        [sys.executable, str(HELPERS / "ref_vllm_parity.py"), str(tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["lengths"] == [21, 21] and r["sources"] == ["ref"]
+    assert r["max_abs_diff"] < 1e-4, r
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--temperature", "0.7"], "--temperature must be 1"),
+        (["--ref_tensor_parallel_size", "0"], "--ref_tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_flags_the_vllm_reference_cannot_honour_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--controller", "tcp://h:1", "--ref_pretrain", "m", "--ref_backend", "vllm", *extra])
+    assert message in capsys.readouterr().err
