@@ -255,6 +255,7 @@ class AsyncSchedule(Schedule):
                 "async/admitted": counters["admitted"],
                 "async/trained_groups": counters["trained"],
                 "async/outstanding": outstanding,
+                "async/outstanding_max": feed.outstanding_max,
                 "async/learner_idle_frac": t_wait / max(step_s, 1e-6),
                 "async/rollout_idle_frac": min(1.0, (idle - self._last_idle) / span),
                 "async/is_truncated_frac": metrics.get("policy/is_filter_frac", 0.0),
