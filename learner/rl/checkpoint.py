@@ -318,6 +318,8 @@ class Checkpointer:
                 obj.load_state_dict(state[key])
         if self.driver is not None and getattr(self.driver, "sink", None) is not None:
             dropped = trim_metrics(Path(self.driver.sink.path), int(state["step"]))
+            if hasattr(self.driver.sink, "resume_after"):
+                self.driver.sink.resume_after(int(state["step"]))
             if dropped:
                 log.info("metrics: dropped %d record(s) after step %d (they are done again)", dropped, state["step"])
         if self.rank == 0:

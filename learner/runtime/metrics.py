@@ -35,14 +35,27 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.touch()  # exists from the start, so a reader can tell "no step yet" from "no run"
+        self.tensorboard_dir = str(tensorboard_dir) if tensorboard_dir else None
         self.tb = None
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self._open_tensorboard()
 
-                self.tb = SummaryWriter(str(tensorboard_dir))
-            except Exception as e:  # noqa: BLE001 - TensorBoard is optional; say so once
-                log.warning("TensorBoard disabled: %s", e)
+    def _open_tensorboard(self, purge_step: int | None = None) -> None:
+        if not self.tensorboard_dir:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(self.tensorboard_dir, purge_step=purge_step)
+        except Exception as e:  # noqa: BLE001 - TensorBoard is optional; say so once
+            log.warning("TensorBoard disabled: %s", e)
+
+    def resume_after(self, step: int) -> None:
+        """A run resumed from a checkpoint at ``step``: TensorBoard hides the killed run's events
+        from ``step + 1`` on (its ``purge_step``), since the resumed run writes those steps again.
+        (The JSON-lines file is trimmed by the checkpoint code, which owns that rule.)"""
+        if self.tb is not None:
+            self.tb.close()
+            self._open_tensorboard(purge_step=step + 1)
 
     def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> None:
         """Appends ``metrics``, keys as ``prefix/key`` when a prefix is given."""

@@ -43,3 +43,22 @@ def test_tensorboard_gets_the_numeric_values(tmp_path):
     assert acc.Tags()["scalars"] == ["train/loss"]
     (event,) = acc.Scalars("train/loss")
     assert event.step == 3 and event.value == 2.0
+
+
+def test_a_resumed_run_hides_the_killed_runs_later_events_from_tensorboard(tmp_path):
+    """Killed after step 5, resumed from the checkpoint of step 3: steps 4 and 5 are written
+    again, and TensorBoard shows each step once, the resumed run's value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb")
+    for step in range(1, 6):
+        first.write(step, {"loss": float(step)})
+    first.close()
+    resumed = MetricsWriter(tmp_path / "m.jsonl", tmp_path / "tb")
+    resumed.resume_after(3)
+    for step in (4, 5):
+        resumed.write(step, {"loss": 10.0 * step})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
