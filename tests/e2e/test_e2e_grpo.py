@@ -190,5 +190,10 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
     last = rows[-1]
     assert last["pool/died"] == 1
     learner_log = (run / "logs" / "learner.log").read_text()
-    reissued = re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", learner_log)
-    assert reissued and last["ledger/reissued"] >= int(reissued[0]) >= 1, learner_log[-3000:]
+    # What it held came back through the ledger. Usually step 3's prompts; on a loaded machine
+    # the kill can land before they were sent, and the server is found gone holding none
+    # (seen in CI: "0 work item(s) it held"), which is not a loss either.
+    held = [int(x) for x in re.findall(r"rollout-1 \(rollout\) is gone: .*?; (\d+) work item", learner_log)]
+    reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", learner_log)]
+    assert held, learner_log[-3000:]
+    assert (sum(reissued) >= 1) == (held[0] >= 1) and last["ledger/reissued"] >= sum(reissued), learner_log[-3000:]
