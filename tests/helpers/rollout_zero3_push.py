@@ -73,6 +73,13 @@ def main() -> None:
             flush=True,
         )
         pub.close()
+    # Both ranks leave together and take their process group down themselves: a rank exiting
+    # with the group alive while its peer still talks to it can abort in gloo's teardown
+    # ("terminate called without an active exception", seen once under CI load).
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ def _worker(rank: int, port: int) -> None:
                 name, batch["rewards"][shard], batch["mask"][shard], dist_reduce=reduce, **kw_shard
             )
             torch.testing.assert_close(adv_mine, adv_whole[shard], msg=name)
+        # Leave together: a rank tearing its group down while the peer still uses it can abort
+        # in gloo's teardown (SIGABRT, seen once under CI load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
