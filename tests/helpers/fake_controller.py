@@ -1,5 +1,6 @@
-"""A stand-in controller for in-process service tests: welcomes every Hello, acts once after
-the first heartbeat, records everything else until an Ack or a fatal notice (or 15 s)."""
+"""Stand-ins for in-process service tests: a controller that welcomes every Hello, acts once
+after the first heartbeat and records everything else until an Ack or a fatal notice (or
+15 s); and a scorer that is never asked to score (for the reward server's shell)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,19 @@ def welcome_then(
     t = threading.Thread(target=run)
     t.start()
     return t
+
+
+class IdleScorer:
+    """A reward service's Scorer that is never asked to score."""
+
+    def score(self, req):
+        raise AssertionError("not asked to score")
+
+    def capabilities(self):
+        return {"sources": ["func:idle.py"]}
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass

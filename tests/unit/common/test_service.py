@@ -18,6 +18,7 @@ import pytest
 from common import protocol as P
 from common.service import FATAL_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
 from common.transport import AsyncEndpoint, Endpoint, TransportError, free_port
+from helpers.fake_controller import IdleScorer
 
 
 def shell(controller: str, **kw) -> ServiceShell:
@@ -271,22 +272,6 @@ def test_a_heartbeat_that_cannot_leave_for_a_few_periods_means_the_controller_is
         ep.close(0)
 
 
-class _Idle:
-    """A scorer never asked to score."""
-
-    def score(self, req):
-        raise AssertionError("not asked to score")
-
-    def capabilities(self):
-        return {"sources": ["func:idle.py"]}
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
-
-
 def _welcome_first_hello(router: Endpoint, timeout_s: float = 15.0) -> tuple[bytes, P.Hello]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -305,7 +290,7 @@ def test_a_reward_service_outlives_its_controller_and_joins_the_restarted_one():
 
     address = nobody()
     first = Endpoint.bind(address)
-    srv = RewardServer(_Idle(), controller=address, name="rw-outlive", heartbeat_s=0.2, reconnect_timeout_s=60.0)
+    srv = RewardServer(IdleScorer(), controller=address, name="rw-outlive", heartbeat_s=0.2, reconnect_timeout_s=60.0)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
     t.start()
@@ -338,7 +323,7 @@ def test_a_reward_service_gives_up_after_its_reconnect_timeout():
 
     address = nobody()
     first = Endpoint.bind(address)
-    srv = RewardServer(_Idle(), controller=address, name="rw-giveup", heartbeat_s=0.2, reconnect_timeout_s=1.0)
+    srv = RewardServer(IdleScorer(), controller=address, name="rw-giveup", heartbeat_s=0.2, reconnect_timeout_s=1.0)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
     t.start()

@@ -14,22 +14,8 @@ import pytest
 from common import protocol as P
 from common.service import STOP_SIGNALS
 from common.transport import Endpoint, free_port
-from helpers.fake_controller import welcome_then
+from helpers.fake_controller import IdleScorer, welcome_then
 from reward_service.server import RewardServer
-
-
-class Idle:
-    def score(self, req):
-        raise AssertionError("not asked to score")
-
-    def capabilities(self):
-        return {"sources": ["func:idle.py"]}
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 @pytest.fixture
@@ -43,7 +29,7 @@ def router():
 def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handlers):
     seen: list[P.Message] = []
     t = welcome_then(router, lambda _r, _ident: os.kill(os.getpid(), sig), seen)
-    srv = RewardServer(Idle(), controller=router.address, name="rw-sig", heartbeat_s=0.2)
+    srv = RewardServer(IdleScorer(), controller=router.address, name="rw-sig", heartbeat_s=0.2)
     try:
         rc = srv.run()  # in the main thread: only there does Python deliver signals
     finally:
@@ -56,7 +42,7 @@ def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handle
 def test_a_welcome_to_an_earlier_hello_is_ignored(router):
     """The handshake says Hello again when the controller is slow; the Welcome to the first
     Hello may come late and must not be answered as a bad request."""
-    srv = RewardServer(Idle(), controller=router.address, name="rw-late", heartbeat_s=0.2)
+    srv = RewardServer(IdleScorer(), controller=router.address, name="rw-late", heartbeat_s=0.2)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
     t.start()
@@ -77,7 +63,7 @@ def test_a_welcome_to_an_earlier_hello_is_ignored(router):
 
 def test_no_welcome_exits_1_naming_the_controller(caplog):
     address = f"tcp://127.0.0.1:{free_port()}"
-    srv = RewardServer(Idle(), controller=address, name="rw-alone", connect_timeout_s=1.0)
+    srv = RewardServer(IdleScorer(), controller=address, name="rw-alone", connect_timeout_s=1.0)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
     t0 = time.monotonic()
@@ -91,7 +77,7 @@ def test_forgotten_by_the_controller_it_says_hello_again_once(router):
     """The controller declared the service dead (silent on an overloaded host) and answers its
     heartbeats with ``unknown_peer``: the service introduces itself again -- one Hello, not
     one per refusal -- and is known again after the Welcome."""
-    srv = RewardServer(Idle(), controller=router.address, name="rw-forgot", heartbeat_s=0.1)
+    srv = RewardServer(IdleScorer(), controller=router.address, name="rw-forgot", heartbeat_s=0.1)
     result: dict = {}
     t = threading.Thread(target=lambda: result.setdefault("rc", srv.run()))
     t.start()
