@@ -39,6 +39,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from common.net import free_port as free_port  # re-exported: callers predate common.net
 from common.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Codec, Error, Hello, Message, Welcome
 from common.serialization import WireError
 
@@ -79,12 +80,6 @@ class RemoteError(TransportError):
         super().__init__(f"{peer} answered {error.code}: {error.message}")
         self.peer = peer
         self.error = error
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with _socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def default_name(role: str) -> str:

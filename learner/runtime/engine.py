@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from common.transport import free_port
+from common.net import free_port
 from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
