@@ -90,6 +90,12 @@ class PPOConfig:
         "step in one epoch takes them from the training forward (the same values)",
         group="batch",
     )
+    packing_samples: bool = flag(
+        False,
+        "pack each micro-batch's samples into one row (no padding; position ids restart per sample, attention "
+        "stays within each sample) for the log-prob, critic and training forwards",
+        group="batch",
+    )
     num_episodes: int = flag(1, "passes over the prompt dataset", group="batch")
     max_steps: int = flag(0, "stop after this many rollout steps (0: no limit)", group="batch")
 

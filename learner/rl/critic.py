@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from learner.algorithms.losses import AggSpec, value_loss
+from learner.algorithms.packing import unpack_to_padded
 from learner.controller.types import Rollout
 from learner.rl.experience import score_all_ranks
 from learner.runtime.models import ScalarHeadModel, load_reward_model
@@ -37,8 +38,9 @@ class ValueModel(ScalarHeadModel):
     """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position."""
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
+        """``attention_mask`` None with position ids restarting per sample: a packed row."""
         return self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
 
 
@@ -48,7 +50,14 @@ def load_critic(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> Valu
 
 
 def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """(N, T) values of the states before each response token."""
+    """(N, T) values of the states before each response token (0 at padding when packed).
+
+    Padded batch (``collate``): column P - 1 + t. Packed batch: the columns of
+    ``logit_index``, laid back into (N, T).
+    """
+    if "logit_index" in batch:  # one packed row; no attention mask, so samples stay apart
+        v = model(batch["input_ids"], None, batch["position_ids"])  # (1, L)
+        return unpack_to_padded(v[0, batch["logit_index"]], batch["action_mask"])
     v = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])  # (N, P+T)
     P, T = batch["prompt_width"], batch["response"].shape[1]
     return v[:, P - 1 : P - 1 + T]
@@ -66,8 +75,9 @@ class Critic:
         self.micro_rollout_batch_size = micro_rollout_batch_size
         self.value_clip = value_clip if value_clip and value_clip > 0 else None
 
-    def values(self, rollout: Rollout) -> torch.Tensor:
-        """(N, T) V_old of every sample on every rank (a collective)."""
+    def values(self, rollout: Rollout, *, packed: bool = False) -> torch.Tensor:
+        """(N, T) V_old of every sample on every rank (a collective); ``packed``: micro-batches
+        as packed rows (``--packing_samples``)."""
         return score_all_ranks(
             self.engine,
             rollout,
@@ -75,12 +85,13 @@ class Critic:
             micro_batch=self.micro_rollout_batch_size,
             pad_id=self.pad_id,
             device=self.device,
+            packed=packed,
         )
 
     def train_micro_batch(
         self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor, agg: AggSpec, world: int
     ) -> dict[str, float]:
-        """One backward/step of the value loss on a collated micro-batch (old_values and
+        """One backward/step of the value loss on a collated micro-batch (padded or packed; old_values and
         returns already sliced to it, (n, T)); ``agg`` counts the whole global train batch."""
         v = response_values(self.engine, batch)
         loss, m = value_loss(v, old_values, returns, batch["action_mask"], agg, value_clip=self.value_clip)

@@ -8,59 +8,121 @@ tensors (no pickling). Every rank then computes advantages over the whole batch 
 identically, so group and global statistics are exact with no extra collective — and trains
 on its own slice.
 
-``collate`` pads a list of samples into model inputs: prompts left-padded and responses
-right-padded, so every response starts at column P and the logits predicting response
-token t sit at column P - 1 + t.
+``collate`` turns a list of samples into model inputs. Padded (the default): prompts
+left-padded and responses right-padded, so every response starts at column P and the logits
+predicting response token t sit at column P - 1 + t. Packed (``--packing_samples``): the
+samples end to end in one row, position ids restarting per sample, no padding to compute
+(``learner.algorithms.packing``); ``check_packable`` refuses a model whose attention would
+cross samples in such a row.
 
-Shape glossary: N samples, P prompt width, T response width (both padded).
+Shape glossary: N samples, P prompt width, T response width (both padded), L the packed row's
+length, K the response tokens of the micro-batch.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from common.weights.source import unwrap
+from learner.algorithms.packing import packed_row, response_logit_index
 from learner.controller.types import Rollout, ScoredSample
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
-def collate(samples: list[ScoredSample], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Pads samples into a batch. Returns input_ids/attention_mask/position_ids (N, P+T),
-    response/action_mask/rollout_logprobs/ref_logprobs (N, T) and ``prompt_width`` P."""
+def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """The padded (N, T) per-response-token tensors both layouts share: response (right-padded
+    with ``pad_id``), action_mask, rollout_logprobs, ref_logprobs (zeros where absent)."""
     n = len(samples)
-    P = max(len(s.prompt) for s in samples)
     T = max(1, max(len(s.response) for s in samples))
-    input_ids = torch.full((n, P + T), pad_id, dtype=torch.long)  # (N, P+T)
-    attention_mask = torch.zeros((n, P + T), dtype=torch.long)  # (N, P+T)
+    response = torch.full((n, T), pad_id, dtype=torch.long)  # (N, T)
     action_mask = torch.zeros((n, T), dtype=torch.bool)  # (N, T)
     rollout_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     ref_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     for i, s in enumerate(samples):
-        p, t = len(s.prompt), len(s.response)
-        input_ids[i, P - p : P] = torch.tensor(s.prompt, dtype=torch.long)
-        input_ids[i, P : P + t] = torch.tensor(s.response, dtype=torch.long)
-        attention_mask[i, P - p : P + t] = 1
+        t = len(s.response)
+        response[i, :t] = torch.tensor(s.response, dtype=torch.long)
         action_mask[i, :t] = True
         rollout_lp[i, :t] = s.rollout_logprobs[:t]
         if s.ref_logprobs is not None:
             ref_lp[i, :t] = s.ref_logprobs[:t]
+    return dict(response=response, action_mask=action_mask, rollout_logprobs=rollout_lp, ref_logprobs=ref_lp)
+
+
+def collate(
+    samples: list[ScoredSample], pad_id: int, device: torch.device | str = "cpu", *, packed: bool = False
+) -> dict[str, Any]:
+    """Model inputs of a micro-batch, padded or packed (``--packing_samples``).
+
+    Both layouts carry response/action_mask/rollout_logprobs/ref_logprobs (N, T), so losses
+    and metrics see the same tensors either way. Padded: input_ids/attention_mask/position_ids
+    (N, P+T) and ``prompt_width`` P. Packed (``packed=True``): ONE row, input_ids/position_ids
+    (1, L) with L the sum of the samples' lengths, position ids restarting at 0 per sample and
+    no attention mask (so that attention stays within each sample, see
+    ``learner.algorithms.packing``), and ``logit_index`` (K,): the columns whose logits predict
+    the response tokens, ``action_mask``'s True positions in row-major order.
+    """
+    resp = _response_tensors(samples, pad_id)
+    if packed:
+        input_ids, position_ids = packed_row([[*s.prompt, *s.response] for s in samples])
+        out = dict(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            logit_index=response_logit_index([len(s.prompt) for s in samples], [len(s.response) for s in samples]),
+            **resp,
+        )
+        return {k: v.to(device) for k, v in out.items()}
+    n, T = resp["response"].shape
+    P = max(len(s.prompt) for s in samples)
+    input_ids = torch.full((n, P + T), pad_id, dtype=torch.long)  # (N, P+T)
+    attention_mask = torch.zeros((n, P + T), dtype=torch.long)  # (N, P+T)
+    for i, s in enumerate(samples):
+        p, t = len(s.prompt), len(s.response)
+        input_ids[i, P - p : P] = torch.tensor(s.prompt, dtype=torch.long)
+        attention_mask[i, P - p : P + t] = 1
+    input_ids[:, P:] = resp["response"]
     # Left padding: positions count real tokens only, as in an unpadded forward.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+T)
-    out = dict(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        response=input_ids[:, P:],
-        action_mask=action_mask,
-        rollout_logprobs=rollout_lp,
-        ref_logprobs=ref_lp,
-    )
+    out = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **resp)
     out = {k: v.to(device) for k, v in out.items()}
     out["prompt_width"] = P
     return out
+
+
+# Attention implementations whose transformers code keeps packed samples apart given position
+# ids that restart per sample and no attention mask: sdpa and eager through masking_utils'
+# block-diagonal mask (checked on CPU by tests/unit/rl/test_packing.py), flash-attention through
+# per-sample cu_seqlens derived from the same position ids (one row per forward, as here).
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# The masking_utils builders that find sample boundaries in position ids.
+_PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+def check_packable(model: Any, role: str) -> None:
+    """Refuse ``--packing_samples`` for a model whose attention would cross packed samples.
+
+    ``model``: the engine or module (unwrapped to the HF model). Raises ValueError naming why.
+    """
+    hf = unwrap(model)
+    config = getattr(hf, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in PACKABLE_ATTENTION:
+        raise ValueError(
+            f"--packing_samples: the {role} model uses attention implementation {impl!r}; packed rows need "
+            f"one that keeps samples apart by their position ids ({', '.join(PACKABLE_ATTENTION)})"
+        )
+    code = sys.modules.get(type(hf).__module__)
+    if not any(hasattr(code, name) for name in _PACKED_MASK_BUILDERS):
+        raise ValueError(
+            f"--packing_samples: the {role} model's code ({type(hf).__module__}) does not build its attention "
+            "mask with transformers.masking_utils, which is what keeps packed samples apart; its attention "
+            "would cross samples"
+        )
 
 
 # ------------------------------------------------------------------ across ranks
@@ -68,12 +130,19 @@ def collate(samples: list[ScoredSample], pad_id: int, device: torch.device | str
 
 @torch.no_grad()
 def score_all_ranks(
-    engine, rollout: Rollout, forward, *, micro_batch: int, pad_id: int, device: torch.device | str
+    engine,
+    rollout: Rollout,
+    forward,
+    *,
+    micro_batch: int,
+    pad_id: int,
+    device: torch.device | str,
+    packed: bool = False,
 ) -> torch.Tensor:
     """(N, T) per-token scores (log-probs, values) of every sample, on every rank.
 
     Each rank runs ``forward(engine, batch) -> (n, T_b)`` over its strided slice of the
-    rollout, then the slices are all-gathered. A collective: every rank runs the same number
+    rollout (micro-batches collated padded or ``packed``), then the slices are all-gathered. A collective: every rank runs the same number
     of forwards (ZeRO-3 forwards are collectives too), padding with a repeated sample.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -84,7 +153,7 @@ def score_all_ranks(
     engine.eval()
     for k in range(math.ceil(math.ceil(n / world) / micro_batch)):
         idx = mine[k * micro_batch : (k + 1) * micro_batch]
-        batch = collate([rollout.samples[i] for i in (idx or mine[:1])], pad_id, device)
+        batch = collate([rollout.samples[i] for i in (idx or mine[:1])], pad_id, device, packed=packed)
         scores = forward(engine, batch)
         if idx:
             out[k * micro_batch : k * micro_batch + len(idx), : scores.shape[1]] = scores.float()

@@ -28,6 +28,13 @@ The model projects onto the vocabulary only at the positions that predict respon
 (HF's ``logits_to_keep``); the prompt's logits were computed and thrown away before. Entropy
 over the full vocabulary is computed with grad only when it is in the loss
 (``--entropy_loss_coef``), else without grad on logged steps only.
+
+With ``--packing_samples`` every forward of the step (old log-probs, the critic's old values,
+training) runs each micro-batch as ONE packed row: the samples end to end, position ids
+restarting per sample, no padding computed (``learner.rl.experience.collate``). Results come
+back in the padded (N, T) layout, so advantages, losses and metrics are unchanged (to float
+rounding: ``tests/unit/rl/test_packing.py``). The reference log-probs come from the reward
+service, not from a learner forward.
 """
 
 from __future__ import annotations
@@ -52,11 +59,12 @@ from learner.algorithms.losses import (
     masked_mean,
     policy_loss,
 )
+from learner.algorithms.packing import unpack_to_padded
 from learner.algorithms.shaping import clip_rewards, overlong_penalty, stop_properly_penalty
 from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
-from learner.rl.experience import collate, score_all_ranks
+from learner.rl.experience import check_packable, collate, score_all_ranks
 
 
 def _world() -> tuple[int, int]:
@@ -81,30 +89,51 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, T) of the response tokens (and their entropy) under ``model``.
 
-    With ``response_only`` (and a model that takes ``logits_to_keep``) only the last T + 1
-    columns go through ``lm_head``: prompts are left-padded and responses right-padded
-    (``collate``), so columns P-1 .. P+T-2, the predictions of the T response tokens, are the
-    last T + 1 but one. The prompt's (N, P-1, V) logits were most of the old work (and memory).
-    ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
+    With ``response_only`` (and a model that takes ``logits_to_keep``) only the columns that
+    predict response tokens go through ``lm_head``. Padded batch: prompts are left-padded and
+    responses right-padded (``collate``), so columns P-1 .. P+T-2, the predictions of the T
+    response tokens, are the last T + 1 but one; the prompt's (N, P-1, V) logits were most of
+    the old work (and memory). Packed batch (``logit_index`` present): the K columns of
+    ``logit_index`` exactly, and the (K,) results are laid back into (N, T) with zeros at
+    padding. ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
     """
-    P, T = batch["prompt_width"], batch["response"].shape[1]
+    T = batch["response"].shape[1]
     keep = response_only and _takes_logits_to_keep(type(unwrap(model)))
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        **({"logits_to_keep": T + 1} if keep else {}),
-    )
-    # (N, T, V): column P-1+t of the full sequence predicts response token t
-    logits = out.logits[:, :T] if keep else out.logits[:, P - 1 : P - 1 + T]
-    lp = log_probs_from_logits(logits, batch["response"], temperature=temperature)
+    packed = "logit_index" in batch
+    if packed:
+        # No attention mask: transformers then finds the samples' boundaries in the position ids.
+        cols = batch["logit_index"]
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            **({"logits_to_keep": cols} if keep else {}),
+        )
+        logits = out.logits[0] if keep else out.logits[0, cols]  # (K, V)
+        labels = batch["response"][batch["action_mask"]]  # (K,)
+    else:
+        P = batch["prompt_width"]
+        out = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            **({"logits_to_keep": T + 1} if keep else {}),
+        )
+        # (N, T, V): column P-1+t of the full sequence predicts response token t
+        logits = out.logits[:, :T] if keep else out.logits[:, P - 1 : P - 1 + T]
+        labels = batch["response"]
+    lp = log_probs_from_logits(logits, labels, temperature=temperature)
     ent = None
     if with_entropy and entropy_grad:
         ent = entropy_from_logits(logits, temperature=temperature)
     elif with_entropy:
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach(), temperature=temperature)
+    if packed:
+        mask = batch["action_mask"]
+        lp = unpack_to_padded(lp, mask)
+        ent = unpack_to_padded(ent, mask) if ent is not None else None
     return lp, ent
 
 
@@ -126,6 +155,11 @@ class PolicyTrainer:
             else FixedKLController(cfg.init_kl_coef)
         )
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.packed = cfg.packing_samples
+        if self.packed:
+            check_packable(engine, "policy")
+            if critic is not None:
+                check_packable(critic.engine, "critic")
 
     # ---------------------------------------------------------------- step 1
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -137,6 +171,7 @@ class PolicyTrainer:
             micro_batch=self.cfg.micro_rollout_batch_size,
             pad_id=self.pad_id,
             device=self.device,
+            packed=self.packed,
         )
 
     # ---------------------------------------------------------------- step 2
@@ -202,7 +237,7 @@ class PolicyTrainer:
             if kl_in_reward and not reuse
             else None
         )
-        old_values = self.critic.values(rollout) if self.critic is not None else None  # (N, T)
+        old_values = self.critic.values(rollout, packed=self.packed) if self.critic is not None else None  # (N, T)
         advantages, returns = compute_advantages(
             cfg.advantage_estimator,
             rewards,
@@ -236,7 +271,7 @@ class PolicyTrainer:
                 local = global_idx[rank::world]
                 for m in range(0, len(local), cfg.micro_train_batch_size):
                     idx = local[m : m + cfg.micro_train_batch_size]
-                    batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device)
+                    batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
                     T = batch["response"].shape[1]
                     sl = lambda t: t[idx, :T].to(self.device)  # noqa: E731 - stored (N, T) -> this micro-batch
                     mmask = batch["action_mask"]

@@ -161,13 +161,12 @@ def collate_padded(samples: Sequence[MaskedTokens], pad_id: int) -> dict[str, An
 
 
 def collate_packed(samples: Sequence[MaskedTokens]) -> dict[str, Any]:
-    """One (1, L) row: ``input_ids``, ``position_ids`` restarting per sample, ``labels``."""
+    """One (1, L) row: ``input_ids``, ``position_ids`` restarting per sample, ``labels``
+    (the row layout is ``learner.algorithms.packing.packed_row``, shared with the RL learner)."""
     import torch
 
-    ids, pos, labels = [], [], []
-    for s in samples:
-        ids.extend(s.input_ids)
-        pos.extend(range(len(s)))
-        labels.extend(shifted_labels(s))
-    as_row = lambda xs: torch.tensor(xs, dtype=torch.long).unsqueeze(0)  # noqa: E731
-    return {"input_ids": as_row(ids), "position_ids": as_row(pos), "labels": as_row(labels)}
+    from learner.algorithms.packing import packed_row
+
+    input_ids, position_ids = packed_row([s.input_ids for s in samples])
+    labels = torch.tensor([t for s in samples for t in shifted_labels(s)], dtype=torch.long).unsqueeze(0)
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
