@@ -24,6 +24,15 @@ Accounting, by admission (a prompt re-queued after an abort is admitted again)::
 
     admitted == trained + dropped_stale + dropped_failed + dropped_filtered + aborted + in_flight
 
+Checkpoints. The feed numbers the prompts it draws by their *position* in the run's prompt
+stream (the schedule says where its iterator starts: ``first_position``). ``state_dict()`` records
+the next position and the positions still pending (ready groups, prompts in flight, aborted
+prompts waiting to be admitted again); a feed built for the resumed run with ``restore()``
+admits the pending ones first (they are generated again, by the resumed weights: a restart
+aborts what was outstanding, and counts it so) and then draws from the next position on.
+Trained and dropped prompts are in neither list, so none is skipped or trained twice. The
+counters are run totals, restored too: admission after a resume sees what the run trained.
+
 Single-threaded and socket-free apart from the controller it drives: one thread owns it (the
 async schedule's pump thread, see ``learner/rl/schedules/async_.py``).
 """
@@ -35,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from learner.controller.controller import Controller, scored_samples
 from learner.controller.ledger import State
@@ -51,6 +61,7 @@ class Group:
     samples: list[ScoredSample]  # G of them, by sample index
     version: int  # the oldest first-token version among its samples
     seq: int  # arrival order (ties among equal versions: first come, first trained)
+    position: int = -1  # the prompt's position in the run's prompt stream (checkpoints)
 
 
 class OffPolicyFeed:
@@ -64,10 +75,13 @@ class OffPolicyFeed:
         total_groups: int | None = None,
         keep_group: Callable[[list[ScoredSample]], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        first_position: int = 0,
     ) -> None:
         """``batch_groups`` B prompts per step; ``total_groups`` how many the run will train on
-        (no prompt is admitted beyond what it still needs); ``keep_group`` (dynamic filtering)
-        says whether a scored group is worth training on, else it is dropped and replaced."""
+        (no prompt is admitted beyond what it still needs; counted with ``counters["trained"]``,
+        a run total after ``restore``); ``keep_group`` (dynamic filtering) says whether a scored
+        group is worth training on, else it is dropped and replaced; ``first_position`` is the
+        stream position of the first prompt ``prompts`` yields."""
         self.controller = controller
         self.prompts = prompts
         self.B = batch_groups
@@ -80,7 +94,9 @@ class OffPolicyFeed:
         controller.sync_joiners_in_pump = False
         self.ready: list[Group] = []
         self.in_flight: dict[int, PromptItem] = {}  # prompt id -> item: admitted, not yet ready
-        self.requeued: deque[PromptItem] = deque()  # aborted prompts, admitted again first
+        self._position: dict[int, int] = {}  # prompt id -> stream position, for what is in flight
+        self.requeued: deque[tuple[PromptItem, int]] = deque()  # (item, position): aborted, admitted again first
+        self.next_position = first_position  # of the next prompt drawn from ``prompts``
         self._seq = 0
         self.counters = {
             "admitted": 0,
@@ -122,17 +138,19 @@ class OffPolicyFeed:
     # ------------------------------------------------------------------ the loop
     def admit(self) -> int:
         n = self.room()
-        items = []
+        items: list[tuple[PromptItem, int]] = []
         while len(items) < n and self.requeued:
             items.append(self.requeued.popleft())
         while len(items) < n:
             item = next(self.prompts, None)
             if item is None:
                 break
-            items.append(item)
+            items.append((item, self.next_position))
+            self.next_position += 1
         if items:
-            for pid, item in zip(self.controller.add_prompts(items), items):
+            for pid, (item, pos) in zip(self.controller.add_prompts([it for it, _ in items]), items):
                 self.in_flight[pid] = item
+                self._position[pid] = pos
             self.counters["admitted"] += len(items)
             self.outstanding_max = max(self.outstanding_max, self.outstanding())
         return len(items)
@@ -149,6 +167,7 @@ class OffPolicyFeed:
             item = self.in_flight.pop(e.prompt_id, None)
             if item is None:
                 continue  # not the feed's (an evaluation prompt)
+            pos = self._position.pop(e.prompt_id)
             if any(r for r in (e.scores.failed or [])):
                 self.counters["dropped_failed"] += 1
                 log.warning(
@@ -159,7 +178,7 @@ class OffPolicyFeed:
             if self.keep_group is not None and not self.keep_group(samples):
                 self.counters["dropped_filtered"] += 1
                 continue
-            self.ready.append(Group(item, samples, min(s.policy_version for s in samples), self._seq))
+            self.ready.append(Group(item, samples, min(s.policy_version for s in samples), self._seq, pos))
             self._seq += 1
 
     def take_batch(self, train_version: int) -> list[Group] | None:
@@ -208,10 +227,53 @@ class OffPolicyFeed:
             return 0
         self.controller.abort(doomed, f"older than v{floor} (--max_staleness {self.K})")
         for pid in doomed:
-            self.requeued.append(self.in_flight.pop(pid))
+            self.requeued.append((self.in_flight.pop(pid), self._position.pop(pid)))
         self.counters["aborted"] += len(doomed)
         log.info("aborted %d group(s) still generating under versions below v%d; re-queued", len(doomed), floor)
         return len(doomed)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The feed's place in the prompt stream and its counters (JSON-able; see the module
+        docstring). Taken between steps, when ``counters["trained"]`` is whole batches."""
+        pending = [g.position for g in self.ready] + list(self._position.values()) + [p for _, p in self.requeued]
+        return {
+            "next_position": self.next_position,
+            "pending": sorted(pending),
+            "outstanding": self.outstanding(),
+            "outstanding_max": self.outstanding_max,
+            "counters": dict(self.counters),
+        }
+
+    def restore(self, state: dict[str, Any], item_at: Callable[[int], PromptItem]) -> int:
+        """Continues the run a checkpointed feed's ``state_dict`` describes, before the first
+        pump: its counters, and its pending prompts (``item_at(position)``) queued to be admitted
+        first. ``prompts`` must start at the state's next position. Returns how many are pending."""
+        if self.counters["admitted"] or self.ready or self.in_flight or self.requeued:
+            raise RuntimeError("restore() is for a new feed, before it admitted anything")
+        if int(state["next_position"]) != self.next_position:
+            raise ValueError(
+                f"the checkpoint's prompt stream goes on at position {state['next_position']}, "
+                f"this feed's prompts start at {self.next_position}"
+            )
+        saved = state.get("counters", {})
+        for key in self.counters:
+            self.counters[key] = int(saved.get(key, 0))
+        # What was ready or generating when the checkpoint was taken died with the old learner:
+        # counted as aborted, so admitting it again keeps the accounting whole.
+        self.counters["aborted"] += int(state.get("outstanding", 0))
+        self.outstanding_max = int(state.get("outstanding_max", 0))
+        self.requeued.extend((item_at(int(p)), int(p)) for p in state.get("pending", []))
+        self.check_accounting()
+        if self.requeued:
+            log.info(
+                "resumed feed: %d prompt(s) pending at the checkpoint are issued again first; new prompts from "
+                "position %d; %d group(s) trained so far",
+                len(self.requeued),
+                self.next_position,
+                self.counters["trained"],
+            )
+        return len(self.requeued)
 
     def close(self) -> dict[str, int]:
         """The run is over: prompts still in flight are aborted (servers stop generating them)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from learner.controller.types import PromptItem
@@ -58,6 +58,19 @@ class PromptStream:
         """The prompts of ``step`` (1-based)."""
         offset = ((step - 1) % self.steps_per_episode) * self.batch_size
         return self.items[offset : offset + self.batch_size]
+
+    def at(self, position: int) -> PromptItem:
+        """The prompt at ``position`` (0-based) of the endless sequence batch(1), batch(2), ...:
+        how the async schedule's checkpoints name prompts (controller prompt ids restart at 0
+        in a new learner process; positions do not)."""
+        step, i = divmod(position, self.batch_size)  # batch(step + 1)[i]
+        return self.items[(step % self.steps_per_episode) * self.batch_size + i]
+
+    def stream(self, position: int) -> Iterator[PromptItem]:
+        """The prompts from ``position`` on, without end (``at(position)``, ``at(position + 1)``, ...)."""
+        while True:
+            yield self.at(position)
+            position += 1
 
     def state_dict(self) -> dict[str, Any]:
         """What pins the stream down. Its position needs no saving: step s draws ``batch(s)``

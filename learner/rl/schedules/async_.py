@@ -19,6 +19,14 @@ counters. Batches cross from the pump to the main thread through a one-slot queu
 uses pause mode "keep": in-flight requests continue on the new weights, so the generation
 gap per push is the push itself.
 
+Checkpoints (``state_dict`` / ``load_state_dict``, called by ``learner.rl.checkpoint``): a
+checkpoint is taken after step k's push, with generation for later steps under way. The
+schedule saves the feed's place in the prompt stream: the next position and the positions of
+the prompts drawn but neither trained nor dropped (ready groups, prompts in flight, aborted
+ones), and its run-total counters. The resumed run admits those prompts again first (their
+samples are generated anew by the resumed weights) and then goes on from the next position,
+so no prompt is skipped or trained twice (``OffPolicyFeed.restore``).
+
 Differences from AReaL's async PPO: the same bound and admission rule, but groups are
 dropped whole, aborts happen only at pushes, and weights are pushed after every step.
 """
@@ -152,6 +160,7 @@ class AsyncSchedule(Schedule):
         self.slow_s = float(os.environ.get(SLOW_LEARNER_ENV, "0") or 0)
         self._last_report = time.monotonic()
         self._last_idle = 0.0
+        self._feed_state: dict[str, Any] | None = None  # from a checkpoint, or the last feed's at its end
 
     # ------------------------------------------------------------------ rank 0's data path
     def _start_pump(self, first_step: int) -> None:
@@ -166,14 +175,32 @@ class AsyncSchedule(Schedule):
                 rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
                 return bool(dynamic_filter_mask(rewards, len(samples), reward_range)[0])
 
+        B = cfg.rollout_batch_size
+        # Where the run stands in the prompt stream: the checkpoint's feed state, or (a fresh
+        # run, or a resume from a checkpoint without one) the state of a run that trained steps
+        # 1..first_step-1 with nothing pending, as lockstep leaves it.
+        state = self._feed_state or {
+            "next_position": (first_step - 1) * B,
+            "pending": [],
+            "counters": {"admitted": (first_step - 1) * B, "trained": (first_step - 1) * B},
+        }
+        trained = int(state.get("counters", {}).get("trained", 0))
+        if trained != (first_step - 1) * B:
+            raise RuntimeError(
+                f"async checkpoint state: {trained} group(s) trained, but step {first_step} follows "
+                f"{first_step - 1} step(s) of {B}"
+            )
         feed = OffPolicyFeed(
             driver.controller,
-            _stream(driver.prompts, first_step),
-            batch_groups=cfg.rollout_batch_size,
+            driver.prompts.stream(int(state["next_position"])),
+            batch_groups=B,
             max_staleness=cfg.max_staleness,
-            total_groups=(self.parts.total_steps - first_step + 1) * cfg.rollout_batch_size,
+            total_groups=self.parts.total_steps * B,  # a run total, as the restored counters are
             keep_group=keep,
+            first_position=int(state["next_position"]),
         )
+        if first_step > 1:
+            feed.restore(state, driver.prompts.at)
         self.pump = _Pump(feed)
         self.pump.start()
         self._last_report = time.monotonic()
@@ -183,7 +210,21 @@ class AsyncSchedule(Schedule):
             return {}
         pump, self.pump = self.pump, None
         pump.stop()
+        self._feed_state = pump.feed.state_dict()  # a checkpoint after the last step saves it
         return pump.feed.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's part of a checkpoint taken after a step's push (JSON-able): the feed's state
+        (``OffPolicyFeed.state_dict``), read with the pump parked."""
+        if self.pump is not None:
+            with self.pump.hold() as feed:
+                return {"feed": feed.state_dict()}
+        return {"feed": self._feed_state} if self._feed_state is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Before the first step of a resumed run: the feed starts from this state."""
+        self._feed_state = state.get("feed")
 
     def push_weights(self, version: int) -> None:
         if self.pump is None:
@@ -276,11 +317,3 @@ class AsyncSchedule(Schedule):
             self.driver.report(
                 step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
             )
-
-
-def _stream(prompts: Any, step: int):
-    """The run's prompts in lockstep's order from ``step`` on (that step's batch, the next
-    one's, ...), without end: refills for dropped groups come from the same stream."""
-    while True:
-        yield from prompts.batch(step)
-        step += 1

@@ -3,6 +3,7 @@ the staleness guards, abort before a push, accounting, and K = 0 behaving as loc
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -187,3 +188,91 @@ def test_k0_is_lockstep(ctrl):
     assert feed.counters == dict(
         admitted=4 * B, trained=4 * B, dropped_stale=0, dropped_failed=0, dropped_filtered=0, aborted=0
     )
+
+
+# ---------------------------------------------------------------------- checkpoint state
+
+
+def test_state_dict_names_every_pending_prompt_by_its_stream_position(ctrl):
+    """After step 2's push with a prompt ready, prompts generating and two aborted ones waiting
+    to be admitted again: the state lists exactly those by position, and every position drawn
+    is trained, dropped or pending (nothing else exists to lose)."""
+    c, start = ctrl
+    held = {2, 3}  # prompt ids 2 and 3 never finish on their own: aborted before the v2 push
+    start(FakeRollout(c.endpoint.address, hold=lambda pid: pid in held))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    its = items(20)
+    feed = OffPolicyFeed(c, iter(its[5:]), batch_groups=B, max_staleness=1, first_position=5)
+    trained = []
+    pump_until(feed, lambda: len(feed.ready) == 2)
+    settle(feed)
+    trained += feed.take_batch(0)
+    c.set_policy_version(1)
+    pump_until(feed, lambda: len(feed.ready) == 2)
+    trained += feed.take_batch(1)
+    assert feed.abort_stale(next_train_version=2) == 2
+    c.set_policy_version(2)  # step 2's push; the checkpoint is taken now
+    state = json.loads(json.dumps(feed.state_dict()))  # it goes into state.json
+
+    assert [g.position for g in trained] == [5, 6, 9, 10]  # the items' own positions
+    assert [g.item.tokens[0] - 100 for g in trained] == [5, 6, 9, 10]
+    assert state["counters"]["trained"] == 2 * B and state["counters"]["aborted"] == 2
+    assert state["next_position"] == 5 + feed.counters["admitted"]  # no aborted one admitted again yet
+    pending = {p for _, p in feed.requeued} | {g.position for g in feed.ready}
+    pending |= set(feed._position.values())  # in flight
+    assert [p for _, p in feed.requeued] == [7, 8]  # the aborted ones
+    assert state["pending"] == sorted(pending) and state["outstanding"] == feed.outstanding()
+    assert sorted([g.position for g in trained] + state["pending"]) == list(range(5, state["next_position"]))
+
+
+def test_restore_admits_the_pending_prompts_first_then_goes_on_from_the_next_position(ctrl):
+    """A hand-made checkpoint state (after step 2, B = 2): positions 3, 6 and 8 pending (two were
+    outstanding, one aborted earlier), 9 next. The resumed feed issues 3, 6, 8 again before any
+    new prompt, keeps the run's counters, and trains every other position once to the end."""
+    c, start = ctrl
+    start(FakeRollout(c.endpoint.address, delay=0.01))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    its = items(30)
+    state = {
+        "next_position": 9,
+        "pending": [3, 6, 8],
+        "outstanding": 2,
+        "outstanding_max": 4,
+        "counters": dict(
+            admitted=11, trained=2 * B, dropped_stale=0, dropped_failed=1, dropped_filtered=0, aborted=4
+        ),  # 11 == 4 trained + 1 failed + 4 aborted + 2 outstanding
+    }
+    c.set_policy_version(2)  # the resumed learner pushed the checkpoint's weights
+    feed = OffPolicyFeed(c, iter(its[9:]), batch_groups=B, max_staleness=1, total_groups=5 * B, first_position=9)
+    assert feed.restore(state, its.__getitem__) == 3
+    assert feed.counters["aborted"] == 4 + 2 and feed.outstanding_max == 4
+    feed.check_accounting()
+
+    assert feed.admit() == 4  # room: (K + v + 1) * B - trained = 8 - 4
+    assert feed.state_dict()["pending"] == [3, 6, 8, 9]  # the pending three first, then the stream
+    trained = []
+    for v in range(2, 5):  # steps 3..5
+        pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
+        c.set_policy_version(v + 1)
+        feed.abort_stale(v + 1)
+        feed.check_accounting()
+    positions = sorted(g.position for b in trained for g in b)
+    assert positions == [3, 6, 8, 9, 10, 11]  # nothing skipped, nothing trained twice
+    assert sorted(g.item.tokens[0] - 100 for b in trained for g in b) == positions
+    assert feed.counters["trained"] == 5 * B and feed.counters["admitted"] == 11 + 6
+    assert feed.state_dict()["pending"] == [] and feed.next_position == 12
+
+
+def test_restore_refuses_a_stream_at_another_position_and_a_used_feed(ctrl):
+    c, _ = ctrl
+    its = items(10)
+    state = {"next_position": 4, "pending": [], "counters": dict(admitted=4, trained=4)}
+    feed = OffPolicyFeed(c, iter(its[3:]), batch_groups=B, max_staleness=1, first_position=3)
+    with pytest.raises(ValueError, match="goes on at position 4, this feed's prompts start at 3"):
+        feed.restore(state, its.__getitem__)
+    feed = OffPolicyFeed(c, iter(its[4:]), batch_groups=B, max_staleness=1, first_position=4)
+    feed.counters["admitted"] = 1
+    with pytest.raises(RuntimeError, match="for a new feed"):
+        feed.restore(state, its.__getitem__)

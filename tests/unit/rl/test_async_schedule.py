@@ -4,6 +4,8 @@ services, a fake trainer that takes its time. The lag of every trained sample st
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 
 import pytest
@@ -66,8 +68,8 @@ class Weights:
         self.pushed.append(version)
 
 
-@pytest.fixture
-def setup():
+@contextlib.contextmanager
+def controller_and_services():
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=5.0, needs_preparation=())
     ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
@@ -75,11 +77,19 @@ def setup():
     services = [FakeRollout(ep.address, delay=0.02), FakeReward(ep.address)]
     for s in services:
         s.start()
-    c.wait_for_services(1, 1, timeout_s=10)
-    yield c, services
-    for s in services:
-        s.stop.set()
-    ep.close(0)
+    try:
+        c.wait_for_services(1, 1, timeout_s=10)
+        yield c, services
+    finally:
+        for s in services:
+            s.stop.set()
+        ep.close(0)
+
+
+@pytest.fixture
+def setup():
+    with controller_and_services() as got:
+        yield got
 
 
 def run_schedule(c, *, k: int, steps: int, train_s: float):
@@ -136,3 +146,56 @@ def test_k0_trains_lockstep_batches_at_lag_zero(setup):
         assert {s.policy_version for s in batch} == {step - 1}
         assert sorted({s.prompt[0] for s in batch}) == [100 + (step - 1) * B + i for i in range(B)]
     assert sink.rows[-1]["async/admitted"] == steps * B
+
+
+def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
+    """The checkpoint round trip of the async schedule, in one process: a run saves its state
+    after step K_SAVE (as ``Checkpointer`` does, through JSON) with prompts in flight and groups
+    ready, trains one step more and "dies"; a new schedule loads the state, pushes the saved
+    version and runs to the end. The killed run's steps 1..K_SAVE and the resumed run's steps
+    together train every prompt of the run exactly once (what the killed run trained after the
+    save is done again, and nothing it had pending is lost)."""
+    c, _ = setup
+    steps, k_save = 6, 3
+    cfg = PPOConfig(
+        pretrain="m", prompt_data="p", rollout_batch_size=B, n_samples_per_prompt=G,
+        train_batch_size=B * G, micro_train_batch_size=B * G, async_train=True, max_staleness=1,
+        generate_timeout_s=20, score_timeout_s=20,
+    )  # fmt: skip
+    its = [PromptItem(tokens=[100 + i, 7], text=f"p{i}") for i in range(B * steps)]
+
+    def schedule(trainer, c):
+        driver = Driver(cfg, c, PromptStream(its, B), Sink())
+        return SCHEDULES["async"](RunParts(cfg, trainer, Weights(), driver, torch.device("cpu"), steps))
+
+    first = schedule(SlowTrainer(0.3), c)
+    first.start()
+    for step in range(1, k_save + 1):
+        first.step(step)
+    state = json.loads(json.dumps(first.state_dict()))
+    first.step(k_save + 1)  # trained, then lost: the checkpoint is older
+    first._stop_pump()  # the "kill": what the old learner had in flight dies with it
+
+    feed = state["feed"]
+    assert feed["counters"]["trained"] == k_save * B
+    assert feed["pending"], "nothing was in flight or ready at the save: the test shows nothing"
+    trained_before = [s.prompt[0] for batch in first.parts.trainer.trained[:k_save] for s in batch[::G]]
+    assert sorted(trained_before + [100 + p for p in feed["pending"]]) == [
+        100 + p for p in range(feed["next_position"])
+    ]
+
+    with controller_and_services() as (c2, _):  # the new learner's controller: prompt ids from 0 again
+        resumed = schedule(SlowTrainer(0.05), c2)
+        resumed.load_state_dict(state)
+        resumed.push_weights(k_save)  # what run.py does on a resume, before any prompt
+        for step in range(k_save + 1, steps + 1):
+            resumed.step(step)
+    trained_after = [s.prompt[0] for batch in resumed.parts.trainer.trained for s in batch[::G]]
+    assert sorted(trained_before + trained_after) == [100 + i for i in range(B * steps)], "each prompt once"
+    rows = resumed.driver.sink.rows
+    assert [r["step"] for r in rows] == list(range(k_save + 1, steps + 1))
+    # The counters are the run's: admission after the resume saw the groups trained before it.
+    assert rows[-1]["async/trained_groups"] == steps * B
+    assert rows[-1]["async/outstanding_max"] <= (cfg.max_staleness + 1) * B
+    lags = [step - 1 - s.policy_version for step, b in enumerate(resumed.parts.trainer.trained, k_save + 1) for s in b]
+    assert min(lags) >= 0 and max(lags) <= cfg.max_staleness
