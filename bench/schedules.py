@@ -47,7 +47,7 @@ def run_once(args, model: Path, work: Path, name: str, *, async_train: bool, epo
     run_dir = work / name
     prompts = work / "prompts.jsonl"
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input"),
+        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
         *("--n_samples_per_prompt", str(args.g), "--rollout_batch_size", str(args.b)),
         *("--train_batch_size", str(args.b * args.g), "--micro_train_batch_size", str(args.b * args.g)),
         *("--micro_rollout_batch_size", str(args.b * args.g), "--max_steps", str(steps)),

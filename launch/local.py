@@ -53,6 +53,17 @@ class LocalConfig:
         "1 s: an idle vLLM engine busy-polls for 1 s, and OpenMP threads sharing "
         "a core with it crawl",
     )
+    cpu_cores: str = flag(
+        "auto",
+        "CPU hosts: how the roles share the cores. 'phases': each phase of a step gets every core -- "
+        "vLLM's OpenMP threads bound to all of them, the learner's OMP_NUM_THREADS = cores (unless "
+        "--learner_threads says otherwise), and idle OpenMP threads sleep at once instead of spinning "
+        "(OMP_WAIT_POLICY=PASSIVE); right for lockstep, where the roles take turns. 'split': the "
+        "thread counts as given and vLLM's own binding (one core). auto: phases for lockstep on a CPU "
+        "build of vLLM, split otherwise (async overlaps the roles; GPUs have their own devices). "
+        "Variables already in the environment win",
+        choices=("auto", "phases", "split"),
+    )
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")
     connect_timeout_s: float = flag(
         900.0, "how long services wait for the learner's controller to answer (it loads its model and DeepSpeed first)"
@@ -88,6 +99,7 @@ class Role:
     proc: subprocess.Popen | None = None
     kind: str = ""  # "rollout" | "reward" | "learner"
     finished: bool = False  # exited 0 (e.g. a service told to shut down): not a death
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # on top of its kind's environment
 
 
 def build_roles(cfg: LocalConfig) -> list[Role]:
@@ -97,6 +109,9 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     controller = f"tcp://127.0.0.1:{port}"
     py = sys.executable
     auth = ["--auth_dir", str(run / "auth")] if cfg.auth else []  # before the user's args: theirs win
+    learner_args = shlex.split(cfg.learner_args)
+    engine_extra = _rollout_flags_from_learner(learner_args)
+    devices = _colocated_devices(cfg, learner_args, shlex.split(cfg.rollout_args))
     roles: list[Role] = []
     for i in range(cfg.rollout_servers):
         roles.append(
@@ -114,11 +129,13 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                     f"rollout-{i}",
                     "--connect_timeout_s",
                     str(cfg.connect_timeout_s),
+                    *engine_extra,
                     *auth,
                     *shlex.split(cfg.rollout_args),
                 ],
                 logs / f"rollout-{i}.log",
                 kind="rollout",
+                env=devices["rollout"][i] if devices else {},
             )
         )
     reward_extra = _reward_flags_from_learner(shlex.split(cfg.learner_args), cfg.pretrain)
@@ -175,8 +192,81 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         ]
     else:
         cmd = [py, "-m", "learner.train_ppo", *learner_flags]
-    roles.append(Role("learner", cmd, logs / "learner.log", kind="learner"))
+    roles.append(Role("learner", cmd, logs / "learner.log", kind="learner", env=devices["learner"] if devices else {}))
     return roles
+
+
+def _rollout_flags_from_learner(args: list[str]) -> list[str]:
+    """OpenRLHF's trainer configures the vLLM engines it creates; here each rollout_service is
+    started with its engine flags, so the learner's are passed on (the user's --rollout_args,
+    after them, win). The sleep mode only with --colocate_all_models, as OpenRLHF."""
+
+    def value(name: str) -> str | None:
+        return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+    out = []
+    if value("--vllm_gpu_memory_utilization"):
+        out += ["--gpu_memory_utilization", value("--vllm_gpu_memory_utilization")]
+    if value("--vllm_tensor_parallel_size"):
+        out += ["--tensor_parallel_size", value("--vllm_tensor_parallel_size")]
+    if "--enforce_eager" in args:
+        out.append("--enforce_eager")
+    if "--colocate_all_models" in args and "--vllm_enable_sleep" in args:
+        out.append("--enable_sleep")
+    return out
+
+
+def visible_gpus() -> list[str]:
+    """This host's GPUs as CUDA_VISIBLE_DEVICES entries: the variable's own list when it is set,
+    else nvidia-smi's indices; empty on a host without GPUs. (No torch import: --help is fast.)"""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def _colocated_devices(cfg: LocalConfig, learner_args: list[str], rollout_args: list[str]) -> dict | None:
+    """--colocate_all_models on a GPU host: the learner ranks and the rollout servers on the same
+    GPUs. The learner sees them all (rank r takes GPU r); rollout server i takes the next
+    --tensor_parallel_size of them, so its engine shares those GPUs with the learner ranks
+    there. None without colocation or GPUs (CPU: nothing to place)."""
+    if "--colocate_all_models" not in learner_args:
+        return None
+    gpus = visible_gpus()
+    if not gpus:
+        return None
+    tp = 1
+    for args, name in ((learner_args, "--vllm_tensor_parallel_size"), (rollout_args, "--tensor_parallel_size")):
+        if name in args and args.index(name) + 1 < len(args):
+            tp = int(args[args.index(name) + 1])
+    need = max(cfg.learner_nproc, cfg.rollout_servers * tp)
+    if need > len(gpus):
+        raise ValueError(
+            f"--colocate_all_models: {cfg.learner_nproc} learner rank(s) and {cfg.rollout_servers} rollout server(s) "
+            f"x TP {tp} need {need} GPUs, {len(gpus)} visible ({','.join(gpus)})"
+        )
+    if cfg.learner_nproc != cfg.rollout_servers * tp:
+        print(
+            f"note: --colocate_all_models with {cfg.learner_nproc} learner rank(s) on {cfg.rollout_servers} x {tp} "
+            "engine GPUs: some GPUs hold only one of them",
+            file=sys.stderr,
+        )
+    every = ",".join(gpus[:need])
+    return {
+        "learner": {"CUDA_VISIBLE_DEVICES": every},
+        "rollout": [
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * tp : (i + 1) * tp])} for i in range(cfg.rollout_servers)
+        ],
+    }
 
 
 def _reward_flags_from_learner(args: list[str], pretrain: str) -> list[str]:
@@ -189,14 +279,50 @@ def _reward_flags_from_learner(args: list[str], pretrain: str) -> list[str]:
     out = []
     if value("--reward_pretrain"):
         out += ["--reward_pretrain", value("--reward_pretrain")]
+    if value("--remote_rm_url"):
+        out += ["--remote_rm_url", value("--remote_rm_url")]
     kl = "--use_kl_loss" in args or float(value("--init_kl_coef") or 0.01) > 0  # train_ppo's default is 0.01
     if value("--ref_pretrain") or kl:
         out += ["--ref_pretrain", value("--ref_pretrain") or pretrain]
-    if "--normalize_reward" in args:
+    if "--normalize_reward" in args and value("--reward_pretrain"):  # a reward model's scores only
         out.append("--normalize_reward")
     if value("--temperature") and "--ref_pretrain" in out:
         out += ["--temperature", value("--temperature")]  # reference log-probs at the sampling temperature
     return out
+
+
+def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
+    """Environment for --cpu_cores phases, by role kind ("learner", "service"); empty for split.
+
+    In lockstep the services wait while the learner trains and the learner waits while they
+    generate, so each phase may use every core, provided that the waiting side's threads
+    sleep: OpenMP threads that spin at a barrier (libgomp spins ~300k iterations first) would
+    take cores from the phase that runs. vLLM's CPU worker binds its OpenMP threads to the cores
+    VLLM_CPU_OMP_THREADS_BIND names (default: one core, the other reserved for its scheduler)."""
+    mode = cfg.cpu_cores
+    if mode == "auto":
+        mode = "phases" if _cpu_vllm() and "--async_train" not in shlex.split(cfg.learner_args) else "split"
+    if mode != "phases":
+        return {}
+    n = len(os.sched_getaffinity(0))
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    # What the user's environment sets wins (launch.local sets OMP_NUM_THREADS itself).
+    wait = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    return {
+        "learner": {**wait, "OMP_NUM_THREADS": str(cfg.learner_threads or n)},
+        "service": {**wait, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)},
+    }
+
+
+def _cpu_vllm() -> bool:
+    """The installed vLLM is the CPU build (the rollout servers compute on this host's cores)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 class Supervisor:
@@ -219,6 +345,8 @@ class Supervisor:
         )
         learner_env = dict(env, OMP_NUM_THREADS=str(self.cfg.learner_threads or self.cfg.threads_per_process))
         self._env = {"learner": learner_env, "service": env}
+        for kind, extra in phase_env(self.cfg).items():
+            self._env[kind].update(extra)
         for r in self.roles:
             self._start(r, mode="w")
 
@@ -233,7 +361,7 @@ class Supervisor:
             r.cmd,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=self._env["learner" if r.kind == "learner" else "service"],
+            env={**self._env["learner" if r.kind == "learner" else "service"], **r.env},
             start_new_session=True,
         )
         print(f"started {r.name} (pid {r.proc.pid}), log: {r.log}", flush=True)
@@ -359,7 +487,10 @@ def _tail(path: Path, n: int = 15) -> str:
 
 
 def run(cfg: LocalConfig) -> int:
-    roles = build_roles(cfg)
+    try:
+        roles = build_roles(cfg)
+    except ValueError as e:
+        raise SystemExit(f"launch.local: {e}") from None
     keys = Path(cfg.run_dir) / "auth"
     if cfg.auth and not (keys / "controller.key_secret").exists():
         from common.auth import keygen

@@ -45,7 +45,10 @@ class RolloutConfig:
         group="engine",
     )
     enable_sleep: bool = flag(
-        False, "enable vLLM sleep mode (GPU only) so the server can free memory on request", group="engine"
+        False,
+        "enable vLLM sleep mode so the server can free memory on request (GPU only; on CPU the server "
+        "serves without it and answers Sleep/WakeUp not_supported)",
+        group="engine",
     )
     engine_start_attempts: int = flag(
         3,

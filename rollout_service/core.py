@@ -58,6 +58,16 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+_NO_SLEEP_ON_CPU = "vLLM has no sleep mode on CPU (there is no device memory to free)"
+
+
+def _sleep_mode_available() -> bool:
+    """vLLM's sleep mode needs its CUDA memory allocator (vLLM refuses it on other platforms)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class NotSupported(RuntimeError):
     """The request is valid but this server cannot do it (e.g. sleep mode on CPU)."""
 
@@ -159,7 +169,10 @@ class RolloutCore:
             weight_transfer_config={"backend": self.backend},
         )
         if c.enable_sleep:
-            kwargs["enable_sleep_mode"] = True
+            if _sleep_mode_available():
+                kwargs["enable_sleep_mode"] = True
+            else:  # vLLM refuses the engine outright; serve without it and answer Sleep with why
+                log.warning("--enable_sleep: %s; Sleep/WakeUp will be answered not_supported", _NO_SLEEP_ON_CPU)
         chunked = c.enable_chunked_prefill
         if chunked is None and self.backend == "gloo":  # a CPU engine
             # vLLM 0.32 on CPU: a chunked prefill rewinds the request's generator, which a CPU
@@ -219,6 +232,7 @@ class RolloutCore:
             "dtype": self.engine_dtype,
             "weight_transfer_backend": self.backend,
             "sleep": self.sleep_supported(),
+            "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
             "policy_version": self.version,
             "platform": "cuda" if torch.cuda.is_available() else "cpu",
         }
@@ -360,17 +374,11 @@ class RolloutCore:
         await self._release("pause")
 
     def sleep_supported(self) -> bool:
-        import torch
-
-        return bool(self.cfg.enable_sleep and torch.cuda.is_available())
+        return bool(self.cfg.enable_sleep and _sleep_mode_available())
 
     def _check_sleep(self) -> None:
         if not self.sleep_supported():
-            why = (
-                "this server was started without --enable_sleep"
-                if self.cfg.enable_sleep is False
-                else "vLLM sleep mode needs a GPU; the CPU worker ignores it"
-            )
+            why = _NO_SLEEP_ON_CPU if not _sleep_mode_available() else "this server was started without --enable_sleep"
             raise NotSupported(f"sleep/wake not supported: {why}")
 
     async def sleep(self, level: int = 1) -> None:

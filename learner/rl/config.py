@@ -15,6 +15,10 @@ from common.weights import known_backends
 
 log = logging.getLogger("learner")
 
+# OpenRLHF passes these to the vLLM engines it creates; here each rollout_service is started
+# with its own engine flags (launch.local and the Slurm scripts pass them on).
+ENGINE_FLAGS = {"enforce_eager": "--enforce_eager", "vllm_tensor_parallel_size": "--tensor_parallel_size"}
+
 RAY_PLACEMENT_FLAGS = (
     "ref_num_nodes",
     "ref_num_gpus_per_node",
@@ -25,7 +29,6 @@ RAY_PLACEMENT_FLAGS = (
     "reward_num_nodes",
     "reward_num_gpus_per_node",
     "vllm_num_engines",
-    "colocate_all_models",
     "colocate_actor_ref",
     "colocate_critic_reward",
 )
@@ -39,6 +42,12 @@ class PPOConfig:
         "",
         "reward model: served by reward_service (launch.local passes it on); the "
         "learner checks a connected reward service scores with a reward model",
+        group="model",
+    )
+    remote_rm_url: str = flag(
+        "",
+        "reward function file (reward_func.py) or HTTP reward URL(s), comma-separated: served by reward_service "
+        "--remote_rm_url (launch.local passes it on)",
         group="model",
     )
     critic_pretrain: str = flag(
@@ -115,8 +124,8 @@ class PPOConfig:
 
     # ---- algorithm
     advantage_estimator: str = flag(
-        "group_norm",
-        "advantage estimator",
+        "gae",
+        "advantage estimator (gae: PPO with a critic, as OpenRLHF; group_norm: GRPO)",
         choices=("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"),
         group="algorithm",
     )
@@ -208,6 +217,40 @@ class PPOConfig:
         group="async",
     )
 
+    # ---- the colocated (hybrid) schedule (learner/rl/schedules/colocated.py, docs/colocated.md)
+    colocate_all_models: bool = flag(
+        False,
+        "colocated lockstep schedule: learner ranks and rollout engines share the same GPUs and take turns "
+        "(start them on the same devices: launch.local and launch/grpo_colocated.slurm do)",
+        group="colocate",
+    )
+    vllm_enable_sleep: bool = flag(
+        False,
+        "--colocate_all_models: rollout engines sleep (vLLM sleep mode) while the learner trains and wake to "
+        "generate; the servers need --enable_sleep (launch.local passes it on); GPU only",
+        group="colocate",
+    )
+    deepspeed_enable_sleep: bool = flag(
+        False,
+        "--colocate_all_models: DeepSpeed offloads optimizer states and gradients to host memory while the "
+        "engines generate (offload_states / reload_states); GPU with a ZeRO optimizer only",
+        group="colocate",
+    )
+    vllm_gpu_memory_utilization: float | None = flag(
+        None,
+        "share of each GPU the rollout engines should take (launch.local passes it to rollout_service "
+        "--gpu_memory_utilization; the learner checks what the servers announce); unset: the servers' own",
+        group="colocate",
+    )
+    enforce_eager: bool = flag(
+        False, "vLLM engine flag: pass --enforce_eager to rollout_service (launch.local passes it on)", group="colocate"
+    )
+    use_wandb: str = flag(
+        "",
+        "accepted for OpenRLHF scripts and ignored (with a notice): metrics go to TensorBoard and metrics.jsonl",
+        group="logging",
+    )
+
     # ---- processes and the wire (rayless's own)
     controller_bind: str = flag(
         "tcp://0.0.0.0:5555", "where the controller (rank 0) listens for services", group="services"
@@ -227,7 +270,11 @@ class PPOConfig:
     score_timeout_s: float = flag(300.0, "re-score a prompt not scored within this long", group="services")
     weight_sync_timeout_s: float = flag(300.0, "deadline of one weight push to one server", group="services")
     weight_sync_backend: str = flag(
-        "auto", "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo", choices=tuple(known_backends()), group="services"
+        "auto",
+        "auto (nccl on GPUs, gloo on CPUs) | nccl | gloo",
+        choices=tuple(known_backends()),
+        aliases=("--vllm_sync_backend",),
+        group="services",
     )
     sync_host: str = flag(
         "", "address rollout servers reach this rank at for weight sync (default: hostname)", group="services"
@@ -263,7 +310,6 @@ class PPOConfig:
     reward_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
     vllm_num_engines: int = flag(0, "Ray placement (ignored: start that many rollout_service processes)", group="ray")
     vllm_tensor_parallel_size: int = flag(0, "pass --tensor_parallel_size to rollout_service instead", group="ray")
-    colocate_all_models: bool = flag(False, "Ray placement (ignored)", group="ray")
     colocate_actor_ref: bool = flag(False, "Ray placement (ignored)", group="ray")
     colocate_critic_reward: bool = flag(False, "Ray placement (ignored)", group="ray")
 
@@ -288,7 +334,13 @@ class PPOConfig:
                 f"--micro_train_batch_size {self.micro_train_batch_size}"
             )
         self._check_async()
+        self._check_colocate()
         self._check_algorithm()
+        if self.normalize_reward and not self.reward_pretrain:
+            # OpenRLHF scripts carry it with rule rewards too; it only concerns a reward model.
+            log.warning(
+                "--normalize_reward normalises a reward model's scores; without --reward_pretrain it does nothing"
+            )
 
     def _check_async(self) -> None:
         """--async_train's flags, and the IS correction it defaults (``auto`` resolves here)."""
@@ -310,6 +362,30 @@ class PPOConfig:
             self.is_correction = ""
         elif self.is_correction == "auto":
             self.is_correction = "tis"
+
+    def _check_colocate(self) -> None:
+        """--colocate_all_models and its sleep flags (OpenRLHF's meanings, docs/colocated.md)."""
+        if self.use_wandb:
+            log.warning(
+                "--use_wandb: rayless does not log to Weights & Biases; metrics go to TensorBoard and metrics.jsonl"
+            )
+            self.use_wandb = "(given; ignored)"  # a token: kept out of the logged config
+        u = self.vllm_gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {u}")
+        if self.colocate_all_models and self.async_train:
+            # Colocated engines sleep while the learner trains; async keeps them generating then.
+            raise ValueError(
+                "--colocate_all_models and --async_train contradict each other: colocated engines and learner "
+                "take turns on the same GPUs, async generates while training; drop one of them"
+            )
+        if self.async_train and self.vllm_enable_sleep:
+            raise ValueError("--vllm_enable_sleep makes the engines sleep while training: not with --async_train")
+        for name in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
+            if getattr(self, name) and not self.colocate_all_models:
+                # As OpenRLHF: without colocation nothing else wants the memory, so the flag is off.
+                log.warning("--%s acts only with --colocate_all_models: turned off", name)
+                setattr(self, name, False)
 
     def _check_algorithm(self) -> None:
         """Flag combinations that would fail deep inside a step, refused at parse time."""
@@ -406,3 +482,7 @@ class PPOConfig:
 
     def ray_flags_used(self) -> list[str]:
         return [name for name in RAY_PLACEMENT_FLAGS if getattr(self, name)]
+
+    def engine_flags_used(self) -> list[tuple[str, str]]:
+        """(learner flag, rollout_service flag) of vLLM engine flags given to the learner."""
+        return [(name, ENGINE_FLAGS[name]) for name in ENGINE_FLAGS if getattr(self, name)]

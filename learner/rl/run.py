@@ -22,8 +22,9 @@ from learner.rl.build import (
 )
 from learner.rl.checkpoint import Checkpointer, CheckpointMismatch, check_resumable
 from learner.rl.config import PPOConfig
-from learner.rl.schedules import SCHEDULES, RunParts
+from learner.rl.schedules import SCHEDULES, RunParts, schedule_name
 from learner.rl.schedules.base import broadcast_int
+from learner.rl.schedules.colocated import check_colocated_push, make_turns
 
 log = logging.getLogger("learner")
 
@@ -55,6 +56,17 @@ def run(cfg: PPOConfig) -> int:
                 "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
                 name,
             )
+        for name, theirs in cfg.engine_flags_used():
+            log.warning(
+                "--%s configures vLLM engines, which rollout_service processes own here: start them with %s "
+                "(launch.local passes it on)",
+                name,
+                theirs,
+            )
+    try:
+        check_colocated_push(cfg)
+    except ValueError as e:
+        raise SystemExit(f"learner: {e}") from None
     torch.manual_seed(cfg.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
@@ -111,8 +123,17 @@ def run(cfg: PPOConfig) -> int:
                 greedy=greedy,
             )
             driver.wait_for_services()
-        parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps)
-        schedule = SCHEDULES["async" if cfg.async_train else "lockstep"](parts)
+        turns = None
+        if cfg.colocate_all_models:
+            trained = [engine] + ([critic.engine] if critic is not None else [])
+            try:
+                turns = make_turns(cfg, trained, info.device, weights.rollout if rank0 else None)
+            except ValueError as e:
+                raise SystemExit(f"learner: {e}") from None
+        parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps, turns=turns)
+        schedule = SCHEDULES[schedule_name(cfg)](parts)
+        if rank0:
+            log.info("schedule: %s", schedule.name)
         ckpt = Checkpointer(
             cfg,
             trainer,
@@ -126,18 +147,18 @@ def run(cfg: PPOConfig) -> int:
         )
         resumed = ckpt.resume() if cfg.load_checkpoint else None
         first = resumed.step + 1 if resumed else 1
-        if resumed:
-            # The resumed weights, as the version they were at, before any prompt is handed out:
-            # servers that outlived the old learner still hold its later weights.
-            schedule.push_weights(resumed.state["policy_version"])
-        else:
-            schedule.start()  # servers may have loaded other weights: everyone starts equal
+        # Servers may have loaded other weights: everyone starts equal. A resumed run pushes the
+        # resumed weights, as the version they were at, before any prompt is handed out: servers
+        # that outlived the old learner still hold its later weights.
+        schedule.start(resumed.state["policy_version"] if resumed else 0)
         if driver is not None and not resumed:
             driver.evaluate(0, "eval/accuracy")
         for step in range(first, total_steps + 1):
             schedule.step(step)
             if cfg.save_steps and step % cfg.save_steps == 0:
-                ckpt.save(step)
+                with schedule.states_resident():
+                    ckpt.save(step)
+        schedule.finish()
         if driver is not None:
             driver.evaluate(total_steps, "eval/accuracy_final")
         E.save_hf(engine, tokenizer, cfg.save_path)

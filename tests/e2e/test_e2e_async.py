@@ -26,7 +26,7 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, slow_s: float) -> subpro
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"{a}+{b}="}) + "\n" for a in range(30) for b in range(10)))
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input"),
+        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
         *("--n_samples_per_prompt", str(G), "--rollout_batch_size", str(B)),
         *("--train_batch_size", str(B * G), "--micro_train_batch_size", str(B * G)),
         *("--micro_rollout_batch_size", str(B * G), "--max_steps", str(steps), "--generate_max_len", "4"),

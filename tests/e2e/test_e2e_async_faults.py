@@ -36,7 +36,7 @@ def _launch(
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"{a}+{c}="}) + "\n" for a in range(30) for c in range(10)))
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input"),
+        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
         *("--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
         *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g)),
         *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps)),

@@ -39,6 +39,8 @@ def _launch(
         str(_prompts(tmp_path)),
         "--input_key",
         "input",
+        "--advantage_estimator",
+        "group_norm",
         "--n_samples_per_prompt",
         "8",
         "--rollout_batch_size",

@@ -45,7 +45,7 @@ def _prompts(tmp_path: Path) -> Path:
 
 def _learner_flags(prompts: Path) -> list[str]:
     return [
-        "--prompt_data", str(prompts), "--input_key", "input",
+        "--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", "4", "--rollout_batch_size", "8",
         "--train_batch_size", "32", "--micro_train_batch_size", "32",
         "--max_steps", str(STEPS), "--generate_max_len", "4",

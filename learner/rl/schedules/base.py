@@ -10,9 +10,11 @@ collective that rank 0 will never enter.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +61,7 @@ class RunParts:
     driver: Driver | None  # rank 0 only
     device: torch.device
     total_steps: int
+    turns: Any = None  # colocated only: learner.rl.schedules.colocated.Turns
 
 
 class Schedule(abc.ABC):
@@ -70,9 +73,19 @@ class Schedule(abc.ABC):
         self.driver = parts.driver
         self.t_start = time.time()
 
-    def start(self) -> None:
-        """Before the first step: every server starts from the learner's weights (v0)."""
-        self.push_weights(0)
+    def start(self, version: int = 0) -> None:
+        """Before the first step: every server starts from the learner's weights (``version``:
+        0, or the resumed one, which servers that outlived the old learner may be past)."""
+        self.push_weights(version)
+
+    def finish(self) -> None:
+        """After the last step, before the final evaluation."""
+
+    @contextlib.contextmanager
+    def states_resident(self) -> Iterator[None]:
+        """The learner's states where a checkpoint save can read them (the colocated schedule
+        may have parked them in host memory)."""
+        yield
 
     @abc.abstractmethod
     def step(self, step: int) -> Decision:

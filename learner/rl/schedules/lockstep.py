@@ -26,6 +26,7 @@ class LockstepSchedule(Schedule):
         batch, decision = None, None
         if self.driver is not None:
             try:
+                self.before_generate()
                 batch = self.driver.gather(step)
             except BaseException:
                 broadcast_decision(Decision.STOP)  # release the other ranks before raising here
@@ -39,6 +40,7 @@ class LockstepSchedule(Schedule):
                 self.driver.skipped(step, batch)
             return decision
         t_gen = time.time() - t0
+        self.after_generate()
         rollout = broadcast_rollout(batch.rollout if batch else None, cfg.n_samples_per_prompt, device=parts.device)
         rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
         # On-policy when every sample came from the weights pushed after the previous step
@@ -46,8 +48,11 @@ class LockstepSchedule(Schedule):
         # trainer may take them from the training forward. A sample from older weights (it
         # should not happen in lockstep) makes the trainer recompute them.
         on_policy = all(s.policy_version == step - 1 for s in rollout.samples)
+        self.before_train()
         metrics = parts.trainer.step(rollout, on_policy=on_policy)
+        self.after_train()
         t_train = time.time() - t0 - t_gen
+        self.before_push()
         self.push_weights(step)
         if self.driver is not None:
             timings = {
@@ -59,3 +64,21 @@ class LockstepSchedule(Schedule):
             }
             self.driver.report(step, parts.total_steps, metrics, batch, n_trained=len(rollout), timings=timings)
         return decision
+
+    # Turns of a shared GPU (the colocated schedule); nothing to hand over here, where every
+    # role has its own devices.
+    def before_generate(self) -> None:
+        """Rank 0, before the step's prompts go out."""
+
+    def after_generate(self) -> None:
+        """Every rank, once the step trains (rank 0 before the rollout broadcast: the other
+        ranks wait there until it is done)."""
+
+    def before_train(self) -> None:
+        """Every rank."""
+
+    def after_train(self) -> None:
+        """Every rank."""
+
+    def before_push(self) -> None:
+        """Every rank, before the weight push."""

@@ -73,6 +73,7 @@ def _cfg(model_dir, **kw) -> PPOConfig:
     base = dict(
         pretrain=str(model_dir),
         prompt_data="p",
+        advantage_estimator="group_norm",
         n_samples_per_prompt=2,
         rollout_batch_size=4,
         train_batch_size=8,

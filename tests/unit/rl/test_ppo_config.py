@@ -29,6 +29,15 @@ def test_defaults_are_valid():
     assert c.critic_path == "m"
 
 
+def test_the_default_estimator_is_openrlhfs_gae_and_group_estimators_need_a_group():
+    """OpenRLHF's train_ppo_ray defaults to PPO with a critic and one sample per prompt."""
+    c = PPOConfig(pretrain="m", prompt_data="p")
+    assert c.advantage_estimator == "gae" and c.n_samples_per_prompt == 1
+    for name in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline"):
+        with pytest.raises(ValueError, match=f"--advantage_estimator {name} compares samples of one prompt"):
+            PPOConfig(pretrain="m", prompt_data="p", advantage_estimator=name)
+
+
 @pytest.mark.parametrize(
     "kw, needle",
     [
@@ -50,11 +59,11 @@ def test_defaults_are_valid():
             "--dynamic_filtering",
         ),
         (dict(dynamic_filtering=True, dynamic_filtering_reward_range=[1.0, 0.0]), "--dynamic_filtering_reward_range"),
-        (dict(freezing_actor_steps=2), "only with --advantage_estimator gae"),
-        (dict(save_value_network=True), "--save_value_network saves the critic"),
+        (dict(advantage_estimator="group_norm", freezing_actor_steps=2), "only with --advantage_estimator gae"),
+        (dict(advantage_estimator="group_norm", save_value_network=True), "--save_value_network saves the critic"),
         (dict(advantage_estimator="gae", gamma=1.5), "--gamma"),
         (dict(advantage_estimator="gae", critic_learning_rate=0.0), "--critic_learning_rate"),
-        (dict(gamma=0.9), "--gamma must be 1"),
+        (dict(advantage_estimator="group_norm", gamma=0.9), "--gamma must be 1"),
         (dict(advantage_estimator="rloo", n_samples_per_prompt=1, train_batch_size=4), "--n_samples_per_prompt >= 2"),
         (dict(train_batch_size=6), "multiple of --train_batch_size"),
     ],

@@ -1,0 +1,64 @@
+"""The seed's PPO commands (workflows 1 and 2, tests/helpers/seed_commands.py) parse with only
+the module name swapped, and their flags mean what they mean in OpenRLHF. Running them on the
+tiny model: tests/e2e/test_seed_commands.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from common.config import parse
+from helpers.seed_commands import OPENRLHF_MODULE, SEED_PPO_COMMANDS, argv, ported
+from learner.rl.config import PPOConfig
+from learner.rl.schedules import schedule_name
+from learner.rl.schedules.colocated import check_colocated_push
+
+
+@pytest.mark.parametrize("workflow", sorted(SEED_PPO_COMMANDS))
+def test_the_seed_command_parses_with_only_the_module_swapped(workflow, caplog):
+    command = ported(SEED_PPO_COMMANDS[workflow])
+    assert OPENRLHF_MODULE not in command
+    with caplog.at_level(logging.WARNING):
+        cfg = parse(PPOConfig, argv(command))
+    # PPO with a critic, one sample per prompt: OpenRLHF's default estimator.
+    assert cfg.advantage_estimator == "gae" and cfg.n_samples_per_prompt == 1
+    assert cfg.critic_learning_rate == 9e-6 and cfg.zero_stage == 3 and cfg.bf16
+    # The hybrid engine: the colocated schedule, both halves asked to sleep.
+    assert schedule_name(cfg) == "colocated"
+    assert cfg.vllm_enable_sleep and cfg.deepspeed_enable_sleep and cfg.vllm_gpu_memory_utilization == 0.5
+    assert cfg.packing_samples and cfg.gradient_checkpointing and cfg.apply_chat_template
+    assert cfg.weight_sync_backend == "nccl"  # --vllm_sync_backend
+    assert cfg.enforce_eager and cfg.save_hf_ckpt and cfg.max_samples == 100000
+    # Ray placement flags are accepted and explained at start-up, not silently used.
+    assert set(cfg.ray_flags_used()) >= {"actor_num_nodes", "vllm_num_engines", "ref_num_gpus_per_node"}
+    assert dict(cfg.engine_flags_used()) == {
+        "enforce_eager": "--enforce_eager",
+        "vllm_tensor_parallel_size": "--tensor_parallel_size",
+    }
+    if workflow == "workflow1":
+        assert cfg.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k" and cfg.normalize_reward
+    else:
+        assert cfg.remote_rm_url == "/path/to/reward_func.py" and cfg.label_key == "answer" and not cfg.reward_pretrain
+        assert "--normalize_reward normalises a reward model's scores" in caplog.text
+
+
+def test_the_wandb_line_parses_too_and_its_token_is_not_logged(caplog):
+    """The README's command lacks a backslash before --use_wandb; joined, it parses as well."""
+    with caplog.at_level(logging.WARNING):
+        cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow1"])), "--use_wandb", "secret-token"])
+    assert "secret-token" not in repr(cfg) and "Weights & Biases" in caplog.text
+
+
+def test_colocated_nccl_push_is_refused_with_the_way_out():
+    """OpenRLHF moves colocated weights by CUDA IPC under --vllm_sync_backend nccl; rayless has no
+    CUDA IPC backend yet, and NCCL cannot join two processes of one GPU: a clear refusal."""
+    cfg = parse(PPOConfig, argv(ported(SEED_PPO_COMMANDS["workflow1"])))
+    with pytest.raises(ValueError, match="--vllm_sync_backend gloo"):
+        check_colocated_push(cfg)
+
+
+def test_one_sample_per_prompt_is_still_refused_for_group_estimators():
+    args = [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), "--advantage_estimator", "group_norm"]
+    with pytest.raises(SystemExit):
+        parse(PPOConfig, args)
