@@ -2,7 +2,10 @@
 service and DeepSpeed (slow: each run starts vLLM).
 
 * PPO with a critic (``--advantage_estimator gae``): the critic trains — its value loss
-  falls — on the first-char-parity reward a tiny random model learns in a few steps.
+  falls — on the first-char-parity reward a tiny random model learns in a few steps. It runs
+  with ``--packing_samples`` (every learner forward on packed rows: the critic's old values,
+  the critic and policy training forwards), and the learner's packed log-probs agree with
+  vLLM's (``rollout/logprob_diff``), which they would not if attention crossed samples.
 * Three representative critic-free configurations, 2 steps each (vLLM start-up dominates,
   ~2 min a run on 2 CPU cores, so not one run per estimator): every estimator and loss
   option also runs in-process on a real DeepSpeed engine in tests/unit/rl/test_estimators_step.py.
@@ -116,8 +119,11 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
             "--lambd",
             "0.95",
             "--save_value_network",
+            "--packing_samples",
         ],
     )
+    # fp32 on both sides: ~1e-6 when each sample attends only to itself (padded runs show the same)
+    assert all(m["rollout/logprob_diff"] < 1e-4 for m in rows), [m["rollout/logprob_diff"] for m in rows]
     losses = [m["critic/value_loss"] for m in rows]
     # A fresh value head starts near 0 against rewards in {0, 1}; the critic learns the mean
     # and then the policy's rising reward shrinks the variance left to explain.
