@@ -103,9 +103,9 @@ class ColocatedSchedule(LockstepSchedule):
         # The engines are up and awake (they just loaded a model); the learner's states leave
         # before the first generation needs the memory.
         self.turns.learner.offload()
-        if self.engines is not None:
-            self.engines.check_servers()
         super().start(version)
+        if self.engines is not None:  # ready once the push above synced them
+            self.engines.check_servers()
 
     def finish(self) -> None:
         if self.engines is not None:  # the final evaluation generates
