@@ -16,7 +16,11 @@ layout as ``nccl`` in packed mode:
   (``start`` / ``finish``), exactly like the NCCL engine; the next bucket is already being
   received while the current one loads;
 - every collective carries a timeout: a learner that dies or stalls turns into an error naming
-  it, never a hang.
+  it, never a hang;
+- in a fleet group (``relay``: one group over every server, ``common/weights/gloo.py``) a worker
+  receives each piece from the rank before it and passes it on to the rank after it while the
+  next piece arrives. A failure to pass on is logged, not raised: this worker's own weights are
+  complete, and the server behind reports for itself.
 
 vLLM creates the engine from its registry: ``rollout_service/weight_receiver.py`` registers it
 there, in every worker.
@@ -43,9 +47,11 @@ from common.dtypes import torch_dtype
 from common.weights.gloo import GlooGroup
 from common.weights.wire import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_RELAY_CHUNK_BYTES,
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_TIMEOUT_S,
     bucket_plan,
+    chunk_spans,
     segment_plan,
     unpack,
     wait_work,
@@ -70,6 +76,9 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     # Joining the learner's store, if shorter than timeout_s: RolloutCore passes what is left of
     # the learner's own wait, so a worker never keeps connecting to a store the learner dropped.
     rendezvous_timeout_s: float | None = None
+    # A fleet group: receive from rank - 1 in pieces of relay_chunk_bytes, pass on to rank + 1.
+    relay: bool = False
+    relay_chunk_bytes: int = DEFAULT_RELAY_CHUNK_BYTES
 
 
 @dataclass
@@ -138,7 +147,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: GlooGroup | None = None
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.segment_bytes = DEFAULT_SEGMENT_BYTES
+        self.relay, self.relay_chunk_bytes = False, DEFAULT_RELAY_CHUNK_BYTES
         self.pool = ReceivePool()
+        # Works of a push that failed half-way, kept until the group goes: gloo may still be
+        # writing into their buffers.
+        self._abandoned: list = []
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         if self.group is not None:
@@ -148,6 +161,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.bucket_bytes = init_info.packed_buffer_size_bytes
         self.segment_bytes = init_info.segment_bytes
+        self.relay, self.relay_chunk_bytes = init_info.relay, init_info.relay_chunk_bytes
         label = f"learner@{init_info.master_address}:{init_info.master_port}"
         join_s = min(init_info.timeout_s, init_info.rendezvous_timeout_s or init_info.timeout_s)
         # A store client retries a refused connect until its timeout, and overshoots it by up
@@ -202,48 +216,66 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes)]
         plan = bucket_plan(sizes, self.bucket_bytes)
         group = self.group
+        relay = _Relay(group, self.relay_chunk_bytes) if self.relay else None
+        source = f"rank {group.rank - 1} of {group.label}" if relay else group.label
 
-        def post(b: int):
+        def post(b: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Any]]]:
             # A buffer no view of an earlier bucket still uses (ReceivePool); each segment
-            # lands in its slice of it.
+            # (relay: each piece of it) lands in its slice of it.
             bsizes = [sizes[i] for i in plan[b]]
             buf = self.pool.get(sum(bsizes))
             works, off = [], 0
             for run in segment_plan(bsizes, self.segment_bytes):
                 n = sum(bsizes[j] for j in run)
-                if n:
-                    works.append(group.broadcast(buf[off : off + n], src=0))
+                if n and relay is not None:
+                    works += relay.post(buf[off : off + n])
+                elif n:
+                    works.append((buf[off : off + n], group.broadcast(buf[off : off + n], src=0)))
                 off += n
             return buf, works
 
         t0 = time.perf_counter()
         waited = 0.0
         reused, allocated = self.pool.reused, self.pool.allocated
-        buf = None
-        with disable_mtp_completeness_check():
-            pending = post(0) if plan else None
-            for b, idx in enumerate(plan):
-                buf, works = pending
-                t = time.perf_counter()
-                for work in works:
-                    wait_work(work, f"receiving bucket {b + 1}/{len(plan)} from {group.label}")
-                waited += time.perf_counter() - t
-                # Receive the next bucket while this one loads (gloo runs it on its own thread).
-                pending = post(b + 1) if b + 1 < len(plan) else None
-                self.model.load_weights(
-                    unpack(
-                        buf,
-                        [update_info.names[i] for i in idx],
-                        [update_info.shapes[i] for i in idx],
-                        [dtypes[i] for i in idx],
-                        [sizes[i] for i in idx],
+        buf = pending = None
+        try:
+            with disable_mtp_completeness_check():
+                pending = post(0) if plan else None
+                for b, idx in enumerate(plan):
+                    buf, works = pending
+                    t = time.perf_counter()
+                    for piece, work in works:
+                        wait_work(work, f"receiving bucket {b + 1}/{len(plan)} from {source}")
+                        if relay is not None:
+                            relay.forward(piece)  # on to the next server while the next piece arrives
+                    waited += time.perf_counter() - t
+                    # Receive the next bucket while this one loads (gloo runs it on its own thread).
+                    pending = post(b + 1) if b + 1 < len(plan) else None
+                    self.model.load_weights(
+                        unpack(
+                            buf,
+                            [update_info.names[i] for i in idx],
+                            [update_info.shapes[i] for i in idx],
+                            [dtypes[i] for i in idx],
+                            [sizes[i] for i in idx],
+                        )
                     )
-                )
+                    if relay is not None:
+                        relay.settle(keep_last_bucket=True)
+        except BaseException:
+            # Receives still posted (and pieces still being passed on) write into or read from
+            # these buffers: keep them alive until the group is dropped.
+            self._abandoned.append((pending, relay))
+            raise
+        if relay is not None:
+            relay.settle(keep_last_bucket=False)
+            if relay.failed is not None:
+                self._abandoned.append(relay)
         del buf, pending
         total = time.perf_counter() - t0
         log.info(
             "received %d tensors in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading; "
-            "%d receive buffers reused, %d new",
+            "%d receive buffers reused, %d new%s",
             len(sizes),
             len(plan),
             sum(sizes) / 1e6,
@@ -252,9 +284,49 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             total - waited,
             self.pool.reused - reused,
             self.pool.allocated - allocated,
+            f"; relayed to rank {group.rank + 1}" if relay is not None and relay.next is not None else "",
         )
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
             self.group = None
+        self._abandoned.clear()
+
+
+class _Relay:
+    """One worker's place in a fleet group's relay chain: pieces come from ``rank - 1`` and go on
+    to ``rank + 1`` (none after the last rank). Passing on is best effort: if the next rank is
+    dead or stalled, the first failed send (within the group's timeout) stops the forwarding and
+    is logged; this worker's own receive is unaffected, and the server behind reports for itself
+    (the learner retries it on its own)."""
+
+    def __init__(self, group: GlooGroup, chunk_bytes: int) -> None:
+        self.group, self.chunk_bytes = group, chunk_bytes
+        self.prev = group.rank - 1
+        self.next = group.rank + 1 if group.rank + 1 < group.world_size else None
+        self.sent: list[list[tuple[torch.Tensor, Any]]] = [[]]  # per bucket: (piece, send work)
+        self.failed: str | None = None
+        self.stuck: list[tuple[torch.Tensor, Any]] = []
+
+    def post(self, segment: torch.Tensor) -> list[tuple[torch.Tensor, Any]]:
+        pieces = [segment[o : o + n] for o, n in chunk_spans(segment.numel(), self.chunk_bytes)]
+        return [(p, self.group.recv(p, self.prev)) for p in pieces]
+
+    def forward(self, piece: torch.Tensor) -> None:
+        if self.next is not None and self.failed is None:
+            self.sent[-1].append((piece, self.group.send(piece, self.next)))
+
+    def settle(self, keep_last_bucket: bool) -> None:
+        """Waits for the sends of the buckets before the last (all, at the end): the next rank is
+        receiving them while this one loads, and their buffers must not be reused before."""
+        done, self.sent = (self.sent[:-1], self.sent[-1:] + [[]]) if keep_last_bucket else (self.sent, [[]])
+        for piece, work in (x for bucket in done for x in bucket):
+            if self.failed is not None:
+                self.stuck.append((piece, work))  # gloo may still read it: kept with the group
+                continue
+            try:
+                wait_work(work, f"passing weights on to rank {self.next} of {self.group.label}")
+            except RuntimeError as e:
+                self.failed = str(e)
+                log.warning("%s; this server's own weights are complete, the one behind it reports for itself", e)

@@ -70,7 +70,7 @@ class Work(Protocol):
 
 
 class SendGroup(Protocol):
-    """A formed group of the learner (rank 0) and one server's workers (ranks 1..k)."""
+    """A formed group of the learner (rank 0) and one or several servers' workers (ranks 1..n)."""
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
         """Starts sending ``tensor`` to every worker; asynchronous, so that one bucket can be on
@@ -103,8 +103,11 @@ class WeightSender(ABC):
         self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
 
     @abstractmethod
-    def listen(self, world_size: int) -> Rendezvous:
-        """Starts forming a group of ``world_size`` ranks (the learner and the server's workers)."""
+    def listen(self, world_size: int, *, fleet: bool = False) -> Rendezvous:
+        """Starts forming a group of ``world_size`` ranks: the learner and one server's workers,
+        or (``fleet``) the workers of several servers, each told its ``rank_offset`` by the
+        publisher. A fleet group must cost the learner about one copy of the bytes per push
+        whatever its size (NCCL's broadcast does; gloo relays, ``common/weights/gloo.py``)."""
 
     def send(
         self, pairs: Iterator[tuple[str, torch.Tensor]], groups: dict[str, SendGroup], buffers: Buffers

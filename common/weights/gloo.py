@@ -1,10 +1,20 @@
 """The gloo backend's learner half and the group both halves use: CPU runs take the NCCL path.
 
-One group per (learner, rollout server): a plain ``ProcessGroupGloo`` on its own ``TCPStore``,
-hosted by the learner (rank 0); the server's vLLM workers are ranks 1..k. Never the default
-process group, so it coexists with vLLM's groups and DeepSpeed's, and a group can be formed or
-dropped while everything else keeps running. The workers' half is
-``rollout_service/weight_receiver_gloo.py`` (``GlooGroup`` is shared; nothing here imports vLLM).
+A group is a plain ``ProcessGroupGloo`` on its own ``TCPStore``, hosted by the learner (rank 0);
+the servers' vLLM workers are ranks 1..n. Never the default process group, so it coexists with
+vLLM's groups and DeepSpeed's, and a group can be formed or dropped while everything else keeps
+running. Two shapes:
+
+- one server (a joiner, or a retry): the learner broadcasts into the group, as before;
+- the fleet (every ready server in one group): a *relay*. gloo's broadcast is a binomial tree
+  that moves the whole message per hop (``gloo/broadcast.cc``: the root sends to ranks 1, 2, 4,
+  ...), so the learner would still send log2(n) copies, with no pipelining. Instead the learner
+  sends each bucket once, in pieces (``chunk_spans``), to rank 1; rank r receives its pieces from
+  r - 1 and passes each on to r + 1 while the next arrives (``GlooWeightTransferEngine``). The
+  learner's cost is one model's bytes whatever n; the last server is n pieces behind.
+
+The workers' half is ``rollout_service/weight_receiver_gloo.py`` (``GlooGroup`` is shared;
+nothing here imports vLLM).
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
 from common.weights.base import Rendezvous, WeightSender
-from common.weights.wire import DEFAULT_SEGMENT_BYTES
+from common.weights.wire import DEFAULT_RELAY_CHUNK_BYTES, DEFAULT_SEGMENT_BYTES, chunk_spans
 
 
 class GlooGroup:
@@ -66,11 +76,48 @@ class GlooGroup:
         opts.rootRank = src
         return self.pg.broadcast([tensor], opts)
 
+    def send(self, tensor: torch.Tensor, dst: int):
+        """Point to point (the relay), asynchronous; in order with earlier sends to ``dst``."""
+        return self.pg.send([tensor], dst, 0)
+
+    def recv(self, tensor: torch.Tensor, src: int):
+        return self.pg.recv([tensor], src, 0)
+
     def close(self) -> None:
         # Dropping the references closes the sockets; gloo has no explicit destroy that is
         # safe to call while a peer may be gone.
         self.pg = None
         self.store = None
+
+
+class _AllWorks:
+    """Several works waited as one (the pieces of one relayed segment)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+class RelayGroup:
+    """The learner's end of a fleet group: every "broadcast" is sent once, in pieces, to rank 1,
+    the head of the relay chain (ranks 1..n pass it on). ``SendGroup``'s interface, so the fan-out
+    sender (``common.weights.wire.send_packed``) drives it like any group."""
+
+    def __init__(self, group: GlooGroup, chunk_bytes: int) -> None:
+        self.group, self.chunk_bytes = group, chunk_bytes
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> _AllWorks:
+        if src != 0:
+            raise ValueError(f"the learner (rank 0) is the relay's only source, not rank {src}")
+        return _AllWorks(
+            [self.group.send(tensor[o : o + n], 1) for o, n in chunk_spans(tensor.numel(), self.chunk_bytes)]
+        )
+
+    def close(self) -> None:
+        self.group.close()
 
 
 class GlooSender(WeightSender):
@@ -84,12 +131,15 @@ class GlooSender(WeightSender):
         super().__init__(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
         # The receiver cuts segments by the same rule: it travels in init_info.
         self.segment_bytes = DEFAULT_SEGMENT_BYTES
+        self.relay_chunk_bytes = DEFAULT_RELAY_CHUNK_BYTES  # likewise
 
-    def listen(self, world_size: int) -> Rendezvous:
+    def listen(self, world_size: int, *, fleet: bool = False) -> Rendezvous:
         store = GlooGroup.host_store(self.host, world_size, self.timeout_s)
-        # Workers wait twice as long as we do: when one server stalls, we wait timeout_s on it
-        # before dropping it, and the healthy servers, waiting for their next bucket meanwhile,
-        # must not time out first.
+        # One server's group: its workers wait twice as long as we do: when one server stalls,
+        # we wait timeout_s on it before dropping it, and the healthy servers, waiting for their
+        # next bucket meanwhile, must not time out first. A fleet (relay): a server behind a
+        # stalled one cannot be served by this push anyway; it must give up within our own
+        # timeout, so that its error (not its silence) reaches us and it is retried on its own.
         init_info = {
             "master_address": self.host,
             "master_port": store.port,
@@ -97,12 +147,15 @@ class GlooSender(WeightSender):
             "rank_offset": 1,
             "packed_buffer_size_bytes": self.bucket_bytes,
             "segment_bytes": self.segment_bytes,
-            "timeout_s": 2 * self.timeout_s,
+            "timeout_s": self.timeout_s if fleet else 2 * self.timeout_s,
+            "relay": fleet,
+            "relay_chunk_bytes": self.relay_chunk_bytes,
         }
 
-        def join(label: str) -> GlooGroup:
-            return GlooGroup.open(
+        def join(label: str) -> GlooGroup | RelayGroup:
+            group = GlooGroup.open(
                 self.host, store.port, 0, world_size, timeout_s=self.timeout_s, label=label, store=store
             )
+            return RelayGroup(group, init_info["relay_chunk_bytes"]) if fleet else group
 
         return Rendezvous(init_info, join)

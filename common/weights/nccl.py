@@ -1,5 +1,8 @@
 """The NCCL backend's learner half: vLLM's communicator, vLLM's packed consumer in the workers.
 
+A group holds one server (a joiner, a retry) or the whole fleet (ranks 1..n over every server's
+workers, one broadcast per bucket for all of them).
+
 The workers run vLLM's own ``nccl`` engine (packed mode), so the group is formed the way vLLM's
 trainer side forms it (``nccl_common.trainer_init``: a ``PyNcclCommunicator`` on a
 ``StatelessProcessGroup``, the learner rank 0). vLLM is imported only when a group forms.
@@ -59,7 +62,10 @@ class NcclSender(WeightSender):
     def segment_bytes(self) -> float:  # read-only: the consumer cannot take segments
         return float("inf")
 
-    def listen(self, world_size: int) -> Rendezvous:
+    def listen(self, world_size: int, *, fleet: bool = False) -> Rendezvous:
+        # A fleet needs nothing different here: NCCL's broadcast already pipelines through the
+        # ranks (ring/tree, in chunks), so the root sends one copy whatever the group's size;
+        # each server's workers take their ranks from the rank_offset the publisher gives them.
         port = free_port(self.host)
         init_info = {
             "master_address": self.host,

@@ -24,6 +24,10 @@ DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 120.0
 # gloo: a tensor this large is broadcast from its own memory rather than copied into a bucket.
 DEFAULT_SEGMENT_BYTES = 1024 * 1024
+# gloo relay (one group for the fleet): the unit a server receives and passes on to the next one
+# while the following piece arrives. Small enough that the chain's fill time (one piece per hop)
+# is negligible next to a bucket, large enough that per-message overhead is too.
+DEFAULT_RELAY_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,13 @@ def segment_plan(sizes: list[int], segment_bytes: float) -> list[list[int]]:
                 runs.append([])
             runs[-1].append(i)
     return [r for r in runs if r]
+
+
+def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the pieces one wire segment is relayed in (both ends cut alike)."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return [(o, min(chunk_bytes, nbytes - o)) for o in range(0, nbytes, chunk_bytes)]
 
 
 def iter_packed(
