@@ -417,7 +417,10 @@ class RolloutCore:
                     f"up on this group after {timeout_s:.0f} s (it forms a new one when it asks again)"
                 )
             if self.backend == "gloo":  # our receiver takes it (vLLM's own engines reject unknown fields)
-                init_info = {**init_info, "rendezvous_timeout_s": left}
+                # The learner may ask for less (a fleet group: one server that never joins must
+                # not hold every other one in the rendezvous for the whole push timeout).
+                asked = init_info.get("rendezvous_timeout_s") or left
+                init_info = {**init_info, "rendezvous_timeout_s": min(left, asked)}
             self._group_open = True
             # The group's own timeouts (in init_info) end a stuck rendezvous; this is a backstop.
             await asyncio.wait_for(

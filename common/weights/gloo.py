@@ -27,6 +27,9 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 from common.weights.base import Rendezvous, WeightSender
 from common.weights.wire import DEFAULT_RELAY_CHUNK_BYTES, DEFAULT_SEGMENT_BYTES, chunk_spans
 
+# How long the workers of a fleet group wait for every rank to join (at most the push timeout).
+FLEET_RENDEZVOUS_S = 60.0
+
 
 class GlooGroup:
     """A gloo group of one learner (rank 0) and one rollout server's workers, with its store.
@@ -151,6 +154,11 @@ class GlooSender(WeightSender):
             "relay": fleet,
             "relay_chunk_bytes": self.relay_chunk_bytes,
         }
+        if fleet:
+            # Every worker of the fleet waits in the rendezvous until all have joined: a server
+            # that never does (dead, not yet noticed) must cost the others less than a push's
+            # timeout. Healthy servers join in seconds.
+            init_info["rendezvous_timeout_s"] = min(self.timeout_s, FLEET_RENDEZVOUS_S)
 
         def join(label: str) -> GlooGroup | RelayGroup:
             group = GlooGroup.open(

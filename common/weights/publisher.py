@@ -255,7 +255,10 @@ class WeightPublisher:
 
         t = threading.Thread(target=join, name=f"weight-group-{label}", daemon=True)
         t.start()
-        deadline = time.monotonic() + self.timeout_s
+        # The workers give up joining after the rendezvous timeout the sender gave them, if any.
+        deadline = time.monotonic() + min(
+            self.timeout_s, rendezvous.init_info.get("rendezvous_timeout_s") or self.timeout_s
+        )
         errors: dict[str, str] = {}
         for s, p in pending.items():
             if errors and not grace_s:

@@ -1,7 +1,8 @@
 """The controller's side of the rollout servers: work out, samples in, weights pushed.
 
 Built on ``learner.controller.pool.ServicePool`` (who is there, what each holds, who died) and
-``common.weights.publisher.WeightPublisher`` (the weight groups). ``RolloutClient`` owns the reading
+``common.weights.publisher.WeightPublisher`` (the weight groups: a joiner's own group, brought
+up to date alone by ``sync_joiners``; one fleet group for every server at ``push_weights``). ``RolloutClient`` owns the reading
 of the controller's ROUTER endpoint: every message goes through ``pool.handle`` (so heartbeats
 keep peers alive even while a weight push blocks the loop for minutes), replies to calls go to
 whoever is waiting on them, and everything else (SampleBatches, per-prompt Errors, and other
@@ -235,9 +236,11 @@ class RolloutClient:
         return synced
 
     def push_weights(self, version: int) -> PushReport:
-        """Pushes the publisher's model as ``version`` to every live, connected server. Servers
-        that fail are declared dead (``reap`` returns their prompts) and named in
-        ``report.failed``; raises WeightSyncError only if no server could be updated."""
+        """Pushes the publisher's model as ``version`` to every live, connected server (one
+        transfer through the fleet group, formed again first if servers joined or left since
+        the last push). Servers that fail are declared dead (``reap`` returns their prompts) and
+        named in ``report.failed``; servers a failure cut off are retried within the push and
+        count as updated. Raises WeightSyncError only if no server could be updated."""
         if self.publisher is None:
             raise RuntimeError("RolloutClient has no WeightPublisher")
         servers = [p.name for p in self.pool.alive(ROLE) if p.name in self.publisher.links]

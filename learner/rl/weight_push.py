@@ -6,7 +6,8 @@ forms a weight group with each server. This class ties them to the training loop
 - one publisher on every learner rank (under ZeRO-3 a push gathers on all of them);
 - ``connect(endpoint, pool)`` on rank 0 makes the RolloutClient that shares the publisher;
 - ``push(version)`` at the step's sync point, on every rank: rank 0 first connects servers that
-  joined since the last push (they get this push too), then pushes to every connected server;
+  joined since the last push (they get this push too), then pushes to every connected server,
+  through one fleet group (formed again when the servers changed: see docs/rollout.md);
 - between pushes, joiners are brought up to date at once when rank 0 can push alone (no ZeRO-3
   across several ranks); otherwise they wait for the next push.
 
@@ -70,10 +71,12 @@ class WeightPush:
         self.rollout.sync_joiners(push=False)
         r = self.last_report = self.rollout.push_weights(version)
         log.info(
-            "weights v%d -> %d server(s) in %.2f s%s",
+            "weights v%d -> %d server(s) in %.2f s (%d through the fleet group%s)%s",
             version,
             len(r.updated),
             r.seconds.get("total", 0.0),
+            len(r.fleet),
+            f", {len(r.retried)} retried alone" if r.retried else "",
             f" (failed: {sorted(r.failed)})" if r.failed else "",
         )
         return r

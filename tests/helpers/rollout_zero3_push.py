@@ -18,6 +18,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
+    # More than one server: the push goes through the fleet group; --bad die makes the last one
+    # fail in it, so rank 0 retries the others in a second pass that every rank must follow.
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--bad", default="", choices=["", "die"])
     args = p.parse_args()
 
     import deepspeed
@@ -26,7 +30,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from common.weights.publisher import WeightPublisher
+    from common.weights.publisher import WeightPublisher, WeightSyncError
     from helpers.rollout_fakes import FakeControl, FakeServer
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -41,10 +45,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
-    server = FakeServer("r0") if rank == 0 else None
+    servers = (
+        [FakeServer(f"r{i}", args.bad if args.bad and i == args.servers - 1 else "ok") for i in range(args.servers)]
+        if rank == 0
+        else []
+    )
+    server = servers[0] if servers else None
     pub = WeightPublisher(
         engine,
-        control=FakeControl([server]) if server else None,
+        control=FakeControl(servers) if rank == 0 else None,
         rank=rank,
         backend="gloo",
         bucket_bytes=256 * 1024,
@@ -52,9 +61,23 @@ def main() -> None:
     )
     partitioned = all(p.numel() == 0 for _, p in pub.source._params)
     if rank == 0:
-        pub.connect("r0", workers=1, dtype="float32")
-    report = pub.push(1)
-    if rank == 0:
+        for s in servers:
+            pub.connect(s.name, workers=1, dtype="float32")
+    try:
+        report = pub.push(1)
+    except WeightSyncError as e:
+        report = e.report
+    if rank == 0 and args.servers > 1:
+        disk = load_file(f"{args.model}/model.safetensors")
+        disk.setdefault("lm_head.weight", disk["model.embed_tokens.weight"])
+        good = [s for s in servers if s.behaviour == "ok"]
+        same = all(sorted(s.model.loaded) == sorted(disk) for s in good) and all(
+            torch.equal(s.model.loaded[k], disk[k]) for s in good for k in disk
+        )
+        fleet = {"equal": same, "updated": sorted(report.updated), "failed": sorted(report.failed)}
+        print("FLEET " + json.dumps({**fleet, "fleet": report.fleet, "retried": report.retried}), flush=True)
+        pub.close()
+    elif rank == 0:
         disk = load_file(f"{args.model}/model.safetensors")
         disk.setdefault("lm_head.weight", disk["model.embed_tokens.weight"])  # tied: not saved twice
         loaded = server.model.loaded

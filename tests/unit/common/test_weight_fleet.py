@@ -152,20 +152,29 @@ def test_a_server_failing_mid_push_aborts_only_that_push_and_only_for_itself(beh
     pub.close()
 
 
-def test_a_fleet_that_cannot_form_falls_back_to_each_servers_own_group():
-    """A server refusing the fleet's WeightSyncInit (here: one that never answers it) costs the
-    push the formation's timeout; the others are then updated on their own groups."""
+@pytest.mark.parametrize("how", ["refuses", "silent"])
+def test_a_fleet_that_cannot_form_falls_back_to_each_servers_own_group(how):
+    """A server refusing the fleet's WeightSyncInit, or never answering it, costs the push at
+    most the formation's timeouts; every server is then updated on its own group."""
+    from concurrent.futures import Future
 
-    class RefusesFleets(FakeServer):
+    class NoFleets(FakeServer):
+        def handle(self, msg):
+            if isinstance(msg, P.WeightSyncInit) and msg.init_info.get("relay") and how == "silent":
+                return Future()  # never answers, never joins
+            return super().handle(msg)
+
         def _handle(self, msg):
             if isinstance(msg, P.WeightSyncInit) and msg.init_info.get("relay"):
                 raise RuntimeError("cannot join a fleet")
             return super()._handle(msg)
 
     model = TinyLM()
-    a, b = FakeServer("a"), RefusesFleets("odd")
-    pub = _publisher(model, [a, b], timeout_s=3.0)
+    a, b = FakeServer("a"), NoFleets("odd")
+    pub = _publisher(model, [a, b], timeout_s=4.0)
+    t0 = time.monotonic()
     report = pub.push(1)
+    assert time.monotonic() - t0 < 25
     assert sorted(report.updated) == ["a", "odd"] and report.fleet == [] and pub.fleet is None
     for s in (a, b):
         assert s.version == 1
@@ -186,3 +195,89 @@ def test_connect_fails_fast_with_the_servers_error():
         pub.connect("wb", workers=1)
     assert time.monotonic() - t0 < 5  # not the 60 s timeout
     assert pub.servers == []
+
+
+class _Recording(FakeControl):
+    """FakeControl that keeps every WeightSyncInit's init_info, per server."""
+
+    def __init__(self, servers):
+        super().__init__(servers)
+        self.inits: dict[str, list[dict]] = {s.name: [] for s in servers}
+
+    def request(self, server, msg):
+        if isinstance(msg, P.WeightSyncInit):
+            self.inits[server].append(dict(msg.init_info))
+        return super().request(server, msg)
+
+
+def test_each_server_is_told_its_ranks_in_the_fleet_group():
+    servers = [FakeServer(f"s{i}") for i in range(3)]
+    pub = WeightPublisher(TinyLM(), control=_Recording(servers), backend="gloo", timeout_s=10.0)
+    for s in servers:
+        pub.connect(s.name, workers=1)
+    pub.push(1)
+    fleet_inits = [pub.control.inits[s.name][-1] for s in servers]
+    assert [i["rank_offset"] for i in fleet_inits] == [1, 2, 3]
+    assert {i["world_size"] for i in fleet_inits} == {4} and all(i["relay"] for i in fleet_inits)
+    assert len({i["master_port"] for i in fleet_inits}) == 1  # one store, one group
+    # Own groups (connect) are not relays, and their workers wait twice the learner's timeout.
+    own = pub.control.inits["s0"][0]
+    assert own["world_size"] == 2 and not own["relay"] and own["timeout_s"] == 20.0
+    assert fleet_inits[0]["timeout_s"] == 10.0
+    pub.close()
+
+
+def test_nccl_fleet_init_info_is_vllms_with_the_fleets_world_size():
+    """NCCL: the workers run vLLM's own engine, which takes a rank offset and a world size;
+    the group is formed only on a GPU host (not here), but what the servers are told is not."""
+    from common.weights.nccl import NcclSender
+
+    rv = NcclSender(host="127.0.0.1", bucket_bytes=1 << 20, timeout_s=5.0).listen(1 + 2 + 2, fleet=True)
+    assert rv.init_info["world_size"] == 5 and rv.init_info["rank_offset"] == 1 and rv.init_info["packed"]
+    assert "relay" not in rv.init_info  # vLLM's NCCL engine rejects fields it does not know
+
+
+def test_fanout_is_checked():
+    with pytest.raises(ValueError, match="unknown fanout 'tree'.*fleet, per_server"):
+        WeightPublisher(TinyLM(), backend="gloo", fanout="tree")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["", "die"])
+def test_zero3_fleet_push_keeps_every_rank_in_step(tiny_model_dir, bad):
+    """Two DeepSpeed ZeRO-3 ranks push to three stand-in servers through the fleet group. With a
+    server failing in it, rank 0 makes a second pass for the ones it cut off, and rank 1 (told
+    so) gathers along: nobody hangs, the good servers get the full checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from common.transport import free_port
+    from helpers.paths import HELPERS
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = [sys.executable, str(HELPERS / "rollout_zero3_push.py"), str(tiny_model_dir), "--servers", "3"]
+    procs = [
+        subprocess.Popen(
+            args + (["--bad", bad] if bad else []),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
+    (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("FLEET ")]
+    result = json.loads(line[len("FLEET ") :])
+    if bad:
+        assert result["updated"] == ["r0", "r1"] and result["failed"] == ["r2"] and result["retried"]
+    else:
+        assert result["fleet"] == ["r0", "r1", "r2"] and result["failed"] == []
+    assert result["equal"]
