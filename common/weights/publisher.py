@@ -314,7 +314,13 @@ class WeightPublisher:
         except Exception as e:  # noqa: BLE001 - logged; the push falls back to per-server groups
             errors["<learner>"] = f"{type(e).__name__}: {e}"
         group = None
-        if not errors:
+        if errors:
+            for p in pending.values():  # not waited for: a late reply is dropped
+                try:
+                    p.result(0.0)
+                except TransportError:
+                    pass
+        else:
             group, errors = self._form(
                 rendezvous, pending, f"fleet of {len(servers)}", grace_s=min(self.timeout_s, 10.0)
             )

@@ -281,3 +281,63 @@ def test_zero3_fleet_push_keeps_every_rank_in_step(tiny_model_dir, bad):
     else:
         assert result["fleet"] == ["r0", "r1", "r2"] and result["failed"] == []
     assert result["equal"]
+
+
+def test_nccl_fleet_push_is_one_broadcast_per_bucket_for_every_server(monkeypatch):
+    """The NCCL path, with the communicator faked (no GPU here): the publisher forms one group
+    over the three servers (each told its rank offset), then sends every bucket once, as one
+    broadcast -- what vLLM's packed NCCL consumer in each worker expects."""
+    from concurrent.futures import Future
+
+    from common.weights.base import Rendezvous
+    from common.weights.nccl import NcclSender
+    from common.weights.wire import bucket_plan
+    from helpers.rollout_fakes import _Reply
+
+    broadcasts, worlds = [], []
+
+    class FakeComm:
+        def broadcast(self, tensor, src=0):
+            broadcasts.append(tensor.numel())
+
+            class Done:
+                def wait(self):
+                    pass
+
+            return Done()
+
+        def close(self):
+            pass
+
+    real_listen = NcclSender.listen
+
+    def listen(self, world_size, *, fleet=False):
+        rv = real_listen(self, world_size, fleet=fleet)
+        worlds.append((world_size, fleet))
+        return Rendezvous(rv.init_info, lambda label: FakeComm())
+
+    monkeypatch.setattr(NcclSender, "listen", listen)
+
+    class AckAll:
+        def __init__(self):
+            self.inits = {}
+
+        def request(self, server, msg):
+            if isinstance(msg, P.WeightSyncInit):
+                self.inits.setdefault(server, []).append(msg.init_info)
+            fut = Future()
+            fut.set_result(P.Ack())
+            return _Reply(fut, server, type(msg).__name__)
+
+    model = TinyLM()
+    pub = WeightPublisher(model, control=AckAll(), backend="nccl", timeout_s=5.0, bucket_bytes=8192)
+    for name, workers in (("g0", 1), ("g1", 2), ("g2", 1)):
+        pub.connect(name, workers=workers, dtype="float32")
+    report = pub.push(1)
+    assert report.fleet == ["g0", "g1", "g2"] and not report.failed
+    assert worlds[-1] == (1 + 1 + 2 + 1, True)
+    assert [pub.control.inits[s][-1]["rank_offset"] for s in ("g0", "g1", "g2")] == [1, 2, 4]
+    sizes = [p.numel() * 4 for _, p in model.named_parameters(remove_duplicate=False)]
+    assert sum(broadcasts) == sum(sizes)  # every byte once, for all three servers
+    assert len(broadcasts) == len(bucket_plan(sizes, 8192)) > 1  # one broadcast per bucket
+    pub.close()
