@@ -121,6 +121,12 @@ class Driver:
         log.info("%s %.3f on %d prompts", key, acc, len(self.eval_items))
 
     def close(self, ok: bool) -> None:
-        self.controller.shutdown_services("training finished" if ok else "learner failed")
+        """Ends rank 0's side of the run. Once training finished, every service is told to exit.
+        After a failure (this rank's, or a peer rank's that broke a collective) they are not:
+        services outlive the learner, waiting ``--reconnect_timeout_s`` for a restarted one that
+        resumes from a checkpoint (``launch.local --restart_learner``, launch/grpo_70b.slurm);
+        a launcher that gives up on the learner ends them itself."""
+        if ok:
+            self.controller.shutdown_services("training finished")
         self.controller.endpoint.close()
         self.sink.close()
