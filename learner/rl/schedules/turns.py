@@ -175,8 +175,9 @@ class EngineMemory:
                 if platform == "cpu":
                     self.notes(
                         "vllm_gpu_memory_utilization",
-                        f"{name} runs vLLM on CPU, where the KV cache size comes from VLLM_CPU_KVCACHE_SPACE, "
-                        "not from a share of device memory",
+                        f"{name} runs vLLM on CPU: no device memory is shared with the learner there (vLLM "
+                        "reads the share as one of host memory, checked at engine start, and sizes its KV "
+                        "cache from VLLM_CPU_KVCACHE_SPACE)",
                     )
                 elif (
                     "gpu_memory_utilization" in caps and abs(float(caps["gpu_memory_utilization"]) - self.share) > 1e-6

@@ -198,8 +198,9 @@ def test_on_cpu_each_flag_says_once_that_it_cannot_act_and_the_step_is_lockstep(
     assert said == [
         "--deepspeed_enable_sleep cannot act here: the learner trains on CPU: its optimizer states already live "
         "in host memory, so offload_states would move them where they are and free nothing for the engines",
-        "--vllm_gpu_memory_utilization cannot act here: rollout-0 runs vLLM on CPU, where the KV cache size comes "
-        "from VLLM_CPU_KVCACHE_SPACE, not from a share of device memory",
+        "--vllm_gpu_memory_utilization cannot act here: rollout-0 runs vLLM on CPU: no device memory is shared "
+        "with the learner there (vLLM reads the share as one of host memory, checked at engine start, and sizes "
+        "its KV cache from VLLM_CPU_KVCACHE_SPACE)",
         f"--vllm_enable_sleep cannot act here: rollout-0: {why}",
     ]
     # Asked once; a server that cannot sleep is not asked again. The rest is lockstep's order.

@@ -1,0 +1,65 @@
+"""End to end: the colocated schedule (``--colocate_all_models``) through launch.local with real
+vLLM, the reward service and DeepSpeed, on CPU.
+
+On CPU neither half can act: vLLM has no sleep mode (the server answers ``Sleep`` with
+not_supported) and DeepSpeed's states already live in host memory. The schedule then runs in
+lockstep's order with gloo weights, each flag saying once why it cannot act, and learns as the
+lockstep run of ``test_e2e_grpo`` does (same job, same check: the exact probability of a
+rewarded first token before and after).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from test_e2e_grpo import _finish, _launch, _metrics, _rewarded_mass
+
+pytestmark = pytest.mark.slow
+
+COLOCATED = [
+    "--colocate_all_models",
+    "--vllm_enable_sleep",
+    "--deepspeed_enable_sleep",
+    "--vllm_gpu_memory_utilization",
+    "0.5",
+]
+
+
+def test_colocated_learns_on_cpu_and_each_flag_says_once_it_cannot_act(tmp_path, tiny_model_dir):
+    steps = 12
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_learner=COLOCATED)
+    out = _finish(proc, 600)
+    run = tmp_path / "run"
+    assert proc.returncode == 0, out[-4000:]
+    learner_log = (run / "logs" / "learner.log").read_text()
+    rollout_log = (run / "logs" / "rollout-0.log").read_text()
+    assert "schedule: colocated" in learner_log
+    # launch.local passed the engine half of the flags to the rollout server.
+    first = rollout_log.splitlines()[0]
+    assert "--enable_sleep" in first and "--gpu_memory_utilization 0.5" in first
+    assert "--enable_sleep: vLLM has no sleep mode on CPU" in rollout_log
+    # Each flag that cannot act says so once, with why.
+    said = re.findall(r"--(\w+) cannot act here: (.*)", learner_log)
+    assert sorted(flag for flag, _ in said) == [
+        "deepspeed_enable_sleep",
+        "vllm_enable_sleep",
+        "vllm_gpu_memory_utilization",
+    ], said
+    why = dict(said)
+    assert why["vllm_enable_sleep"].startswith("rollout-0: sleep/wake not supported: vLLM has no sleep mode on CPU")
+    assert why["deepspeed_enable_sleep"].startswith("the learner trains on CPU")
+    assert "VLLM_CPU_KVCACHE_SPACE" in why["vllm_gpu_memory_utilization"]
+    # Lockstep semantics: every step trains its 16 prompts x 8 samples, all from the weights
+    # pushed after the step before; the weights arrive (log-probs agree, fp32).
+    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    assert [m["step"] for m in rows] == list(range(1, steps + 1))
+    assert all(m["samples"] == 128 for m in rows)
+    assert [m["rollout/min_policy_version"] for m in rows] == list(range(steps))
+    assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
+    # Learning, as the lockstep e2e test measures it.
+    prompts = [json.loads(line)["input"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()[:50]]
+    before, after = _rewarded_mass(tiny_model_dir, prompts), _rewarded_mass(run / "model", prompts)
+    print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
+    assert after > before + 0.1, (before, after)
