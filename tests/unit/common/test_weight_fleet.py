@@ -7,6 +7,7 @@ through real vLLM servers is ``tests/unit/rollout_service/test_weight_fleet_serv
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -25,6 +26,25 @@ class TinyLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
         self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embed_tokens.weight
+
+
+@pytest.fixture(autouse=True)
+def _fakes_leave_their_groups(monkeypatch):
+    """Every stand-in made by a test leaves its group when the test ends. Left to the garbage
+    collector, a gloo group can be torn down in the middle of the next test, holding the GIL
+    while it does, and stall that test's stand-ins (seen: a connect timing out)."""
+    made = []
+    init = FakeServer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(FakeServer, "__init__", recording_init)
+    yield
+    for s in made:
+        s.engine.shutdown()
+    gc.collect()
 
 
 @pytest.fixture
