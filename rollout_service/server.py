@@ -367,6 +367,15 @@ async def amain(cfg: RolloutConfig) -> int:
         log.error("%s", e)
         return server.shell.no_welcome_exit
     finally:
+        c = core.counters
+        log.info(
+            "%s: served %d prompt(s), %d sample(s), %d weight update(s) in %.0f s",
+            name,
+            c["prompts"],
+            c["samples"],
+            c["updates"],
+            time.monotonic() - t0,
+        )
         ep.close()
         await core.shutdown()
 
