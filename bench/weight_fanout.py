@@ -157,7 +157,9 @@ def main() -> None:
     ap.add_argument("--paths", default=",".join(PATHS), help="fleet, per_server or both")
     ap.add_argument("--model_mb", type=float, default=0, help="0: the tiny model; else a random Qwen2 of this size")
     ap.add_argument("--bucket_mb", type=int, default=64)
-    ap.add_argument("--gap_s", type=float, default=0.5, help="idle time before each push (heartbeats pumped)")
+    # Each push wakes every engine, and an engine that has just worked spins for 1 s on its queues
+    # (docs/rollout.md, Benchmarks): with 4 engines on 2 cores, a shorter gap times the spinning.
+    ap.add_argument("--gap_s", type=float, default=2.5, help="idle time before each push (heartbeats pumped)")
     ap.add_argument(
         "--raw_mb", type=int, default=0, help="also compare gloo's broadcast with the relay on this many MB"
     )
