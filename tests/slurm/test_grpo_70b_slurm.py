@@ -57,13 +57,15 @@ def _python_module(argv: list[str]) -> str | None:
     return None
 
 
-def _services() -> dict[str, list[int]]:
-    """The job's service processes by name (--name): each one's pids, its own and those of the
-    children it forked (vLLM's engine core), which a restart of the service would change too."""
-    found: dict[str, list[int]] = {}
-    for pid, (_, argv, _) in sorted(_processes().items()):
-        if _python_module(argv) in ("rollout_service", "reward_service"):
-            found.setdefault(argv[argv.index("--name") + 1], []).append(pid)
+def _services() -> dict[str, int]:
+    """The job's service processes by name (--name) -> pid (the process srun started, not the
+    children it forked: vLLM's engine core, function-reward workers)."""
+    procs = _processes()
+    found = {}
+    for pid, (ppid, argv, _) in procs.items():
+        parent = procs.get(ppid, (0, [], []))[1]
+        if _python_module(argv) in ("rollout_service", "reward_service") and _python_module(parent) is None:
+            found[argv[argv.index("--name") + 1]] = pid
     return found
 
 
@@ -157,5 +159,5 @@ def test_grpo_70b_script_runs_on_four_nodes_and_restarts_a_killed_learner(tmp_pa
     assert "shutdown requested by the controller" in rollout_log, tails(rollout)
     assert "Shutdown from the controller" in reward_log, tails(reward)
     assert "rollout-node3-0 exited 0" in job_out and "reward-node4 exited 0" in job_out, job_out
-    assert "killed" not in job_out, job_out
+    assert "after the learner ended: killed" not in job_out, job_out
     print(f"killed rank 1 after step {killed_at}; resumed from step {k}")
