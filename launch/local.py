@@ -56,8 +56,9 @@ class LocalConfig:
     cpu_cores: str = flag(
         "auto",
         "CPU hosts: how the roles share the cores. 'phases': each phase of a step gets every core -- "
-        "vLLM's OpenMP threads bound to all of them, the learner's OMP_NUM_THREADS = cores (unless "
-        "--learner_threads says otherwise), and idle OpenMP threads sleep at once instead of spinning "
+        "a lone rollout server's vLLM OpenMP threads bound to all of them, the learner's "
+        "OMP_NUM_THREADS = cores / ranks (unless --learner_threads says otherwise), and idle OpenMP "
+        "threads sleep at once instead of spinning "
         "(OMP_WAIT_POLICY=PASSIVE); right for lockstep, where the roles take turns. 'split': the "
         "thread counts as given and vLLM's own binding (one core). auto: phases for lockstep on a CPU "
         "build of vLLM, split otherwise (async overlaps the roles; GPUs have their own devices). "
@@ -308,9 +309,13 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     # What the user's environment sets wins (launch.local sets OMP_NUM_THREADS itself).
     wait = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    service = dict(wait)
+    if cfg.rollout_servers == 1:  # several servers generate at once: vLLM's own binding then
+        service["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)
+    # learner ranks train at once: the cores are shared among them
     return {
-        "learner": {**wait, "OMP_NUM_THREADS": str(cfg.learner_threads or n)},
-        "service": {**wait, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)},
+        "learner": {**wait, "OMP_NUM_THREADS": str(cfg.learner_threads or max(1, n // cfg.learner_nproc))},
+        "service": service,
     }
 
 
