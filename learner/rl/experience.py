@@ -21,6 +21,7 @@ length, K the response tokens of the micro-batch.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from typing import Any
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from common.weights.source import unwrap
 from learner.algorithms.packing import packed_row, response_logit_index
 from learner.controller.types import Rollout, ScoredSample
+
+log = logging.getLogger("learner")
 
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
@@ -122,6 +125,16 @@ def check_packable(model: Any, role: str) -> None:
             f"--packing_samples: the {role} model's code ({type(hf).__module__}) does not build its attention "
             "mask with transformers.masking_utils, which is what keeps packed samples apart; its attention "
             "would cross samples"
+        )
+    on_gpu = any(p.device.type == "cuda" for p in hf.parameters())
+    if on_gpu and impl in ("sdpa", "eager") and (not dist.is_initialized() or dist.get_rank() == 0):
+        # The block-diagonal mask is dense: SDPA/eager compute all L x L scores of the row and
+        # zero most of them, (sum of lengths)^2 instead of the sum of squares a varlen kernel does.
+        log.warning(
+            "--packing_samples with %s attention: the %s's packed rows compute a dense (L x L) masked "
+            "attention; --flash_attn (flash_attention_2) computes only each sample's own block",
+            impl,
+            role,
         )
 
 
