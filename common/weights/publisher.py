@@ -34,7 +34,8 @@ every rank at the same point. Each rank gathers each layer's parameters
 ``connect`` / ``disconnect`` are rank 0 alone.
 
 Every step has a deadline. A server that dies or stalls (during a call or in the middle of a
-transfer) is reported by name in ``WeightSyncError.failures`` within about two ``timeout_s``;
+transfer) is reported by name in ``WeightSyncError.failures`` within about ``timeout_s`` (plus
+up to 10 s, in a fleet transfer);
 the others are still updated (in a fleet transfer, those the failure cut off are retried on
 their own groups in a second pass, which the other ZeRO-3 ranks are told about), and the failed
 server's group is dropped (``connect`` it again to retry). The fleet group is formed again
@@ -439,10 +440,13 @@ class WeightPublisher:
         failed = self._transfer({FLEET: fleet.group} if pending else {}, meta, report, close=[])
         if failed:
             log.warning("fleet transfer failed on the learner's side: %s", failed[FLEET])
-        # A member behind a failed one gives up within our timeout of its last piece; one that
-        # relays to a stalled one finishes its own load, then waits that long on its send. Both
-        # answer within two timeouts of the transfer's start.
-        deadline = max(time.monotonic() + self.timeout_s, t1 + 2 * self.timeout_s)
+        # A member behind a failed one gives up within our timeout of its last piece, and one
+        # that relays to a stalled one waits that long on its send after its own last piece: by
+        # the end of our send plus that timeout (plus a margin for the loads), every member that
+        # is alive has answered. If our own send failed, it already waited out the timeout (a
+        # stalled first member) or found a dead one at once, which fails everyone behind at once.
+        margin = min(self.timeout_s, 10.0)
+        deadline = time.monotonic() + margin + (0.0 if failed else self.timeout_s)
         ok = []
         for s, p in pending.items():
             try:

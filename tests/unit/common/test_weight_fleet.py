@@ -142,8 +142,8 @@ def test_the_fleet_is_formed_again_only_when_its_membership_changes():
 @pytest.mark.parametrize("behaviour", ["stall", "die"])
 def test_a_server_failing_mid_push_aborts_only_that_push_and_only_for_itself(behaviour):
     """The bad server sits in the middle of the relay: the one before it passes on to a dead
-    or stalled peer, the one after it is cut off. The bad one is named within about two
-    timeouts; the one cut off is pushed to on its own in the same push -- and so, on gloo, is
+    or stalled peer, the one after it is cut off. The bad one is named within about a timeout
+    and a margin; the one cut off is pushed to on its own in the same push -- and so, on gloo, is
     the one before it: a rank whose peer died or whose send timed out has every connection of
     its group closed, its receive from the learner included. The next push forms the fleet
     again without the bad one."""
@@ -153,7 +153,7 @@ def test_a_server_failing_mid_push_aborts_only_that_push_and_only_for_itself(beh
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match=f"bad-{behaviour}") as err:
         pub.push(1)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 25  # timeout 5 s: naming within ~10, the retry's pushes after
     assert list(err.value.failures) == [bad.name]
     report = err.value.report
     assert sorted(report.updated) == ["head", "tail"] and "tail" in report.retried
