@@ -58,7 +58,8 @@ def test_colocated_nccl_push_is_refused_with_the_way_out():
         check_colocated_push(cfg)
 
 
-def test_one_sample_per_prompt_is_still_refused_for_group_estimators():
+def test_one_sample_per_prompt_is_still_refused_for_group_estimators(capsys):
     args = [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), "--advantage_estimator", "group_norm"]
     with pytest.raises(SystemExit):
         parse(PPOConfig, args)
+    assert "--advantage_estimator group_norm compares samples of one prompt" in capsys.readouterr().err
