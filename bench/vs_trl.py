@@ -150,7 +150,11 @@ def run_rayless(args, model: Path, prompts: Path, work: Path, new_tokens: int, l
         from launch.demo import PRESETS
 
         cmd += ["--learner_threads", str(PRESETS[args.model]["learner_threads"] or cores())]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=base_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = base_env(1)
+    if layout == "phases+passive":  # idle OpenMP threads sleep at once (measured: slower training)
+        cmd[cmd.index(layout)] = "phases"
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     seen: list[tuple[float, dict]] = []
     while proc.poll() is None:
@@ -413,8 +417,9 @@ def main() -> None:
         "--rayless_cpu",
         nargs="+",
         default=["auto"],
-        choices=("auto", "phases", "split"),
-        help="launch.local --cpu_cores of each rayless run (one run per value)",
+        choices=("auto", "phases", "split", "phases+passive"),
+        help="launch.local --cpu_cores of each rayless run (one run per value); phases+passive: "
+        "phases with OMP_WAIT_POLICY=PASSIVE for every role",
     )
     p.add_argument("--steps", type=int, default=4, help="steps per run, short config (the first is not timed)")
     p.add_argument("--long_steps", type=int, default=2, help="steps per run, long config (the first is not timed)")

@@ -57,9 +57,8 @@ class LocalConfig:
         "auto",
         "CPU hosts: how the roles share the cores. 'phases': each phase of a step gets every core -- "
         "a lone rollout server's vLLM OpenMP threads bound to all of them, the learner's "
-        "OMP_NUM_THREADS = cores / ranks (unless --learner_threads says otherwise), and idle OpenMP "
-        "threads sleep at once instead of spinning "
-        "(OMP_WAIT_POLICY=PASSIVE); right for lockstep, where the roles take turns. 'split': the "
+        "OMP_NUM_THREADS = cores / ranks (unless --learner_threads says otherwise); right for "
+        "lockstep, where the roles take turns. 'split': the "
         "thread counts as given and vLLM's own binding (one core). auto: phases for lockstep on a CPU "
         "build of vLLM, split otherwise (async overlaps the roles; GPUs have their own devices). "
         "Variables already in the environment win",
@@ -296,10 +295,11 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
     """Environment for --cpu_cores phases, by role kind ("learner", "service"); empty for split.
 
     In lockstep the services wait while the learner trains and the learner waits while they
-    generate, so each phase may use every core, provided that the waiting side's threads
-    sleep: OpenMP threads that spin at a barrier (libgomp spins ~300k iterations first) would
-    take cores from the phase that runs. vLLM's CPU worker binds its OpenMP threads to the cores
-    VLLM_CPU_OMP_THREADS_BIND names (default: one core, the other reserved for its scheduler)."""
+    generate, so each phase may use every core. vLLM's CPU worker binds its OpenMP threads to the
+    cores VLLM_CPU_OMP_THREADS_BIND names (default: one core, the other reserved for its
+    scheduler). Idle OpenMP threads need no help: libgomp's default spins briefly at a barrier
+    and then sleeps. OMP_WAIT_POLICY=PASSIVE (sleep at once) made SmolLM2's training step 1.4x
+    slower here (docs/performance.md), so it is left to the user's environment."""
     mode = cfg.cpu_cores
     if mode == "auto":
         mode = "phases" if _cpu_vllm() and "--async_train" not in shlex.split(cfg.learner_args) else "split"
@@ -307,14 +307,13 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
         return {}
     n = len(os.sched_getaffinity(0))
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    # What the user's environment sets wins (launch.local sets OMP_NUM_THREADS itself).
-    wait = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    service = dict(wait)
+    service = {}
     if cfg.rollout_servers == 1:  # several servers generate at once: vLLM's own binding then
+        # What the user's environment sets wins (launch.local sets OMP_NUM_THREADS itself).
         service["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)
     # learner ranks train at once: the cores are shared among them
     return {
-        "learner": {**wait, "OMP_NUM_THREADS": str(cfg.learner_threads or max(1, n // cfg.learner_nproc))},
+        "learner": {"OMP_NUM_THREADS": str(cfg.learner_threads or max(1, n // cfg.learner_nproc))},
         "service": service,
     }
 

@@ -9,22 +9,19 @@ def _cfg(**kw):
     return L.LocalConfig(pretrain="x", **kw)
 
 
-def test_phases_give_each_role_every_core_and_passive_waits(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+def test_phases_give_each_role_every_core(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     cpus = sorted(os.sched_getaffinity(0))
     env = L.phase_env(_cfg(cpu_cores="phases"))
-    assert env["learner"] == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(len(cpus))}
-    assert env["service"] == {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    assert env["learner"] == {"OMP_NUM_THREADS": str(len(cpus))}
+    assert env["service"] == {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
     # an explicit --learner_threads stands
     assert L.phase_env(_cfg(cpu_cores="phases", learner_threads=1))["learner"]["OMP_NUM_THREADS"] == "1"
 
 
-def test_the_users_environment_wins(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+def test_the_users_binding_wins(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    env = L.phase_env(_cfg(cpu_cores="phases"))
-    assert env["service"] == {"OMP_WAIT_POLICY": "ACTIVE", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert L.phase_env(_cfg(cpu_cores="phases"))["service"] == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def test_auto_is_phases_for_lockstep_on_cpu_vllm_only(monkeypatch):
