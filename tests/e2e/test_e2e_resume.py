@@ -143,6 +143,80 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
     ]  # --max_ckpt_num 3
 
 
+def _positions(text: str) -> dict[int, list[int]]:
+    """step -> the stream positions it trained, from the async schedule's log lines."""
+    out = {}
+    for step, ranges in re.findall(r"step (\d+) trains stream positions (\S+)", text):
+        ps = []
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            ps += range(int(lo), int(hi or lo) + 1)
+        out[int(step)] = ps
+    return out
+
+
+def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(tmp_path, tiny_model_dir):
+    """--async_train: at each checkpoint prompts are in flight and groups wait in the feed. After
+    a kill -9 and a restart from step k's checkpoint, the steps the killed run trained up to k
+    and the resumed run's steps k+1.. together train every prompt of the stream exactly once
+    (the pending ones issued again, the killed run's steps after k done again), within the
+    staleness bound, with the services up throughout."""
+    prompts = _prompts(tmp_path)
+    run = tmp_path / "run"
+    flags = [*_learner_flags(prompts), "--async_train", "--max_staleness", "1"]
+    cmd = [
+        sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(tiny_model_dir),
+        "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
+        "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
+        "--learner_args", " ".join(flags),
+        "--restart_learner", "1", "--stop_timeout_s", "15", "--quiet",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    out_path = tmp_path / "launch.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in _metrics(run)):
+            assert proc.poll() is None, out_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the run never reached the kill point"
+            time.sleep(0.1)
+        learner_pid = int(re.search(r"started learner \(pid (\d+)\)", out_path.read_text()).group(1))
+        os.kill(learner_pid, signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
+    out = out_path.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    learner_log = (run / "logs" / "learner.log").read_text()
+    m = re.search(r"resumed from (\S+step_(\d+)): step (\d+)", learner_log)
+    k = int(m.group(3))
+    assert k % SAVE_EVERY == 0 and KILL_AFTER - SAVE_EVERY < k < STEPS, learner_log[-3000:]
+
+    # The checkpoint held prompts pending (generation runs ahead), and they came back first.
+    feed = json.loads((Path(m.group(1)) / "state.json").read_text())["schedule"]["feed"]
+    assert feed["pending"] and feed["counters"]["trained"] == k * 8, feed
+    killed, resumed = learner_log.split(m.group(0), 1)
+    assert f"resumed feed: {len(feed['pending'])} prompt(s) pending" in resumed, resumed[:3000]
+
+    # Every position of the stream trained once: the killed run's steps 1..k, the resumed run's after.
+    before, after = _positions(killed), _positions(resumed)
+    assert sorted(before) == list(range(1, max(before) + 1)) and max(before) >= k
+    assert sorted(after) == list(range(k + 1, STEPS + 1))
+    trained = [p for s in range(1, k + 1) for p in before[s]] + [p for s in after for p in after[s]]
+    assert sorted(trained) == list(range(STEPS * 8)), "a prompt skipped or trained twice"
+    assert set(feed["pending"]) <= {p for s in after for p in after[s]}
+
+    rows = [r for r in _metrics(run) if "rollout/reward" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["samples"] == 32 and r["async/max_lag"] <= 1 for r in rows), rows
+    assert rows[-1]["async/trained_groups"] == STEPS * 8  # the run's total, across the restart
+    assert out.count("started rollout-0") == 1 and out.count("started reward-0") == 1
+    assert out.count("started learner") == 2 and "restart 1 of 1" in out
+
+
 def test_a_resume_with_another_batch_size_fails_fast_naming_it(tmp_path, tiny_model_dir):
     """No services needed: the check runs before the model loads."""
     from learner.rl import checkpoint as C

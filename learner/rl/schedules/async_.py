@@ -254,6 +254,9 @@ class AsyncSchedule(Schedule):
                 if self.pump is None:
                     self._start_pump(step)
                 groups = self.pump.next_batch(train_version, cfg.generate_timeout_s + cfg.score_timeout_s)
+                # Which prompts each step trains, by stream position: what an audit of a resumed
+                # run (nothing skipped, nothing twice) reads; ranges keep the line short.
+                log.info("step %d trains stream positions %s", step, _ranges(g.position for g in groups))
             except BaseException:
                 broadcast_decision(Decision.STOP)
                 raise
@@ -317,3 +320,19 @@ class AsyncSchedule(Schedule):
             self.driver.report(
                 step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
             )
+
+
+def _ranges(positions) -> str:
+    """[3, 4, 5, 9] -> "3-5,9"."""
+    out: list[str] = []
+    run: list[int] = []
+    for p in sorted(positions):
+        if run and p == run[-1] + 1:
+            run.append(p)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [p]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
