@@ -14,8 +14,9 @@ median over the rounds after a warm-up round. Per push, from ``PushReport.second
 
 - ``send``: the learner's own part: its bytes on the wire (what the fleet group keeps flat);
 - ``push``: start + transfer + finish: everything the servers do too (the relay's tail, vLLM's
-  load of the weights, the prefix-cache reset). Forming a group when the targets change is
-  not counted (a real run forms the fleet once per membership change, not per push).
+  load of the weights, the prefix-cache reset). Each timed push follows an untimed one to the
+  same targets, so forming a group when the targets change is not counted (a run forms the
+  fleet once per membership change, not per push) and every engine is awake.
 
 The figure to read is push(4) / push(1) per path (goal for the fleet <= 1.5; per-server is
 about 4 by construction where bytes dominate). On a host with fewer cores than servers, the
@@ -130,18 +131,14 @@ def raw_gloo(mb: int, reps: int = 5) -> dict:
 
 
 def timed_push(ctrl, path: str, targets: list[str], version: int) -> dict[str, float]:
-    """One push of ``version`` to ``targets`` through ``path``; the group is formed first by an
-    untimed push when the targets changed (so only the push itself is timed)."""
+    """One push of ``version`` to ``targets`` through ``path``, right after an untimed one to the
+    same targets: that one forms the group when the targets changed, and wakes every target's
+    engine (an engine idle for a second sleeps on its queues; a push finding it asleep pays the
+    wake-up, and which timed push that hit would depend on the order of the sizes)."""
     pub = ctrl.publisher
     pub.fanout = path
-    members_ok = (
-        (pub.fleet is not None and pub.fleet.members == targets)
-        if path == "fleet" and len(targets) > 1
-        else all(pub.links[s].group is not None for s in targets)
-    )
-    if not members_ok:
-        pub.push(version, targets)  # forms the group(s); timed below is the next push
-        ctrl.pump(0.2)
+    pub.push(version, targets)
+    ctrl.pump(0.2)
     report = pub.push(version, targets)
     assert sorted(report.updated) == sorted(targets) and not report.failed, report
     if path == "fleet" and len(targets) > 1:
