@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
     # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
     # Async: the services generate while the learner trains, so the cores are not the learner's.
-    # launch.local's --cpu_cores auto also binds the rollout server's vLLM to every core in
-    # lockstep (its own default is one core), and keeps vLLM's binding in async.
+    # vLLM keeps its own binding (one core): launch.local --cpu_cores phases, which binds it to
+    # every core, slowed training more than it sped generation here (docs/performance.md).
     threads = 1 if cfg.async_train else preset["learner_threads"] or os.cpu_count() or 1
     code = subprocess.call(
         [

@@ -26,11 +26,12 @@ def test_the_users_binding_wins(monkeypatch):
 
 def test_auto_is_phases_for_lockstep_on_cpu_vllm_only(monkeypatch):
     monkeypatch.setattr(L, "_cpu_vllm", lambda: True)
-    assert L.phase_env(_cfg())["service"]
-    assert L.phase_env(_cfg(learner_args="--async_train --max_staleness 1")) == {}
+    assert L.phase_env(_cfg()) == {}  # the default is split
+    assert L.phase_env(_cfg(cpu_cores="auto"))["service"]
+    assert L.phase_env(_cfg(cpu_cores="auto", learner_args="--async_train --max_staleness 1")) == {}
     assert L.phase_env(_cfg(cpu_cores="split")) == {}
     monkeypatch.setattr(L, "_cpu_vllm", lambda: False)  # a GPU build: each role has its own devices
-    assert L.phase_env(_cfg()) == {}
+    assert L.phase_env(_cfg(cpu_cores="auto")) == {}
 
 
 def test_phases_share_the_cores_among_roles_that_run_at_once(monkeypatch):
