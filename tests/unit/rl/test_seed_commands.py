@@ -1,6 +1,6 @@
 """The seed's PPO commands (workflows 1 and 2, tests/helpers/seed_commands.py) parse with only
 the module name swapped, and their flags mean what they mean in OpenRLHF. Running them on the
-tiny model: tests/e2e/test_seed_commands.py."""
+tiny model: tests/e2e/test_e2e_seed_commands.py."""
 
 from __future__ import annotations
 
