@@ -19,6 +19,18 @@ from common import protocol as P
 from common.transport import CallTimeout, RemoteError
 
 
+class TinyLM(torch.nn.Module):
+    """Tied embeddings and two 'layers', like the tiny Qwen2 but with no dependencies: the
+    model a publisher sends from in the tests without vLLM."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
 class _Reply:
     def __init__(self, fut: Future, server: str, what: str) -> None:
         self.fut, self.server, self.what = fut, server, what

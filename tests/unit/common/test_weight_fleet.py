@@ -16,16 +16,7 @@ import torch
 from common import protocol as P
 from common.weights.gloo import GlooGroup
 from common.weights.publisher import WeightPublisher, WeightSyncError
-from helpers.rollout_fakes import FakeControl, FakeServer
-
-
-class TinyLM(torch.nn.Module):
-    def __init__(self, vocab=300, dim=32):
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
-        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.embed_tokens.weight
+from helpers.rollout_fakes import FakeControl, FakeServer, TinyLM
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +76,7 @@ def _assert_has(server, model):
 
 
 def test_fleet_push_costs_the_learner_one_copy_whatever_the_number_of_servers(sent):
-    model = TinyLM()
+    model = TinyLM(vocab=300, dim=32)
     nbytes = sum(p.numel() * 4 for _, p in model.named_parameters(remove_duplicate=False))
     per_n = {}
     for n in (1, 2, 4):
@@ -111,7 +102,7 @@ def test_fleet_push_costs_the_learner_one_copy_whatever_the_number_of_servers(se
 
 
 def test_the_fleet_is_formed_again_only_when_its_membership_changes():
-    model = TinyLM()
+    model = TinyLM(vocab=300, dim=32)
     a, b, c = FakeServer("a"), FakeServer("b"), FakeServer("c")
     pub = _publisher(model, [a, b])
     pub.control.servers["c"] = c
@@ -189,7 +180,7 @@ def test_a_fleet_that_cannot_form_falls_back_to_each_servers_own_group(how):
                 raise RuntimeError("cannot join a fleet")
             return super()._handle(msg)
 
-    model = TinyLM()
+    model = TinyLM(vocab=300, dim=32)
     a, b = FakeServer("a"), NoFleets("odd")
     pub = _publisher(model, [a, b], timeout_s=4.0)
     t0 = time.monotonic()
@@ -209,7 +200,9 @@ def test_connect_fails_fast_with_the_servers_error():
                 raise ValueError("learner pushes weights over 'gloo', this server was started with nccl")
             return super()._handle(msg)
 
-    pub = WeightPublisher(TinyLM(), control=FakeControl([WrongBackend("wb")]), backend="gloo", timeout_s=60.0)
+    pub = WeightPublisher(
+        TinyLM(vocab=300, dim=32), control=FakeControl([WrongBackend("wb")]), backend="gloo", timeout_s=60.0
+    )
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="wb.*started with nccl"):
         pub.connect("wb", workers=1)
@@ -232,7 +225,7 @@ class _Recording(FakeControl):
 
 def test_each_server_is_told_its_ranks_in_the_fleet_group():
     servers = [FakeServer(f"s{i}") for i in range(3)]
-    pub = WeightPublisher(TinyLM(), control=_Recording(servers), backend="gloo", timeout_s=10.0)
+    pub = WeightPublisher(TinyLM(vocab=300, dim=32), control=_Recording(servers), backend="gloo", timeout_s=10.0)
     for s in servers:
         pub.connect(s.name, workers=1)
     pub.push(1)
@@ -259,7 +252,7 @@ def test_nccl_fleet_init_info_is_vllms_with_the_fleets_world_size():
 
 def test_fanout_is_checked():
     with pytest.raises(ValueError, match="unknown fanout 'tree'.*fleet, per_server"):
-        WeightPublisher(TinyLM(), backend="gloo", fanout="tree")
+        WeightPublisher(TinyLM(vocab=300, dim=32), backend="gloo", fanout="tree")
 
 
 @pytest.mark.slow
@@ -349,7 +342,7 @@ def test_nccl_fleet_push_is_one_broadcast_per_bucket_for_every_server(monkeypatc
             fut.set_result(P.Ack())
             return _Reply(fut, server, type(msg).__name__)
 
-    model = TinyLM()
+    model = TinyLM(vocab=300, dim=32)
     pub = WeightPublisher(model, control=AckAll(), backend="nccl", timeout_s=5.0, bucket_bytes=8192)
     for name, workers in (("g0", 1), ("g1", 2), ("g2", 1)):
         pub.connect(name, workers=workers, dtype="float32")

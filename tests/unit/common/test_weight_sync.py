@@ -20,19 +20,7 @@ from common.weights.publisher import WeightPublisher, WeightSyncError
 from common.weights.source import ModelWeights, _layer_runs
 from common.weights.wire import ParamMeta, bucket_plan, iter_packed, unpack
 from helpers.paths import HELPERS
-from helpers.rollout_fakes import FakeControl, FakeServer
-
-
-class TinyLM(torch.nn.Module):
-    """Tied embeddings and two 'layers', like the tiny Qwen2 but with no dependencies."""
-
-    def __init__(self, vocab=50, dim=16):
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
-        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
-        self.lm_head.weight = self.embed_tokens.weight
-
+from helpers.rollout_fakes import FakeControl, FakeServer, TinyLM
 
 # --------------------------------------------------------------------------- layout
 

@@ -8,9 +8,10 @@
   of the padded step; so does the critic (old values, value-loss gradients);
 * a model whose attention cannot keep packed samples apart is refused, naming why.
 
-A gradient-recording ``Engine`` stands in for DeepSpeed (``step`` does not update), so two
-trainers see the same weights and their accumulated gradients can be compared. The packed
-path through DeepSpeed and real services: tests/e2e/test_e2e_estimators.py (gae).
+A gradient-recording ``GradEngine`` (tests/helpers/trainer_fakes.py) stands in for DeepSpeed
+(``step`` does not update), so two trainers see the same weights and their accumulated
+gradients can be compared. The packed path through DeepSpeed and real services:
+tests/e2e/test_e2e_estimators.py (gae).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.trainer_fakes import GradEngine, small_ppo_config
 from learner.algorithms.packing import packed_row, response_logit_index, unpack_to_padded
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
@@ -108,44 +110,8 @@ def test_packed_logprobs_and_entropy_equal_padded(tiny_model_dir, attn):
 # ------------------------------------------------------------------ a trainer step
 
 
-class Engine(torch.nn.Module):
-    """DeepSpeed's engine surface: accumulates gradients, never steps."""
-
-    def __init__(self, model: torch.nn.Module, accum: int) -> None:
-        super().__init__()
-        self.module, self.accum = model, accum
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.accum).backward()
-
-    def step(self) -> None:
-        pass
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.accum
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
-
-
 def _cfg(model_dir, **kw) -> PPOConfig:
-    base = dict(
-        pretrain=str(model_dir),
-        prompt_data="p",
-        advantage_estimator="group_norm",
-        n_samples_per_prompt=2,
-        rollout_batch_size=4,
-        train_batch_size=8,
-        micro_train_batch_size=4,
-        micro_rollout_batch_size=4,
-        generate_max_len=6,
-        init_kl_coef=0.0,
-        seed=0,
-    )
-    return PPOConfig(**{**base, **kw})
+    return small_ppo_config(model_dir, **{"generate_max_len": 6, **kw})
 
 
 def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -163,13 +129,13 @@ def _step(model_dir, packed: bool, on_policy: bool, rollout: Rollout, **kw):
     if cfg.advantage_estimator == "gae":
         torch.manual_seed(0)
         critic = Critic(
-            Engine(load_critic(str(model_dir)), accum),
+            GradEngine(load_critic(str(model_dir)), accum),
             pad_id=0,
             device=torch.device("cpu"),
             micro_rollout_batch_size=cfg.micro_rollout_batch_size,
             value_clip=cfg.value_clip,
         )
-    engine = Engine(_model(model_dir), accum)
+    engine = GradEngine(_model(model_dir), accum)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
     metrics = trainer.step(rollout, on_policy=on_policy)
     return engine, critic, metrics, trainer
@@ -231,8 +197,8 @@ class _OwnMaskModel(torch.nn.Module):
 
 
 def test_models_that_cannot_keep_packed_samples_apart_are_refused(tiny_model_dir):
-    check_packable(Engine(_model(tiny_model_dir), 1), "policy")  # Qwen2 with SDPA: fine
-    check_packable(Engine(load_critic(str(tiny_model_dir)), 1), "critic")  # through ValueModel.hf_model
+    check_packable(GradEngine(_model(tiny_model_dir), 1), "policy")  # Qwen2 with SDPA: fine
+    check_packable(GradEngine(load_critic(str(tiny_model_dir)), 1), "critic")  # through ValueModel.hf_model
     with pytest.raises(ValueError, match="policy model uses attention implementation 'flex_attention'"):
         check_packable(_OwnMaskModel("flex_attention"), "policy")
     with pytest.raises(ValueError, match="does not build its attention mask with transformers.masking_utils"):
@@ -240,7 +206,7 @@ def test_models_that_cannot_keep_packed_samples_apart_are_refused(tiny_model_dir
     # The trainer checks at construction, before any step.
     cfg = _cfg(tiny_model_dir, packing_samples=True)
     with pytest.raises(ValueError, match="--packing_samples"):
-        PolicyTrainer(Engine(_OwnMaskModel("sdpa"), 1), cfg, pad_id=0, device=torch.device("cpu"))
+        PolicyTrainer(GradEngine(_OwnMaskModel("sdpa"), 1), cfg, pad_id=0, device=torch.device("cpu"))
 
 
 def test_the_flag_parses_as_in_openrlhf():

@@ -7,9 +7,9 @@
 * full-vocabulary entropy is computed with grad only when it is in the loss, and as a metric
   only on logged steps.
 
-A gradient-recording ``Engine`` stands in for DeepSpeed (the DeepSpeed path runs in
-test_estimators_step.py and the e2e tests): ``step`` does not update, so two trainers see
-the same weights and their accumulated gradients can be compared.
+A gradient-recording ``GradEngine`` (tests/helpers/trainer_fakes.py) stands in for DeepSpeed
+(the DeepSpeed path runs in test_estimators_step.py and the e2e tests): ``step`` does not
+update, so two trainers see the same weights and their accumulated gradients can be compared.
 """
 
 from __future__ import annotations
@@ -18,35 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers.trainer_fakes import GradEngine, small_ppo_config
 from learner.controller.types import Rollout, ScoredSample
-from learner.rl.config import PPOConfig
 from learner.rl.experience import collate
 from learner.rl.policy_trainer import PolicyTrainer, response_logprobs
-
-
-class Engine(torch.nn.Module):
-    """DeepSpeed's engine surface; counts forwards with and without grad, never steps."""
-
-    def __init__(self, model: torch.nn.Module, accum: int) -> None:
-        super().__init__()
-        self.module, self.accum = model, accum
-        self.forwards = {"grad": 0, "no_grad": 0}
-
-    def forward(self, *args, **kwargs):
-        self.forwards["grad" if torch.is_grad_enabled() else "no_grad"] += 1
-        return self.module(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.accum).backward()
-
-    def step(self) -> None:
-        pass
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.accum
-
-    def grads(self) -> list[torch.Tensor]:
-        return [p.grad.clone() for p in self.module.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +44,9 @@ def _rollout(n: int = 8, ref: bool = False) -> Rollout:
     return Rollout(samples, group_size=2)
 
 
-def _cfg(model_dir, **kw) -> PPOConfig:
-    base = dict(
-        pretrain=str(model_dir),
-        prompt_data="p",
-        advantage_estimator="group_norm",
-        n_samples_per_prompt=2,
-        rollout_batch_size=4,
-        train_batch_size=8,
-        micro_train_batch_size=4,
-        micro_rollout_batch_size=4,
-        generate_max_len=4,
-        init_kl_coef=0.0,
-        seed=0,
-    )
-    return PPOConfig(**{**base, **kw})
-
-
 def _step(model_dir, on_policy: bool, rollout: Rollout | None = None, **kw):
-    cfg = _cfg(model_dir, **kw)
-    engine = Engine(_model(model_dir), accum=cfg.train_batch_size // cfg.micro_train_batch_size)
+    cfg = small_ppo_config(model_dir, **kw)
+    engine = GradEngine(_model(model_dir), accum=cfg.train_batch_size // cfg.micro_train_batch_size)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"))
     metrics = trainer.step(rollout or _rollout(), on_policy=on_policy)
     return engine, metrics, trainer
@@ -141,8 +99,8 @@ def test_logprob_diff_is_the_models_own(model_dir):
 )
 def test_old_logprobs_forward_runs_when_needed(model_dir, on_policy, kw, n):
     if kw.get("advantage_estimator") == "gae":
-        cfg = _cfg(model_dir, **kw)
-        trainer = PolicyTrainer(Engine(_model(model_dir), 2), cfg, 0, torch.device("cpu"), critic=object())
+        cfg = small_ppo_config(model_dir, **kw)
+        trainer = PolicyTrainer(GradEngine(_model(model_dir), 2), cfg, 0, torch.device("cpu"), critic=object())
         assert not trainer.reuses_logprobs(_rollout(), on_policy)
         return
     engine, metrics, _ = _step(model_dir, on_policy, _rollout(n, ref="init_kl_coef" in kw), **kw)
@@ -165,8 +123,8 @@ def test_response_only_logits_equal_the_full_computation(model_dir):
 
 
 def test_entropy_only_when_in_the_loss_or_logged(model_dir):
-    cfg = _cfg(model_dir, logging_steps=2)
-    trainer = PolicyTrainer(Engine(_model(model_dir), 2), cfg, 0, torch.device("cpu"))
+    cfg = small_ppo_config(model_dir, logging_steps=2)
+    trainer = PolicyTrainer(GradEngine(_model(model_dir), 2), cfg, 0, torch.device("cpu"))
     assert "policy/entropy" in trainer.step(_rollout(), on_policy=True)  # step 1 of 2: logged
     assert "policy/entropy" not in trainer.step(_rollout(), on_policy=True)
     # Without grad when not in the loss: the entropy metric has no graph.
