@@ -33,21 +33,14 @@ import multiprocessing as mp
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-for k, v in {
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-}.items():
-    os.environ.setdefault(k, v)
+from _setup import prepare
+
+REPO = prepare(tests=True)
 
 # What the rollout server passes to vLLM on CPU (rollout_service/core.py), for the bare engine.
 ENGINE = dict(

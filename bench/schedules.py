@@ -29,17 +29,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO)]
-ENV = dict(
-    os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1"
-)
+from _setup import CPU_ENV, prepare, run_stamped
+
+REPO = prepare()
+ENV = dict(os.environ, **CPU_ENV)
 
 
 def run_once(args, model: Path, work: Path, name: str, *, async_train: bool, epochs: int, steps: int) -> dict:
@@ -64,19 +61,7 @@ def run_once(args, model: Path, work: Path, name: str, *, async_train: bool, epo
         *("--reward_args", f"--reward_func {REPO / 'tests' / 'helpers' / 'reward_first_char_parity.py'}"),
         *("--learner_args", " ".join(learner), "--stop_timeout_s", "15"),
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    seen: list[tuple[float, dict]] = []
-    while proc.poll() is None:
-        # Stamp each step's row as it appears (polled every 10 ms: small against a step).
-        if metrics.exists():
-            lines = [x for x in metrics.read_text().splitlines() if x.strip()]
-            for line in lines[len(seen) :]:
-                seen.append((time.monotonic(), json.loads(line)))
-        time.sleep(0.01)
-    out = proc.stdout.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{out[-3000:]}")
+    seen = run_stamped(cmd, run_dir, env=ENV, label=name, poll_s=0.01)
     rows = [(t, m) for t, m in seen if "samples" in m and "step" in m]
     if len(rows) < args.warmup + 2:
         raise SystemExit(f"{name}: only {len(rows)} step rows stamped (steps too short to watch?)")

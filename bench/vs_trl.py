@@ -58,8 +58,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from _setup import prepare, run_stamped
+
+REPO = prepare()
 
 CONFIGS = {"short": 6, "long": 128}  # new tokens per sample
 PROMPTS, GROUP, MICRO, ACCUM, LR = 8, 8, 16, 4, 2e-6
@@ -154,21 +155,7 @@ def run_rayless(args, model: Path, prompts: Path, work: Path, new_tokens: int, l
     if layout == "phases+passive":  # idle OpenMP threads sleep at once (measured: slower training)
         cmd[cmd.index(layout)] = "phases"
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    seen: list[tuple[float, dict]] = []
-    while proc.poll() is None:
-        # Stamp each step's row as it appears (every 50 ms: small against a step of seconds).
-        if metrics.exists():
-            lines = [x for x in metrics.read_text().splitlines() if x.strip()]
-            seen += [(time.monotonic(), json.loads(x)) for x in lines[len(seen) :]]
-        time.sleep(0.05)
-    out = proc.stdout.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"rayless ({layout}) failed ({proc.returncode}):\n{out[-3000:]}")
-    if metrics.exists():
-        lines = [x for x in metrics.read_text().splitlines() if x.strip()]
-        seen += [(time.monotonic(), json.loads(x)) for x in lines[len(seen) :]]
+    seen = run_stamped(cmd, run_dir, env=env, label=f"rayless ({layout})", poll_s=0.05)
     rows = [(t, m) for t, m in seen if "time/step_s" in m]
     if len(rows) < 2:
         raise SystemExit(f"rayless ({layout}): {len(rows)} step rows, need 2 (--steps >= 2)")
