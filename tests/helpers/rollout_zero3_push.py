@@ -22,6 +22,8 @@ def main() -> None:
     # fail in it, so rank 0 retries the others in a second pass that every rank must follow.
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--bad", default="", choices=["", "die"])
+    # The publisher's timeout: a dead peer in the relay is found when it runs out.
+    p.add_argument("--timeout_s", type=float, default=60.0)
     args = p.parse_args()
 
     import deepspeed
@@ -57,7 +59,7 @@ def main() -> None:
         rank=rank,
         backend="gloo",
         bucket_bytes=256 * 1024,
-        timeout_s=60,
+        timeout_s=args.timeout_s,
     )
     partitioned = all(p.numel() == 0 for _, p in pub.source._params)
     if rank == 0:

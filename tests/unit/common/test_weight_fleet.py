@@ -273,7 +273,8 @@ def test_zero3_fleet_push_keeps_every_rank_in_step(tiny_model_dir, bad):
     args = [sys.executable, str(HELPERS / "rollout_zero3_push.py"), str(tiny_model_dir), "--servers", "3"]
     procs = [
         subprocess.Popen(
-            args + (["--bad", bad] if bad else []),
+            # A dead peer is found when the publisher's timeout runs out; a good push takes ~1 s.
+            args + (["--bad", bad, "--timeout_s", "15"] if bad else []),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
