@@ -12,8 +12,8 @@ on its own slice.
 left-padded and responses right-padded, so every response starts at column P and the logits
 predicting response token t sit at column P - 1 + t. Packed (``--packing_samples``): the
 samples end to end in one row, position ids restarting per sample, no padding to compute
-(``learner.algorithms.packing``); ``check_packable`` refuses a model whose attention would
-cross samples in such a row.
+(``learner.algorithms.packing``); ``learner.runtime.models.check_packable`` refuses a model
+whose attention would cross samples in such a row.
 
 Shape glossary: N samples, P prompt width, T response width (both padded), L the packed row's
 length, K the response tokens of the micro-batch.
@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from common.weights.source import unwrap
 from learner.algorithms.packing import packed_row, response_logit_index
 from learner.controller.types import Rollout, ScoredSample
 
@@ -95,47 +93,6 @@ def collate(
     out = {k: v.to(device) for k, v in out.items()}
     out["prompt_width"] = P
     return out
-
-
-# Attention implementations whose transformers code keeps packed samples apart given position
-# ids that restart per sample and no attention mask: sdpa and eager through masking_utils'
-# block-diagonal mask (checked on CPU by tests/unit/rl/test_packing.py), flash-attention through
-# per-sample cu_seqlens derived from the same position ids (one row per forward, as here).
-PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-# The masking_utils builders that find sample boundaries in position ids.
-_PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
-
-
-def check_packable(model: Any, role: str) -> None:
-    """Refuse ``--packing_samples`` for a model whose attention would cross packed samples.
-
-    ``model``: the engine or module (unwrapped to the HF model). Raises ValueError naming why.
-    """
-    hf = unwrap(model)
-    config = getattr(hf, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in PACKABLE_ATTENTION:
-        raise ValueError(
-            f"--packing_samples: the {role} model uses attention implementation {impl!r}; packed rows need "
-            f"one that keeps samples apart by their position ids ({', '.join(PACKABLE_ATTENTION)})"
-        )
-    code = sys.modules.get(type(hf).__module__)
-    if not any(hasattr(code, name) for name in _PACKED_MASK_BUILDERS):
-        raise ValueError(
-            f"--packing_samples: the {role} model's code ({type(hf).__module__}) does not build its attention "
-            "mask with transformers.masking_utils, which is what keeps packed samples apart; its attention "
-            "would cross samples"
-        )
-    on_gpu = any(p.device.type == "cuda" for p in hf.parameters())
-    if on_gpu and impl in ("sdpa", "eager") and (not dist.is_initialized() or dist.get_rank() == 0):
-        # The block-diagonal mask is dense: SDPA/eager compute all L x L scores of the row and
-        # zero most of them, (sum of lengths)^2 instead of the sum of squares a varlen kernel does.
-        log.warning(
-            "--packing_samples with %s attention: the %s's packed rows compute a dense (L x L) masked "
-            "attention; --flash_attn (flash_attention_2) computes only each sample's own block",
-            impl,
-            role,
-        )
 
 
 # ------------------------------------------------------------------ across ranks

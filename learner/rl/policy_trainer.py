@@ -64,7 +64,8 @@ from learner.algorithms.shaping import clip_rewards, overlong_penalty, stop_prop
 from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
-from learner.rl.experience import check_packable, collate, score_all_ranks
+from learner.rl.experience import collate, score_all_ranks
+from learner.runtime.models import check_packable
 
 
 def _world() -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""Model pieces the trainers share: the reward model (a scalar head on a causal LM) and
-summed response log-probabilities.
+"""Model pieces the trainers share: the reward model (a scalar head on a causal LM), summed
+response log-probabilities, and the check that a model can train on packed rows.
 
 The reward model IS a transformers ``*ForSequenceClassification`` with ``num_labels=1``
 (``Qwen2ForSequenceClassification`` for the tiny model), so what the RM trainer saves loads
@@ -11,14 +11,20 @@ pad id instead, which a model whose pad = EOS gets wrong.
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from common.weights.source import unwrap
 from learner.algorithms.kl import last_token_index
 from learner.algorithms.losses import log_probs_from_logits
 from learner.algorithms.sft_loss import IGNORE_INDEX
 from learner.runtime.engine import load_pretrained
+
+log = logging.getLogger(__name__)
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -106,3 +112,44 @@ def forward_logits(engine: Any, batch: dict, *, packed: bool | None = None) -> t
     if packed if packed is not None else "position_ids" in batch:
         return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     return engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+
+
+# Attention implementations whose transformers code keeps packed samples apart given position
+# ids that restart per sample and no attention mask: sdpa and eager through masking_utils'
+# block-diagonal mask (checked on CPU by tests/unit/rl/test_packing.py), flash-attention through
+# per-sample cu_seqlens derived from the same position ids (one row per forward, as here).
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+# The masking_utils builders that find sample boundaries in position ids.
+_PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+def check_packable(model: Any, role: str) -> None:
+    """Refuse ``--packing_samples`` for a model whose attention would cross packed samples.
+
+    ``model``: the engine or module (unwrapped to the HF model). Raises ValueError naming why.
+    """
+    hf = unwrap(model)
+    config = getattr(hf, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in PACKABLE_ATTENTION:
+        raise ValueError(
+            f"--packing_samples: the {role} model uses attention implementation {impl!r}; packed rows need "
+            f"one that keeps samples apart by their position ids ({', '.join(PACKABLE_ATTENTION)})"
+        )
+    code = sys.modules.get(type(hf).__module__)
+    if not any(hasattr(code, name) for name in _PACKED_MASK_BUILDERS):
+        raise ValueError(
+            f"--packing_samples: the {role} model's code ({type(hf).__module__}) does not build its attention "
+            "mask with transformers.masking_utils, which is what keeps packed samples apart; its attention "
+            "would cross samples"
+        )
+    on_gpu = any(p.device.type == "cuda" for p in hf.parameters())
+    if on_gpu and impl in ("sdpa", "eager") and (not dist.is_initialized() or dist.get_rank() == 0):
+        # The block-diagonal mask is dense: SDPA/eager compute all L x L scores of the row and
+        # zero most of them, (sum of lengths)^2 instead of the sum of squares a varlen kernel does.
+        log.warning(
+            "--packing_samples with %s attention: the %s's packed rows compute a dense (L x L) masked "
+            "attention; --flash_attn (flash_attention_2) computes only each sample's own block",
+            impl,
+            role,
+        )

@@ -9,7 +9,7 @@ import torch
 
 from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
 from learner.runtime import engine as E
-from learner.runtime.models import forward_logits
+from learner.runtime.models import check_packable, forward_logits
 from learner.supervised.sft_data import collate_packed, collate_padded, sft_sample
 from learner.supervised.trainer import (
     Trainer,
@@ -69,6 +69,8 @@ def run(cfg) -> None:
     collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
 
     model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
+    if cfg.packing_samples:
+        check_packable(model, "SFT")  # before the engine: a refusal costs no DeepSpeed start-up
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = SFTTrainer(cfg, engine, train, collate, evals)
     log.info(

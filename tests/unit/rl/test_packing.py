@@ -27,8 +27,9 @@ from learner.algorithms.packing import packed_row, response_logit_index, unpack_
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, load_critic, response_values
-from learner.rl.experience import check_packable, collate
+from learner.rl.experience import collate
 from learner.rl.policy_trainer import PolicyTrainer, response_logprobs
+from learner.runtime.models import check_packable
 
 # ------------------------------------------------------------------ the row layout, by hand
 
@@ -207,6 +208,25 @@ def test_models_that_cannot_keep_packed_samples_apart_are_refused(tiny_model_dir
     cfg = _cfg(tiny_model_dir, packing_samples=True)
     with pytest.raises(ValueError, match="--packing_samples"):
         PolicyTrainer(GradEngine(_OwnMaskModel("sdpa"), 1), cfg, pad_id=0, device=torch.device("cpu"))
+
+
+def test_sft_refuses_packing_for_such_a_model_before_building_its_engine(monkeypatch):
+    """learner.train_sft --packing_samples makes the same check, right after loading the model."""
+    from learner.supervised import sft_trainer
+    from learner.train_sft import SFTConfig
+
+    cfg = SFTConfig(pretrain="m", dataset="d", input_key="input", output_key="output", packing_samples=True)
+    tok = SimpleNamespace(pad_token_id=0)
+    monkeypatch.setattr(sft_trainer, "setup_run", lambda cfg, name: (SimpleNamespace(world_size=1), tok))
+    monkeypatch.setattr(sft_trainer, "load_samples", lambda cfg, keys, encode: ([], None))
+    monkeypatch.setattr(sft_trainer.E, "load_causal_lm", lambda *a, **k: _OwnMaskModel("sdpa"))
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was built before the check")
+
+    monkeypatch.setattr(sft_trainer, "make_train_engine", no_engine)
+    with pytest.raises(ValueError, match="--packing_samples: the SFT model's code"):
+        sft_trainer.run(cfg)
 
 
 def test_the_flag_parses_as_in_openrlhf():
