@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from learner.rl.experience import broadcast_rollout
 from learner.rl.schedules.base import Decision, Schedule, StoppedByRank0, broadcast_decision
@@ -19,6 +20,23 @@ log = logging.getLogger("learner")
 
 class LockstepSchedule(Schedule):
     name = "lockstep"
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint of the async schedule (``--async_train``) holds its feed: the stream
+        position it had reached and the prompts admitted but not trained. Lockstep draws by step
+        (step s trains ``batch(s)``) and has no feed to re-issue them from, so it says what that
+        means rather than dropping them silently."""
+        feed = state.get("feed") or {}
+        if feed and (self.driver is not None):
+            pending = feed.get("pending", [])
+            log.warning(
+                "resuming an --async_train checkpoint in lockstep: the async run had drawn the prompt "
+                "stream to position %s with %d prompt(s) admitted but not trained; lockstep does not "
+                "re-issue those and continues with the next step's batch, so this epoch may skip a "
+                "few prompts or train a few twice (resume with --async_train to continue exactly)",
+                feed.get("next_position", "?"),
+                len(pending),
+            )
 
     def step(self, step: int) -> Decision:
         cfg, parts = self.cfg, self.parts

@@ -117,3 +117,15 @@ def test_other_ranks_stop_with_an_error_when_rank_0_fails(monkeypatch):
     with pytest.raises(StoppedByRank0, match="step 2: rank 0"):
         _schedule(rec, driver=False).step(2)
     assert rec.calls == []
+
+
+def test_lockstep_resuming_an_async_checkpoint_says_it_does_not_reissue_its_pending_prompts(caplog):
+    feed = {"next_position": 52, "pending": [37, 41, 50], "outstanding": 3, "counters": {"trained": 40}}
+    with caplog.at_level("WARNING", logger="learner"):
+        _schedule(Recorder([])).load_state_dict({"feed": feed})
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "--async_train checkpoint in lockstep" in msg and "position 52 with 3 prompt(s)" in msg
+    caplog.clear()
+    _schedule(Recorder([])).load_state_dict({})  # a lockstep checkpoint: nothing to say
+    _schedule(Recorder([]), driver=False).load_state_dict({"feed": feed})  # rank 0 says it, once
+    assert not caplog.records
