@@ -1,20 +1,20 @@
 """End to end: the async schedule (--async_train) through launch.local with real vLLM, the
 reward service and DeepSpeed, the learner deliberately slowed (a test-only env var) so that
 generation runs ahead: every trained sample is within --max_staleness 1 of the weights trained,
-most lag exactly 1 (the overlap is real), nothing is lost, and the run still learns."""
+most lag exactly 1 (the overlap is real), nothing is lost, and the run still learns. The same
+run shows the back-pressure: admitted-and-unfinished prompts reach (K + 1) x B and never pass
+it, and the rollout side waits (one run: each costs a vLLM start)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
+import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_e2e_async_faults import K, _check_steps_and_accounting
 
-from helpers.paths import HELPERS  # noqa: E402
+from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
 from learner.rl.schedules.async_ import SLOW_LEARNER_ENV
 
 pytestmark = pytest.mark.slow
@@ -23,42 +23,25 @@ B, G = 16, 8
 
 
 def _launch(tmp_path: Path, model: Path, *, steps: int, slow_s: float) -> subprocess.Popen:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"{a}+{b}="}) + "\n" for a in range(30) for b in range(10)))
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
-        *("--n_samples_per_prompt", str(G), "--rollout_batch_size", str(B)),
+        *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
+        *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(G), "--rollout_batch_size", str(B)),
         *("--train_batch_size", str(B * G), "--micro_train_batch_size", str(B * G)),
         *("--micro_rollout_batch_size", str(B * G), "--max_steps", str(steps), "--generate_max_len", "4"),
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
         *("--peer_timeout_s", "10", "--async_train", "--max_staleness", "1"),
     ]
-    cmd = [
-        *(sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(model)),
-        *("--rollout_servers", "1", "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"),
-        *("--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"),
-        *("--learner_args", " ".join(learner), "--stop_timeout_s", "15"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    env[SLOW_LEARNER_ENV] = str(slow_s)
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
+    cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", "1"])
+    return start(cmd, cpu_env(**{SLOW_LEARNER_ENV: str(slow_s)}))
 
 
-def test_async_k1_slow_learner_stays_within_the_bound_and_overlaps(tmp_path, tiny_model_dir):
+def test_async_k1_slow_learner_stays_within_the_bound_overlaps_and_pushes_back(tmp_path, tiny_model_dir):
     steps = 8
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, slow_s=2.0)
-    try:
-        out, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"run did not finish:\n{out[-4000:]}")
+    out = finish(proc, 900)
     assert proc.returncode == 0, out[-4000:]
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows = [m for m in rows if "async/max_lag" in m]
+    rows = [m for m in metrics(run) if "async/max_lag" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1)), out[-4000:]
     # Every trained sample within the bound: lag 0 or 1 (the per-step histogram of per-sample
     # versions), all B x G of each step accounted for.
@@ -81,3 +64,18 @@ def test_async_k1_slow_learner_stays_within_the_bound_and_overlaps(tmp_path, tin
     assert "policy/is_filter_frac" in last
     log = (run / "logs" / "learner.log").read_text()
     assert "async data path at the end" in log, log[-3000:]
+
+    # Back-pressure: the learner sleeps 2 s a step, several times the generation of a batch.
+    _check_steps_and_accounting(rows, steps, B, G)
+    bound = (K + 1) * B
+    assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
+    # The feed logs, at every batch, the most admitted-and-unfinished groups it has held so far.
+    seen = [int(x) for x in re.findall(r"outstanding at most (\d+) so far", log)]
+    assert len(seen) == steps, log[-3000:]
+    print("outstanding at most", seen, "bound", bound)
+    # The bound was reached: generation ran ahead as far as admission allows, then waited. The
+    # rollout side idles most of each step after the first (the learner is the slow side).
+    assert max(seen) == bound, seen
+    idle = [round(m["async/rollout_idle_frac"], 2) for m in rows]
+    print("rollout idle", idle)
+    assert sum(idle[1:]) / len(idle[1:]) >= 0.4, idle

@@ -1,8 +1,7 @@
 """End to end: the async schedule (--async_train, K = 1) under pressure, through launch.local with
-real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny model:
+real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny model
+(back-pressure under a slowed learner is checked on the run of test_e2e_async.py):
 
-- back-pressure: the learner slowed (a test-only env var) to several times the generation time:
-  admitted-and-unfinished prompts never exceed (K + 1) x B, the rollout server waits, no deadlock;
 - a rollout server SIGKILLed mid-run (two servers): its prompts are re-issued, every step
   trains a full batch, and the feed's accounting identity holds at every step;
 - dynamic filtering: all-equal groups are dropped and refilled from the same stream, every step
@@ -11,70 +10,38 @@ real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.paths import HELPERS
-from learner.rl.schedules.async_ import SLOW_LEARNER_ENV
+from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
 
 pytestmark = pytest.mark.slow
 
 K = 1
 
 
-def _launch(
-    tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, slow_s: float = 0.0, extra=()
-) -> subprocess.Popen:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"{a}+{c}="}) + "\n" for a in range(30) for c in range(10)))
+def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, extra=()) -> subprocess.Popen:
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
-        *("--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
+        *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
+        *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
         *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g)),
         *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps)),
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
         *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(K)),
         *extra,
     ]
-    cmd = [
-        *(sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(model)),
-        *("--rollout_servers", str(servers)),
-        *("--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"),
-        *("--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"),
-        *("--learner_args", " ".join(learner), "--stop_timeout_s", "15"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    env[SLOW_LEARNER_ENV] = str(slow_s)
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # A deadlock shows here: the run is stopped and its tail reported.
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"run did not finish within {timeout:.0f} s:\n{out[-4000:]}")
-    return out
+    cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers)])
+    return start(cmd, cpu_env())
 
 
 def _rows(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [m for m in rows if "async/admitted" in m]
+    return [m for m in metrics(run) if "async/admitted" in m]
 
 
 def _check_steps_and_accounting(rows: list[dict], steps: int, b: int, g: int) -> None:
@@ -92,32 +59,6 @@ def _check_steps_and_accounting(rows: list[dict], steps: int, b: int, g: int) ->
             + m["async/aborted"]
         )
         assert m["async/admitted"] == ended + m["async/outstanding"], m
-
-
-def test_slow_learner_back_pressure_bounds_outstanding_prompts(tmp_path, tiny_model_dir):
-    # Generation of a batch of 8 x 4 four-token answers takes a fraction of a second here; the
-    # learner sleeps 1.5 s more per step, several times the generation time.
-    steps, b, g = 5, 8, 4
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, slow_s=1.5, extra=["--generate_max_len", "4"])
-    out = _finish(proc, 400)
-    assert proc.returncode == 0, out[-4000:]
-    run = tmp_path / "run"
-    rows = _rows(run)
-    _check_steps_and_accounting(rows, steps, b, g)
-    bound = (K + 1) * b
-    assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
-    # The feed logs, at every batch, the most admitted-and-unfinished groups it has held so far.
-    log = (run / "logs" / "learner.log").read_text()
-    seen = [int(x) for x in re.findall(r"outstanding at most (\d+) so far", log)]
-    assert len(seen) == steps, log[-3000:]
-    print("outstanding at most", seen, "bound", bound)
-    assert max(seen) <= bound, seen
-    # The bound was reached: generation ran ahead as far as admission allows, then waited. The
-    # rollout side idles most of each step after the first (the learner is the slow side).
-    assert max(seen) == bound, seen
-    idle = [round(m["async/rollout_idle_frac"], 2) for m in rows]
-    print("rollout idle", idle, "learner idle", [round(m["async/learner_idle_frac"], 2) for m in rows])
-    assert sum(idle[1:]) / len(idle[1:]) >= 0.4, idle
 
 
 def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
@@ -143,7 +84,7 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
             killed = True
         time.sleep(0.01)
     assert killed, "".join(lines)[-4000:]
-    out = "".join(lines) + _finish(proc, max(60.0, deadline - time.monotonic()))
+    out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
     assert proc.returncode == 0, out[-4000:]
     assert "rollout-1 died" in out, out[-4000:]
     rows = _rows(run)
@@ -171,7 +112,7 @@ def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir):
         g=g,
         extra=["--generate_max_len", "4", "--dynamic_filtering", "--advantage_estimator", "rloo"],
     )
-    out = _finish(proc, 400)
+    out = finish(proc, 400)
     assert proc.returncode == 0, out[-4000:]
     rows = _rows(tmp_path / "run")
     _check_steps_and_accounting(rows, steps, b, g)

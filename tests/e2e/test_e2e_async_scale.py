@@ -16,22 +16,24 @@ import sys
 import time
 
 import pytest
-from test_e2e_async_faults import K, _check_steps_and_accounting, _finish, _rows
+from test_e2e_async_faults import K, _check_steps_and_accounting, _rows
 
 from common.net import free_port
+from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, start
 from helpers.paths import HELPERS
+from helpers.tcp_gate import TcpGate
 
 pytestmark = pytest.mark.slow
 
 
 def test_zero3_two_ranks_slow_data_side_and_a_joiner(tmp_path, tiny_model_dir):
-    # Enough steps that the joiner (its engine starts in ~40 s here) arrives with most still to come.
-    steps, b, g = 30, 8, 4
+    # The joiner's engine starts with the job, behind a closed gate; the gate opens after step 2,
+    # so it joins mid-run without the run waiting out its start-up (~40 s here) at that point.
+    steps, b, g = 10, 8, 4
     port = free_port()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(f'{{"input": "{a}+{c}="}}\n' for a in range(30) for c in range(10)))
     learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
+        *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
+        *("--advantage_estimator", "group_norm"),
         *("--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
         *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g // 2)),
         *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps), "--generate_max_len", "4"),
@@ -39,54 +41,56 @@ def test_zero3_two_ranks_slow_data_side_and_a_joiner(tmp_path, tiny_model_dir):
         *("--peer_timeout_s", "20", "--async_train", "--max_staleness", str(K)),
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "128", "--enforce_eager", "--seed", "0"]
-    cmd = [
-        *(sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", str(tiny_model_dir)),
-        *("--port", str(port), "--learner_nproc", "2", "--rollout_servers", "1"),
-        *("--rollout_args", " ".join(rollout_args)),
-        *("--reward_args", f"--reward_func {HELPERS / 'reward_slow_parity.py'}"),
-        *("--learner_args", " ".join(learner), "--stop_timeout_s", "15"),
-    ]
-    # Each reward call sleeps: scoring a step's groups takes seconds, the learner's step less.
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    env["RAYLESS_TEST_REWARD_SLEEP_S"] = "1.5"
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    reward = f"--reward_func {HELPERS / 'reward_slow_parity.py'}"
+    cmd = local_cmd(
+        tmp_path / "run",
+        tiny_model_dir,
+        learner,
+        rollout=" ".join(rollout_args),
+        reward=reward,
+        extra=["--port", str(port), "--learner_nproc", "2", "--rollout_servers", "1"],
     )
+    # Each reward call sleeps: scoring a step's groups takes seconds, the learner's step less.
+    env = cpu_env(RAYLESS_TEST_REWARD_SLEEP_S="1.0")
+    proc = start(cmd, env)
     run = tmp_path / "run"
-    joiner, joiner_log = None, tmp_path / "rollout-late.log"
+    joiner_log, gate = tmp_path / "rollout-late.log", TcpGate(port)
+    with joiner_log.open("w") as f:
+        # A second rollout server joins the running job, as launch/add_rollouts.slurm does.
+        joiner = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "rollout_service", "--model", str(tiny_model_dir)),
+                *("--controller", gate.address, "--name", "rollout-late"),
+                *("--connect_timeout_s", "600", *rollout_args),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and not any(m["step"] >= 1 for m in _rows(run)):
+        while time.monotonic() < deadline and proc.poll() is None and not any(m["step"] >= 2 for m in _rows(run)):
             time.sleep(0.2)
-        assert proc.poll() is None, _finish(proc, 60)[-4000:]
-        # A second rollout server joins the running job, as launch/add_rollouts.slurm does.
-        with joiner_log.open("w") as f:
-            joiner = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "rollout_service", "--model", str(tiny_model_dir)),
-                    *("--controller", f"tcp://127.0.0.1:{port}", "--name", "rollout-late"),
-                    *("--connect_timeout_s", "120", *rollout_args),
-                ],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        out = _finish(proc, max(60.0, deadline - time.monotonic()))
+        assert proc.poll() is None, finish(proc, 60)[-4000:]
+        assert joiner.poll() is None, joiner_log.read_text()[-3000:]
+        gate.open()
+        out = finish(proc, max(60.0, deadline - time.monotonic()))
         assert proc.returncode == 0, out[-4000:]
         # The joiner ends on the learner's Shutdown like the launcher's own services.
         assert joiner.wait(timeout=60) == 0, joiner_log.read_text()[-3000:]
     finally:
         for p in (joiner, proc):
-            if p is not None and p.poll() is None:
+            if p.poll() is None:
                 os.killpg(p.pid, 9)
+        gate.close()
 
     rows = _rows(run)
     _check_steps_and_accounting(rows, steps, b, g)
     bound = (K + 1) * b
     assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
     log = (run / "logs" / "learner.log").read_text()
-    # The data side is the slow one: the learner waits for most of each step after the first.
+    # The data side is the slow one: the learner waits for much of each step after the first.
     idle = [round(m["async/learner_idle_frac"], 2) for m in rows]
     print("learner idle", idle, "rollout idle", [round(m["async/rollout_idle_frac"], 2) for m in rows])
     assert sum(idle[1:]) / len(idle[1:]) >= 0.3, idle

@@ -14,7 +14,9 @@ import json
 import re
 
 import pytest
-from test_e2e_grpo import _finish, _launch, _metrics, _rewarded_mass
+from test_e2e_grpo import _launch, _rewarded_mass
+
+from helpers.e2e_launch import finish, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +32,7 @@ COLOCATED = [
 def test_colocated_learns_on_cpu_and_each_flag_says_once_it_cannot_act(tmp_path, tiny_model_dir):
     steps = 12
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_learner=COLOCATED)
-    out = _finish(proc, 600)
+    out = finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
     learner_log = (run / "logs" / "learner.log").read_text()
@@ -53,7 +55,7 @@ def test_colocated_learns_on_cpu_and_each_flag_says_once_it_cannot_act(tmp_path,
     assert "VLLM_CPU_KVCACHE_SPACE" in why["vllm_gpu_memory_utilization"]
     # Lockstep semantics: every step trains its 16 prompts x 8 samples, all from the weights
     # pushed after the step before; the weights arrive (log-probs agree, fp32).
-    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     assert all(m["samples"] == 128 for m in rows)
     assert [m["rollout/min_policy_version"] for m in rows] == list(range(steps))

@@ -6,24 +6,19 @@ service and DeepSpeed (slow: each run starts vLLM).
   with ``--packing_samples`` (every learner forward on packed rows: the critic's old values,
   the critic and policy training forwards), and the learner's packed log-probs agree with
   vLLM's (``rollout/logprob_diff``), which they would not if attention crossed samples.
-* Three representative critic-free configurations, 2 steps each (vLLM start-up dominates,
+* Two representative critic-free configurations, 2 steps each (vLLM start-up dominates,
   ~2 min a run on 2 CPU cores, so not one run per estimator): every estimator and loss
   option also runs in-process on a real DeepSpeed engine in tests/unit/rl/test_estimators_step.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.paths import HELPERS  # noqa: E402
+from helpers.e2e_launch import finish, local_cmd, metrics, start
 
 pytestmark = pytest.mark.slow
 
@@ -34,69 +29,16 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str]
     train, _ = problems(0)
     prompts = write_jsonl(train, tmp_path / "prompts.jsonl")
     learner = [
-        "--prompt_data",
-        str(prompts),
-        "--input_key",
-        "input",
-        "--n_samples_per_prompt",
-        "8",
-        "--rollout_batch_size",
-        "16",
-        "--train_batch_size",
-        "128",
-        "--micro_train_batch_size",
-        "128",
-        "--micro_rollout_batch_size",
-        "128",
-        "--max_steps",
-        str(steps),
-        "--generate_max_len",
-        "4",
-        "--actor_learning_rate",
-        "3e-3",
-        "--init_kl_coef",
-        "0",
-        "--zero_stage",
-        "2",
-        "--seed",
-        "0",
-        "--peer_timeout_s",
-        "5",
-        *extra_learner,
+        *("--prompt_data", str(prompts), "--input_key", "input", "--n_samples_per_prompt", "8"),
+        *("--rollout_batch_size", "16", "--train_batch_size", "128", "--micro_train_batch_size", "128"),
+        *("--micro_rollout_batch_size", "128", "--max_steps", str(steps), "--generate_max_len", "4"),
+        *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
+        *("--peer_timeout_s", "5", *extra_learner),
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.local",
-        "--run_dir",
-        str(tmp_path / "run"),
-        "--pretrain",
-        str(model),
-        "--rollout_servers",
-        "1",
-        "--rollout_args",
-        "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-        "--reward_args",
-        f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-        "--learner_args",
-        " ".join(learner),
-        "--stop_timeout_s",
-        "15",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"run did not finish within 600 s:\n{out[-4000:]}")
+    proc = start(local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", "1"]))
+    out = finish(proc, 600)
     assert proc.returncode == 0, out[-4000:]
-    path = tmp_path / "run" / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [m for m in rows if "rollout/reward" in m]
+    rows = [m for m in metrics(tmp_path / "run") if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1)), out[-4000:]
     return rows
 
@@ -145,8 +87,15 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--advantage_estimator", "rloo", "--dynamic_filtering"],
-        ["--advantage_estimator", "group_norm", "--policy_loss_type", "gspo", "--is_correction", "tis"],
+        [
+            "--advantage_estimator",
+            "rloo",
+            "--dynamic_filtering",
+            "--policy_loss_type",
+            "gspo",
+            "--is_correction",
+            "tis",
+        ],
         [
             "--advantage_estimator",
             "dr_grpo",
@@ -159,7 +108,7 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
             "3",
         ],
     ],
-    ids=["rloo-dynamic_filtering", "grpo-gspo-tis", "dr_grpo-clip_higher-dual_clip"],
+    ids=["rloo-dynamic_filtering-gspo-tis", "dr_grpo-clip_higher-dual_clip"],
 )
 def test_estimator_runs_through_real_services(tmp_path, tiny_model_dir, flags):
     rows = _launch(tmp_path, tiny_model_dir, steps=2, extra_learner=flags)

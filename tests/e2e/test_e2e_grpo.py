@@ -12,102 +12,28 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.paths import HELPERS  # noqa: E402
+from helpers.e2e_launch import addition_prompts, finish, local_cmd, metrics, start
 
 pytestmark = pytest.mark.slow
-
-
-def _prompts(tmp_path: Path) -> Path:
-    # Fixed prompts of this test's own (not the demo's, which may change).
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"input": f"{a}+{b}="}) + "\n" for a in range(30) for b in range(10)))
-    return path
 
 
 def _launch(
     tmp_path: Path, model: Path, *, steps: int, servers: int, extra_learner: list[str] = (), extra_local: list[str] = ()
 ):
     learner = [
-        "--prompt_data",
-        str(_prompts(tmp_path)),
-        "--input_key",
-        "input",
-        "--advantage_estimator",
-        "group_norm",
-        "--n_samples_per_prompt",
-        "8",
-        "--rollout_batch_size",
-        "16",
-        "--train_batch_size",
-        "128",
-        "--micro_train_batch_size",
-        "128",
-        "--micro_rollout_batch_size",
-        "128",
-        "--max_steps",
-        str(steps),
-        "--generate_max_len",
-        "4",
-        "--actor_learning_rate",
-        "3e-3",
-        "--init_kl_coef",
-        "0",
-        "--zero_stage",
-        "2",
-        "--seed",
-        "0",
-        "--peer_timeout_s",
-        "5",
+        *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
+        *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8", "--rollout_batch_size", "16"),
+        *("--train_batch_size", "128", "--micro_train_batch_size", "128", "--micro_rollout_batch_size", "128"),
+        *("--max_steps", str(steps), "--generate_max_len", "4", "--actor_learning_rate", "3e-3"),
+        *("--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0", "--peer_timeout_s", "5"),
         *extra_learner,
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.local",
-        "--run_dir",
-        str(tmp_path / "run"),
-        "--pretrain",
-        str(model),
-        "--rollout_servers",
-        str(servers),
-        "--rollout_args",
-        "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-        "--reward_args",
-        f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-        "--learner_args",
-        " ".join(learner),
-        "--stop_timeout_s",
-        "15",
-        *extra_local,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-
-
-def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"run did not finish within {timeout:.0f} s:\n{out[-4000:]}")
-    return out
+    return start(local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers), *extra_local]))
 
 
 def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
@@ -135,14 +61,14 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     # With CURVE on (launch.local --auth): every role holds the run's keys; the rest of the
     # suite runs without, so both paths stay covered.
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"])
-    out = _finish(proc, 600)
+    out = finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
     assert (run / "auth" / "authorized" / "peer.key").exists()
     assert "--auth_dir" in (run / "logs" / "rollout-0.log").read_text().splitlines()[0]
     # The learner's Shutdown reached every service: none had to be killed by launch.local.
     assert "did not exit within" not in out, out[-4000:]
-    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     print("rewards per step:", [m["rollout/reward"] for m in rows])
     # Learning, measured without sampling noise: the exact probability of a rewarded first
@@ -177,15 +103,15 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
         if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
             pids[m.group(1)] = int(m.group(2))
     while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-        if any(m.get("step", 0) >= 2 and "rollout/reward" in m for m in _metrics(run)):
+        if any(m.get("step", 0) >= 2 and "rollout/reward" in m for m in metrics(run)):
             os.killpg(pids["rollout-1"], signal.SIGKILL)
             killed_at = time.monotonic()
         time.sleep(0.01)
     assert killed_at is not None, "".join(lines)[-4000:]
-    out = "".join(lines) + _finish(proc, max(60.0, deadline - time.monotonic()))
+    out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
     assert proc.returncode == 0, out[-4000:]
     assert "rollout-1 died" in out
-    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     # Every step trained exactly its 16 prompts x 8 samples: nothing lost, nothing twice.
     assert all(m["samples"] == 128 for m in rows)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.paths import HELPERS  # noqa: E402
+from helpers.e2e_launch import local_cmd, metrics, start
 
 pytestmark = pytest.mark.slow
 
@@ -58,19 +58,6 @@ def _learner_flags(prompts: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
 def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
     """What an uninterrupted run trains at each step: the PromptStream's batch."""
     from transformers import AutoTokenizer
@@ -86,29 +73,23 @@ def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
     return {s: fingerprint(it.tokens for it in stream.batch(s)) for s in range(1, STEPS + 1)}
 
 
-def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
-    prompts = _prompts(tmp_path)
+def _run_killing_the_learner(tmp_path: Path, model: Path, learner: list[str]) -> tuple[str, dict[int, dict]]:
+    """One launch.local run with ``--restart_learner 1``: the learner is SIGKILLed once step
+    KILL_AFTER is written, and restarted by the launcher; the run must end well. Returns the launcher's output and the
+    killed run's step rows (read before the resume trims them)."""
     run = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(tiny_model_dir),
-        "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-        "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-        "--learner_args", " ".join(_learner_flags(prompts)),
-        "--restart_learner", "1", "--stop_timeout_s", "15", "--quiet",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    extra = ["--restart_learner", "1", "--quiet"]
     out_path = tmp_path / "launch.out"
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start(local_cmd(run, model, learner, extra=extra), out=out_path)
     try:
         deadline = time.monotonic() + 600
-        while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in _metrics(run)):
+        while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in metrics(run)):
             assert proc.poll() is None, out_path.read_text()[-4000:]
             assert time.monotonic() < deadline, "the run never reached the kill point"
             time.sleep(0.1)
         learner_pid = int(re.search(r"started learner \(pid (\d+)\)", out_path.read_text()).group(1))
         os.kill(learner_pid, signal.SIGKILL)
-        killed_run = {m["step"]: m for m in _metrics(run) if "rollout/reward" in m}  # before the resume trims it
+        killed_run = {m["step"]: m for m in metrics(run) if "rollout/reward" in m}
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
@@ -116,13 +97,20 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
             proc.wait(60)
     out = out_path.read_text()
     assert proc.returncode == 0, out[-4000:]
+    return out, killed_run
+
+
+def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
+    prompts = _prompts(tmp_path)
+    run = tmp_path / "run"
+    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, _learner_flags(prompts))
     logs = run / "logs"
     learner_log = (logs / "learner.log").read_text()
     k = int(re.search(r"resumed from \S+step_(\d+): step (\d+)", learner_log).group(2))
     assert k % SAVE_EVERY == 0 and KILL_AFTER - SAVE_EVERY < k < STEPS, learner_log[-3000:]
 
     # continues at k+1, ends at the planned step, each step once
-    rows = [m for m in _metrics(run) if "rollout/reward" in m]
+    rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
     # the prompts of every step are the uninterrupted run's
     expected = _expected_crcs(tiny_model_dir, prompts)
@@ -164,32 +152,7 @@ def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(t
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
     flags = [*_learner_flags(prompts), "--async_train", "--max_staleness", "1"]
-    cmd = [
-        sys.executable, "-m", "launch.local", "--run_dir", str(run), "--pretrain", str(tiny_model_dir),
-        "--rollout_args", "--dtype float32 --max_model_len 128 --enforce_eager --seed 0",
-        "--reward_args", f"--reward_func {HELPERS / 'reward_first_char_parity.py'}",
-        "--learner_args", " ".join(flags),
-        "--restart_learner", "1", "--stop_timeout_s", "15", "--quiet",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    out_path = tmp_path / "launch.out"
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in _metrics(run)):
-            assert proc.poll() is None, out_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the run never reached the kill point"
-            time.sleep(0.1)
-        learner_pid = int(re.search(r"started learner \(pid (\d+)\)", out_path.read_text()).group(1))
-        os.kill(learner_pid, signal.SIGKILL)
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-    out = out_path.read_text()
-    assert proc.returncode == 0, out[-4000:]
+    out, _ = _run_killing_the_learner(tmp_path, tiny_model_dir, flags)
     learner_log = (run / "logs" / "learner.log").read_text()
     m = re.search(r"resumed from (\S+step_(\d+)): step (\d+)", learner_log)
     k = int(m.group(3))
@@ -209,7 +172,7 @@ def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(t
     assert sorted(trained) == list(range(STEPS * 8)), "a prompt skipped or trained twice"
     assert set(feed["pending"]) <= {p for s in after for p in after[s]}
 
-    rows = [r for r in _metrics(run) if "rollout/reward" in r]
+    rows = [r for r in metrics(run) if "rollout/reward" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["samples"] == 32 and r["async/max_lag"] <= 1 for r in rows), rows
     assert rows[-1]["async/trained_groups"] == STEPS * 8  # the run's total, across the restart

@@ -18,12 +18,11 @@ runs as given; the flags that cannot act on CPU say so in the learner's log.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from helpers.e2e_launch import cpu_env, local_cmd
 from helpers.paths import HELPERS
 from helpers.seed_commands import SEED_PPO_COMMANDS, argv, ported
 
@@ -70,13 +69,9 @@ def test_seed_command_runs_on_the_tiny_model(workflow, tmp_path, tiny_model_dir)
         *("--micro_train_batch_size", "4", "--max_steps", "2", "--generate_max_len", "8", "--prompt_max_len", "64"),
         *("--vllm_sync_backend", "gloo"),
     ]
-    cmd = [
-        *(sys.executable, "-m", "launch.local", "--run_dir", str(tmp_path / "run"), "--pretrain", tiny),
-        *("--rollout_args", "--dtype float32 --max_model_len 256 --tensor_parallel_size 1 --seed 0"),
-        *("--learner_args", " ".join(learner), "--stop_timeout_s", "15", "--quiet"),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    rollout = "--dtype float32 --max_model_len 256 --tensor_parallel_size 1 --seed 0"
+    cmd = local_cmd(tmp_path / "run", tiny, learner, rollout=rollout, reward=None, extra=["--quiet"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), timeout=900)
     run = tmp_path / "run"
     learner_log = (run / "logs" / "learner.log").read_text() if (run / "logs" / "learner.log").exists() else ""
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + learner_log[-4000:]

@@ -139,9 +139,9 @@ def test_ppo_hop_with_the_trained_rm_scored_by_the_reward_service(workflow1_mode
     """The seed's workflow 1, last hop: train_ppo from the SFT model with --reward_pretrain the
     trained RM. launch.local passes the RM (and the reference model, KL being on) to the reward
     service; the learner checks at start-up that a service scores with both."""
-    import os
     import subprocess
-    import sys
+
+    from helpers.e2e_launch import cpu_env, local_cmd
 
     run = tmp_path / "ppo"
     learner = [
@@ -174,22 +174,9 @@ def test_ppo_hop_with_the_trained_rm_scored_by_the_reward_service(workflow1_mode
         "--zero_stage",
         "2",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.local",
-        "--run_dir",
-        str(run),
-        "--pretrain",
-        str(workflow1_models["sft"]),
-        "--rollout_args",
-        "--dtype float32 --max_model_len 256 --enforce_eager",
-        "--learner_args",
-        " ".join(learner),
-        "--quiet",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    rollout = "--dtype float32 --max_model_len 256 --enforce_eager"
+    cmd = local_cmd(run, workflow1_models["sft"], learner, rollout=rollout, reward=None, extra=["--quiet"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     reward_log = (run / "logs" / "reward-0.log").read_text()
     assert "--reward_pretrain" in reward_log.splitlines()[0] and "--ref_pretrain" in reward_log.splitlines()[0]

@@ -1,0 +1,89 @@
+"""One ``launch.local`` run for the end-to-end tests: its command, environment, end and metrics.
+
+Every e2e test starts the whole job the way a user does (``python -m launch.local``) on the
+tiny model; what differs between them is the learner's flags and a few launcher flags, so those
+are the arguments here and the rest is written once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from helpers.paths import HELPERS
+
+PARITY_REWARD = f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"
+TINY_ROLLOUT_ARGS = "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"
+
+
+def addition_prompts(path: Path) -> Path:
+    """300 fixed prompts of the tests' own ("a+b="; not the demo's, which may change)."""
+    path.write_text("".join(json.dumps({"input": f"{a}+{b}="}) + "\n" for a in range(30) for b in range(10)))
+    return path
+
+
+def local_cmd(
+    run_dir: Path,
+    model: Path | str,
+    learner: Sequence[str],
+    *,
+    rollout: str = TINY_ROLLOUT_ARGS,
+    reward: str | None = PARITY_REWARD,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``python -m launch.local`` for one run: ``learner`` goes to ``--learner_args``,
+    ``rollout``/``reward`` to the services (``reward=None``: the launcher's default),
+    ``extra`` are launcher flags (``--rollout_servers 2``, ``--restart_learner 1``, ...)."""
+    cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(run_dir), "--pretrain", str(model)]
+    cmd += ["--rollout_args", rollout, *(["--reward_args", reward] if reward else [])]
+    return [*cmd, "--learner_args", " ".join(learner), "--stop_timeout_s", "15", *extra]
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """This environment plus what a multi-process run on 2 cores needs."""
+    return dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **extra)
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None, *, out: Path | None = None) -> subprocess.Popen:
+    """Start the run in its own session (so it can be killed whole); its output to a pipe that
+    ``finish`` reads, or to the file ``out``."""
+    env = cpu_env() if env is None else env
+    if out is None:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+    with open(out, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for the run and return its output; a run still going after ``timeout`` (a deadlock)
+    is stopped and the test fails with its tail."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        pytest.fail(f"run did not finish within {timeout:.0f} s:\n{(out or '')[-4000:]}")
+    return out or ""
+
+
+def metrics(run: Path) -> list[dict]:
+    """The run's metrics rows so far (a line still being written is skipped)."""
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
