@@ -52,7 +52,9 @@ def run_stamped(
 
     def take() -> None:
         if metrics.exists():
-            lines = [x for x in metrics.read_text().splitlines() if x.strip()]
+            text = metrics.read_text()
+            text = text[: text.rfind("\n") + 1]  # whole lines only: the writer may be mid-line
+            lines = [x for x in text.splitlines() if x.strip()]
             seen.extend((time.monotonic(), json.loads(x)) for x in lines[len(seen) :])
 
     with log_path.open("w") as log:
