@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import threading
 import time
 
 import zmq
 
 from common.protocol import Ack, Error, Hello, Message, ScoreRequest, Shutdown, Welcome
-from common.service import DEFAULT_RECONNECT_S, RECONNECT_SEND_S, ExitCode, ServiceShell
+from common.service import DEFAULT_RECONNECT_S, RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
 from common.transport import Endpoint, TransportError, default_name
 from reward_service.inputs import BadRequest
 from reward_service.scorer import Scorer
@@ -318,11 +319,22 @@ def serve(cfg) -> int:
 
     name = cfg.name or default_name("reward")
     cfg.name = name
+    # Building the scorer starts processes (reward-function workers, a vLLM reference engine).
+    # A SIGTERM/SIGINT meanwhile must not kill this process alone and leave them behind: it is
+    # noted, and the scorer closed once built.
+    stopped: list[str] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, _frame: stopped.append(signal.Signals(signum).name))
     try:
         scorer = Scorer.from_config(cfg)
     except (FuncLoadError, RewardModelError, OSError, ValueError) as e:
         log.error("reward service %s failed to start: %s", name, e)
         return ExitCode.NO_START
+    if stopped:
+        log.warning("%s: %s while starting; closing what was started", name, stopped[0])
+        scorer.close()
+        return ExitCode.STOPPED  # as a signal while serving (RewardServer's signal_exit)
     log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
     return RewardServer(
         scorer,

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from common import protocol as P
-from common.service import RECONNECT_SEND_S, ExitCode, ServiceShell
+from common.service import RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
 from common.transport import AsyncEndpoint, TransportError, default_name
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
@@ -357,7 +357,23 @@ async def amain(cfg: RolloutConfig) -> int:
     name = cfg.name or default_name("rollout")
     core = RolloutCore(cfg)
     t0 = time.monotonic()
-    await core.start()
+    # vLLM's start-up blocks this loop for seconds while it spawns the engine's processes. A
+    # SIGTERM/SIGINT then must not kill this process alone: the engine's processes would outlive
+    # it (holding their memory, a GPU's too). It is noted, and acted on once start() returns.
+    loop, stopped = asyncio.get_running_loop(), []
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stopped.append, sig.name)
+    try:
+        await core.start()
+    except BaseException:
+        await core.shutdown()
+        raise
+    for _ in range(3):  # a few turns of the loop: a signal that came during start() reaches `stopped`
+        await asyncio.sleep(0)
+    if stopped:
+        log.warning("%s: %s during engine start-up; stopping the engine", name, stopped[0])
+        await core.shutdown()
+        return ExitCode.FATAL  # as a signal while serving (RolloutServer's signal_exit)
     log.info("%s: engine ready in %.1f s", name, time.monotonic() - t0)
     ep = AsyncEndpoint(cfg.controller, name=name, auth_dir=cfg.auth_dir or None)
     server = RolloutServer(cfg, core, ep)

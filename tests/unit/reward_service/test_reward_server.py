@@ -39,6 +39,34 @@ def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handle
     assert fatal[0].code == "fatal" and fatal[0].message == f"rw-sig stopping on {signal.Signals(sig).name}"
 
 
+def test_a_signal_while_the_scorer_starts_closes_it_and_exits_0(monkeypatch, restore_signal_handlers):
+    """Building the scorer starts processes (reward-function workers, a vLLM reference engine):
+    a SIGTERM meanwhile is acted on once it is built -- closed, exit 0, no Hello."""
+    from reward_service import server as server_module
+    from reward_service.config import parse_config
+
+    events = []
+
+    class StartingScorer:
+        def close(self) -> None:
+            events.append("closed")
+
+    def from_config(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # still building
+        events.append("built")
+        return StartingScorer()
+
+    def no_server(*a, **k):
+        raise AssertionError("the service said Hello after a SIGTERM during start-up")
+
+    monkeypatch.setattr(server_module.Scorer, "from_config", staticmethod(from_config))
+    monkeypatch.setattr(server_module, "RewardServer", no_server)
+    cfg = parse_config(["--controller", "tcp://127.0.0.1:1", "--reward_func", "f.py"])
+    assert server_module.serve(cfg) == 0
+    assert events == ["built", "closed"]
+
+
 def test_a_welcome_to_an_earlier_hello_is_ignored(router):
     """The handshake says Hello again when the controller is slow; the Welcome to the first
     Hello may come late and must not be answered as a bad request."""

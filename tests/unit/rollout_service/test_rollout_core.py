@@ -369,3 +369,37 @@ def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers)
     rc, seen = serve_in_process(core, lambda r, ident: r.send(P.Shutdown(reason="done", call_id=5), to=ident))
     acks = [m for m in seen if isinstance(m, P.Ack)]
     assert rc == 0 and acks[0].call_id == 5 and acks[0].info == {"dropped_prompts": 0} and not _fatal(seen)
+
+
+def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch, restore_signal_handlers):
+    """vLLM's start-up blocks the loop while it spawns the engine's processes. A SIGTERM then
+    must not kill the server alone (the engine's processes would be orphaned, holding their
+    memory): it is acted on once start() returns -- the engine shut down, exit 1, no Hello."""
+    import time
+
+    from rollout_service import server as server_module
+
+    events = []
+
+    class StartingCore:
+        def __init__(self, cfg) -> None:
+            self.llm = None
+
+        async def start(self) -> None:
+            self.llm = "engine"
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)  # still blocking the loop, as AsyncLLM.from_engine_args does
+            events.append("started")
+
+        async def shutdown(self) -> None:
+            events.append(f"shutdown {self.llm}")
+            self.llm = None
+
+    def no_endpoint(*a, **k):
+        raise AssertionError("the server said Hello after a SIGTERM during start-up")
+
+    monkeypatch.setattr(server_module, "RolloutCore", StartingCore)
+    monkeypatch.setattr(server_module, "AsyncEndpoint", no_endpoint)
+    cfg = RolloutConfig(model="m", controller="tcp://127.0.0.1:1")
+    assert run(server_module.amain(cfg)) == 1
+    assert events == ["started", "shutdown engine"]
