@@ -382,13 +382,20 @@ class WeightUpdate(Message):
     # controller -> rollout server. Receive the weights described here over the group, in this
     # order, then load them (vLLM update_weights). Reply: Ack(info={"seconds": s}) once loaded.
     TAG: ClassVar[int] = 32
-    names: list[str]  # checkpoint (HF) parameter names, tied aliases included
+    names: list[str]  # checkpoint (HF) parameter names (tied ones: see aliases)
     dtype_names: list[str]  # torch dtype names ("float32", "bfloat16"), the engine's dtype
     shapes: list[list[int]]
+    # Tied parameters sent once: {name to load too: the name in `names` whose tensor it is},
+    # e.g. {"lm_head.weight": "model.embed_tokens.weight"}. Empty: every name is in `names`.
+    aliases: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         _check_len("dtype_names", self.dtype_names, len(self.names), "one per name")
         _check_len("shapes", self.shapes, len(self.names), "one per name")
+        sent = set(self.names)
+        for alias, name in self.aliases.items():
+            if name not in sent or alias in sent:
+                raise ValueError(f"aliases: {alias!r} -> {name!r} must name a sent tensor, and not be one itself")
 
 
 @register

@@ -471,21 +471,31 @@ class RolloutCore:
                 raise
             self._update_open = True
 
-    async def update_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]]) -> float:
+    async def update_weights(
+        self,
+        names: list[str],
+        dtype_names: list[str],
+        shapes: list[list[int]],
+        aliases: dict[str, str] | None = None,
+    ) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from rollout_service.weight_receiver import RECEIVERS
 
         epoch = self._weight_epoch
         async with self._update_lock:
             self._check_epoch(epoch, "WeightUpdate")
             if not self._update_open:
                 raise BadRequest("WeightUpdate without WeightUpdateStart")
+            info: dict = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+            if aliases:
+                if self.backend not in RECEIVERS:  # vLLM's own receivers take no aliases
+                    await self._fail_update()
+                    raise BadRequest(f"WeightUpdate.aliases: the {self.backend} receiver cannot load them")
+                info["aliases"] = aliases
             t0 = time.perf_counter()
             try:
-                await self.llm.update_weights(
-                    WeightTransferUpdateRequest(
-                        update_info={"names": names, "dtype_names": dtype_names, "shapes": shapes}
-                    )
-                )
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             except BaseException:
                 await self._fail_update()
                 raise

@@ -315,7 +315,7 @@ class RolloutServer:
         return P.Ack()
 
     async def _on_update(self, m: P.WeightUpdate) -> P.Message:
-        return P.Ack(info={"seconds": await self.core.update_weights(m.names, m.dtype_names, m.shapes)})
+        return P.Ack(info={"seconds": await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases)})
 
     async def _on_update_finish(self, m: P.WeightUpdateFinish) -> P.Message:
         reset = await self.core.finish_weight_update(m.policy_version)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -83,11 +83,13 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per-round metadata, the same fields as vLLM's ``NCCLWeightTransferUpdateInfo``."""
+    """Per-round metadata: the fields of vLLM's ``NCCLWeightTransferUpdateInfo``, and
+    ``aliases`` (``WeightUpdate.aliases``): names loaded from another name's received tensor."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -97,6 +99,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
             )
         for d in self.dtype_names:
             torch_dtype(d)  # raises naming it
+        sent = set(self.names)
+        for alias, name in self.aliases.items():
+            if name not in sent:
+                raise ValueError(f"alias {alias!r} names {name!r}, which is not sent")
 
 
 def _storage_refs(t: torch.Tensor) -> int | None:
@@ -216,6 +222,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes)]
         plan = bucket_plan(sizes, self.bucket_bytes)
         group = self.group
+        loaded_as: dict[str, list[str]] = {}  # sent name -> the other names it is loaded under
+        for alias, name in update_info.aliases.items():
+            loaded_as.setdefault(name, []).append(alias)
         relay = _Relay(group, self.relay_chunk_bytes) if self.relay else None
         source = f"rank {group.rank - 1} of {group.label}" if relay else group.label
 
@@ -251,15 +260,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     waited += time.perf_counter() - t
                     # Receive the next bucket while this one loads (gloo runs it on its own thread).
                     pending = post(b + 1) if b + 1 < len(plan) else None
-                    self.model.load_weights(
-                        unpack(
-                            buf,
-                            [update_info.names[i] for i in idx],
-                            [update_info.shapes[i] for i in idx],
-                            [dtypes[i] for i in idx],
-                            [sizes[i] for i in idx],
-                        )
+                    pairs = unpack(
+                        buf,
+                        [update_info.names[i] for i in idx],
+                        [update_info.shapes[i] for i in idx],
+                        [dtypes[i] for i in idx],
+                        [sizes[i] for i in idx],
                     )
+                    self.model.load_weights(with_aliases(pairs, loaded_as) if loaded_as else pairs)
                     if relay is not None:
                         relay.settle(keep_last_bucket=True)
         except BaseException:
@@ -274,9 +282,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         del buf, pending
         total = time.perf_counter() - t0
         log.info(
-            "received %d tensors in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading; "
+            "received %d tensors%s in %d buckets (%.1f MB) in %.3f s: %.3f s waiting for data, %.3f s loading; "
             "%d receive buffers reused, %d new%s",
             len(sizes),
+            f" (+{len(update_info.aliases)} tied, loaded from them)" if update_info.aliases else "",
             len(plan),
             sum(sizes) / 1e6,
             total,
@@ -292,6 +301,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.group.close()
             self.group = None
         self._abandoned.clear()
+
+
+def with_aliases(pairs, loaded_as: dict[str, list[str]]):
+    """``(name, tensor)`` pairs, each followed by the same tensor under the names tied to it (a
+    tied lm_head is loaded from the received embedding; it was not sent again)."""
+    for name, t in pairs:
+        yield name, t
+        for alias in loaded_as.get(name, ()):
+            yield alias, t
 
 
 class _Relay:

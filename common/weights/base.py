@@ -98,6 +98,9 @@ class WeightSender(ABC):
     # this many bytes are sent from their own memory, in a broadcast of their own; inf: one
     # broadcast per bucket.
     segment_bytes: float = float("inf")
+    # The receiving engine can load one received tensor under several names (a tied lm_head
+    # from the embedding, ``WeightUpdate.aliases``): tied parameters then travel once.
+    sends_tied_once: ClassVar[bool] = False
 
     def __init__(self, *, host: str, bucket_bytes: int, timeout_s: float) -> None:
         self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s

@@ -129,6 +129,7 @@ class GlooSender(WeightSender):
     bucket, so the bytes on arrival are vLLM's packed layout either way)."""
 
     name = "gloo"
+    sends_tied_once = True  # rollout_service/weight_receiver_gloo.py loads the aliases
 
     def __init__(self, *, host: str, bucket_bytes: int, timeout_s: float) -> None:
         super().__init__(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

@@ -145,7 +145,7 @@ class WeightPublisher:
         self.control, self.rank, self.backend = control, rank, resolve_backend(backend)
         self.timeout_s, self.fanout = timeout_s, fanout
         self.sender = sender_class(self.backend)(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        self.source = ModelWeights(model, to_dtype(dtype), keep=rank == 0)
+        self.source = ModelWeights(model, to_dtype(dtype), keep=rank == 0, tied_once=self.sender.sends_tied_once)
         self.links: dict[str, _Link] = {}
         self.fleet: _Fleet | None = None
         self.fleet_builds = 0  # how many times a fleet group was formed (rebuilds included)
@@ -502,12 +502,12 @@ class WeightPublisher:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    @staticmethod
-    def _update_msg(meta: list) -> P.WeightUpdate:
+    def _update_msg(self, meta: list) -> P.WeightUpdate:
         return P.WeightUpdate(
             names=[m.name for m in meta],
             dtype_names=[dtype_name(m.dtype) for m in meta],
             shapes=[list(m.shape) for m in meta],
+            aliases=dict(self.source.aliases),
         )
 
     @staticmethod

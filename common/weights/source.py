@@ -32,8 +32,11 @@ def unwrap(model: Any) -> torch.nn.Module:
 class ModelWeights:
     """A vLLM ``WeightSource`` over a torch module: checkpoint (HF) names, in the engine dtype.
 
-    - Tied parameters are listed under every name (``lm_head.weight`` and
-      ``model.embed_tokens.weight``): some engines keep a separate ``lm_head``.
+    - Tied parameters: the engine must load them under every name (``lm_head.weight`` and
+      ``model.embed_tokens.weight``; vLLM's reload leaves a tied ``lm_head`` stale otherwise).
+      By default each name is listed and sent; with ``tied_once`` the tensor is listed (and
+      sent) once, under its first name, and ``aliases`` maps the other names to it for a
+      receiver that loads it under each (``WeightUpdate.aliases``).
     - Under ZeRO-3 (parameters carry ``ds_id``), each layer's parameters are gathered on all
       ranks together; rank 0 copies them out while gathered (``keep=True``), other ranks only
       take part in the gather (``keep=False``).
@@ -44,11 +47,20 @@ class ModelWeights:
     weights does not load vLLM.
     """
 
-    def __init__(self, model: Any, dtype: torch.dtype | None = None, keep: bool = True) -> None:
+    def __init__(
+        self, model: Any, dtype: torch.dtype | None = None, keep: bool = True, tied_once: bool = False
+    ) -> None:
         self.module = unwrap(model)
         self.dtype = dtype
         self.keep = keep
         self._params = list(self.module.named_parameters(remove_duplicate=False))
+        self.aliases: dict[str, str] = {}  # name -> the listed name of the same parameter
+        if tied_once:
+            first: dict[int, str] = {}
+            for name, p in self._params:
+                if first.setdefault(id(p), name) != name:
+                    self.aliases[name] = first[id(p)]
+            self._params = [(n, p) for n, p in self._params if n not in self.aliases]
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
 
     def metadata(self) -> list[ParamMeta]:

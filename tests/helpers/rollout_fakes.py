@@ -92,7 +92,9 @@ class FakeServer:
             if self.behaviour == "die":
                 self.engine.shutdown()  # gone mid-update: its end of the group closes
                 raise RuntimeError("died")
-            self.engine.update_weights({"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes})
+            self.engine.update_weights(
+                {"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes, "aliases": msg.aliases}
+            )
             return P.Ack()
         if isinstance(msg, P.WeightUpdateFinish):
             self.version = msg.policy_version

@@ -86,6 +86,25 @@ def test_model_weights_lists_tied_names_in_engine_dtype():
     ]
 
 
+def test_tied_once_sends_the_embedding_once_and_names_the_head_as_its_alias():
+    """With a receiver that loads aliases (gloo), the tied lm_head is not sent again: listed
+    once under its first name, the other name mapped to it; a push still loads both names."""
+    model = TinyLM()
+    src = ModelWeights(model, torch.float32, tied_once=True)
+    names = [m.name for m in src.metadata()]
+    assert "lm_head.weight" not in names and "embed_tokens.weight" in names
+    assert src.aliases == {"lm_head.weight": "embed_tokens.weight"}
+    embed = model.embed_tokens.weight
+    assert src.nbytes() == ModelWeights(model, torch.float32).nbytes() - embed.numel() * 4
+    server = FakeServer("s")
+    pub = _publisher(model, [server])
+    assert pub.source.aliases == src.aliases  # the gloo sender asks for it
+    pub.push(1)
+    loaded = server.model.loaded
+    assert torch.equal(loaded["lm_head.weight"], embed.detach()) and torch.equal(loaded["embed_tokens.weight"], embed)
+    pub.close()
+
+
 def test_unwrap_reaches_the_checkpoint_module_through_wrappers():
     from common.weights.source import unwrap
 
@@ -204,6 +223,7 @@ def test_update_metadata_must_match_iteration():
     server = FakeServer("s")
     pub = _publisher(model, [server], timeout_s=3.0)
     pub.source.metadata = lambda: [ParamMeta("x", torch.float32, (1,))]
+    pub.source.aliases = {}  # (the tied lm_head would name a tensor "x" does not)
     with pytest.raises(ValueError, match="weights changed while sending"):
         pub.push(1)
     assert pub.servers == []  # the group is out of step: dropped
