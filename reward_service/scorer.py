@@ -327,5 +327,8 @@ class Scorer:
     def close(self) -> None:
         for s in self.sources:
             s.close()
+        close_ref = getattr(self.ref, "close", None)  # a vLLM reference engine has processes to stop
+        if close_ref is not None:
+            close_ref()
         if self._pool:
             self._pool.shutdown(wait=False, cancel_futures=True)

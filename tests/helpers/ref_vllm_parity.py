@@ -35,6 +35,7 @@ def main() -> None:
         "sources": scorer.capabilities()["sources"],
     }
     print("RESULT " + json.dumps(result), flush=True)
+    scorer.close()  # as the service does on its way out: the engine's processes stop here
 
 
 if __name__ == "__main__":
