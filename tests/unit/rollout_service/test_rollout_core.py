@@ -403,3 +403,24 @@ def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch
     cfg = RolloutConfig(model="m", controller="tcp://127.0.0.1:1")
     assert run(server_module.amain(cfg)) == 1
     assert events == ["started", "shutdown engine"]
+
+
+def test_aliases_reach_a_receiver_of_ours_and_are_refused_by_vllms_own(core):
+    """WeightUpdate.aliases (a tied lm_head sent once) go to our gloo receiver; vLLM's own NCCL
+    receiver cannot load them, so such an update is refused and the server gated."""
+    seen = []
+
+    async def update_weights(request):
+        seen.append(request.update_info)
+
+    core.llm.update_weights = update_weights
+    aliases = {"lm_head.weight": "w"}
+    run(core.start_weight_update(1))
+    run(core.update_weights(["w"], ["float32"], [[1]], aliases))
+    assert seen[-1]["aliases"] == aliases
+    run(core.finish_weight_update(1))
+    core.backend = "nccl"
+    run(core.start_weight_update(2))
+    with pytest.raises(BadRequest, match="aliases: the nccl receiver cannot load them"):
+        run(core.update_weights(["w"], ["float32"], [[1]], aliases))
+    assert "update_failed" in core._holds
