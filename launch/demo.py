@@ -59,6 +59,7 @@ PRESETS = {
         max_new=6,
         temperature=1.0,
         learner_threads=1,
+        cpu_cores="split",
     ),
     # SmolLM2 knows the format from its 3-shot prompt: no SFT (docs/smollm2.md has the numbers).
     "smollm2": dict(
@@ -75,6 +76,7 @@ PRESETS = {
         max_new=6,
         temperature=1.0,
         learner_threads=0,
+        cpu_cores="phases",
     ),
 }
 
@@ -260,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
     # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
     # Async: the services generate while the learner trains, so the cores are not the learner's.
-    # vLLM keeps its own binding (one core): launch.local --cpu_cores phases, which binds it to
-    # every core, slowed training more than it sped generation here (docs/performance.md).
+    # SmolLM2 binds vLLM to every core too (launch.local --cpu_cores phases): generation 2.9 s
+    # instead of 5.1, a step 18.8 s instead of 22.5, in two back-to-back runs (docs/performance.md).
+    # The tiny model keeps vLLM's own one-core binding, for the busy-poll reason above.
     threads = 1 if cfg.async_train else preset["learner_threads"] or os.cpu_count() or 1
+    cpu_cores = "split" if cfg.async_train else preset["cpu_cores"]
     code = subprocess.call(
         [
             py,
@@ -280,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             shlex.join(learner_args),
             "--learner_threads",
             str(threads),
+            "--cpu_cores",
+            cpu_cores,
         ]
     )
     if code != 0:
