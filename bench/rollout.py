@@ -3,8 +3,8 @@
 1. Generation: tokens/s of prompts sent through a rollout server (controller -> ZMQ ->
    ``RolloutCore`` -> vLLM ``AsyncLLM`` -> ZMQ -> controller, timed at the controller) vs bare
    ``vllm.LLM.generate`` in this process, on the same prompts, sampling parameters and engine
-   settings. The service gets the prompts as one PromptBatch, as from the learner; seed S + prompt
-   id per prompt (the protocol's rule) on both paths makes both sample the same tokens. The two
+   settings. The service gets the prompts as one PromptBatch, as from the learner; seed S + n * prompt
+   id per prompt (the protocol's rule, n = 1 here) on both paths makes both sample the same tokens. The two
    run in alternating
    rounds, so load from elsewhere on the machine hits both alike; the median of the per-round
    ratios is the number to read. Goal: >= 0.95. Between the two, the bench waits ``--gap_s``:
@@ -247,7 +247,7 @@ def service_tokens_per_s(ctrl, prompts, max_new: int, first_id: int) -> tuple[fl
     ids = list(range(first_id, first_id + len(prompts)))
     ctrl.results.clear()
     t0 = time.perf_counter()
-    # One PromptBatch, as the learner sends them; prompt P is sampled with seed 0 + P.
+    # One PromptBatch, as the learner sends them; prompt P is sampled with seed 0 + n * P (n = 1).
     sampling = P.SamplingParams(temperature=1.0, max_new_tokens=max_new, seed=0)
     assert not ctrl.client.submit(ids, prompts, sampling)
     ctrl.wait_results(ids, timeout=1800)

@@ -51,6 +51,9 @@ def register(cls: type[Message]) -> type[Message]:
     return cls
 
 
+SEED_LIMIT = 2**62  # per-prompt sampling seeds lie in [0, SEED_LIMIT): room for + n, in int64
+
+
 def _check_len(name: str, seq: Any, n: int, what: str) -> None:
     if len(seq) != n:
         raise ValueError(f"{name} has {len(seq)} entries, expected {n} ({what})")
@@ -93,9 +96,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_k: int = -1  # -1: off
     max_new_tokens: int = 128
     stop_token_ids: list[int] = []
-    # None: the engine's own seed. Else prompt P of the batch is sampled with seed + P (its
-    # prompt id): its samples are reproducible whichever server or batch it lands in, and the
-    # prompts of a batch do not share one random stream.
+    # None: the engine's own seed (unless the batch gives per-prompt seeds). Else prompt P of
+    # the batch (its prompt id) is sampled with seed + n * P, its n samples with seed + n * P +
+    # 0..n-1 (vLLM seeds sample i of a request with seed + i): reproducible whichever server or
+    # batch it lands in, and no two samples of a batch share one random stream.
     seed: int | None = None
     logprobs: bool = True  # return the sampled token's log-prob, per token
 
@@ -120,9 +124,17 @@ class PromptBatch(Message):
     # The server must not start these prompts on weights older than this version
     # (lockstep: the version just pushed; async: 0 = any).
     policy_version: int = 0
+    # Empty, or one per prompt: prompt i is sampled with seeds[i] (its n samples with
+    # seeds[i] + 0..n-1), whatever sampling.seed says. The controller's choice, so that a
+    # prompt keeps its seed across servers, retries and learner restarts (prompt ids do not).
+    seeds: list[int] = []
 
     def __post_init__(self) -> None:
         _check_len("token_ids", self.token_ids, len(self.prompt_ids), "one per prompt id")
+        if self.seeds:
+            _check_len("seeds", self.seeds, len(self.prompt_ids), "one per prompt id, or none")
+            if any(not 0 <= s < SEED_LIMIT for s in self.seeds):
+                raise ValueError(f"seeds must be in [0, 2**62), got {min(self.seeds)}..{max(self.seeds)}")
         for i, toks in enumerate(self.token_ids):
             if not toks:
                 raise ValueError(f"token_ids[{i}] (prompt id {self.prompt_ids[i]}) is empty")

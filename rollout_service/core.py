@@ -238,7 +238,10 @@ class RolloutCore:
         }
 
     # ------------------------------------------------------------------ generation
-    def _vllm_params(self, sp: P.SamplingParams, prompt_id: int):
+    def _vllm_params(self, sp: P.SamplingParams, prompt_id: int, seed: int | None = None):
+        """vLLM's parameters for one prompt. ``seed``: the prompt's own (``PromptBatch.seeds``);
+        else ``sp.seed + n * prompt_id``; else none (the engine's generator). vLLM samples the
+        request's i-th sample with seed + i."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -249,7 +252,7 @@ class RolloutCore:
             top_k=0 if sp.top_k in (-1, 0) else sp.top_k,
             max_tokens=sp.max_new_tokens,
             stop_token_ids=list(sp.stop_token_ids),
-            seed=None if sp.seed is None else sp.seed + prompt_id,
+            seed=seed if seed is not None else None if sp.seed is None else sp.seed + sp.n * prompt_id,
             logprobs=0 if sp.logprobs else None,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -280,13 +283,19 @@ class RolloutCore:
                 self._waiting -= 1
 
     async def generate(
-        self, prompt_id: int, token_ids: list[int], sampling: P.SamplingParams, min_version: int = 0
+        self,
+        prompt_id: int,
+        token_ids: list[int],
+        sampling: P.SamplingParams,
+        min_version: int = 0,
+        *,
+        seed: int | None = None,
     ) -> PromptResult:
         """All ``sampling.n`` samples of one prompt, once the last of them finishes."""
         from vllm import TokensPrompt
 
         self.validate(token_ids, sampling)
-        params = self._vllm_params(sampling, prompt_id)
+        params = self._vllm_params(sampling, prompt_id, seed)
         req_id = f"p{prompt_id}-{next(self._ids)}"
         while True:
             await self._admit(min_version)
@@ -338,9 +347,10 @@ class RolloutCore:
 
     async def stream(self, batch: P.PromptBatch) -> AsyncIterator[PromptResult]:
         """Results of a batch as each prompt finishes (continuous batching inside vLLM)."""
+        seeds = batch.seeds or [None] * len(batch.prompt_ids)
         tasks = [
-            asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version))
-            for pid, toks in zip(batch.prompt_ids, batch.token_ids)
+            asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version, seed=seed))
+            for pid, toks, seed in zip(batch.prompt_ids, batch.token_ids, seeds)
         ]
         try:
             for fut in asyncio.as_completed(tasks):

@@ -144,8 +144,10 @@ class RolloutServer:
             if msg is None:
                 continue
             if isinstance(msg, P.PromptBatch):
-                for pid, toks in zip(msg.prompt_ids, msg.token_ids):
-                    self._track(pid, self._spawn(self._serve_prompt(pid, toks, msg.sampling, msg.policy_version)))
+                seeds = msg.seeds or [None] * len(msg.prompt_ids)
+                for pid, toks, seed in zip(msg.prompt_ids, msg.token_ids, seeds):
+                    serve = self._serve_prompt(pid, toks, msg.sampling, msg.policy_version, seed)
+                    self._track(pid, self._spawn(serve))
             elif isinstance(msg, P.Abort):
                 self._abort(msg)
             elif type(msg) in self._handlers:
@@ -253,10 +255,12 @@ class RolloutServer:
             self._stop.set()
 
     # ------------------------------------------------------------------ work
-    async def _serve_prompt(self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int) -> None:
+    async def _serve_prompt(
+        self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int, seed: int | None
+    ) -> None:
         session = self.shell.session
         try:
-            result = await self.core.generate(pid, toks, sampling, min_version)
+            result = await self.core.generate(pid, toks, sampling, min_version, seed=seed)
         except asyncio.CancelledError:
             raise
         except BadRequest as e:

@@ -169,11 +169,12 @@ class Controller:
         queued = self.ledger.queued()
         if not queued or self.pool.pick("rollout") is None:
             return
-        # A PromptBatch has one SamplingParams: prompts are sent in runs of equal sampling.
-        runs: dict[int, list[Entry]] = {}
+        # A PromptBatch has one SamplingParams, and seeds for all its prompts or none: prompts
+        # are sent in runs of equal sampling and seededness.
+        runs: dict[tuple[int, bool], list[Entry]] = {}
         for e in queued:
-            runs.setdefault(id(self._sampling_of[e.prompt_id]), []).append(e)
-        for run in runs.values():
+            runs.setdefault((id(self._sampling_of[e.prompt_id]), e.payload.seed is None), []).append(e)
+        for (_, unseeded), run in runs.items():
             sampling = self._sampling_of[run[0].prompt_id]
             for start in range(0, len(run), self.max_prompts_per_request):
                 chunk = run[start : start + self.max_prompts_per_request]
@@ -183,6 +184,7 @@ class Controller:
                         [e.payload.tokens for e in chunk],
                         sampling,
                         policy_version=self._policy_version,
+                        seeds=None if unseeded else [e.payload.seed for e in chunk],
                     )
                 )
                 for e in chunk:

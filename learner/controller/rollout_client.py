@@ -180,10 +180,12 @@ class RolloutClient:
         sampling: P.SamplingParams,
         *,
         policy_version: int = 0,
+        seeds: Sequence[int] | None = None,
     ) -> list[int]:
         """Spreads prompts over the ready servers by free capacity (least loaded first, an even
-        share each). Returns the prompt ids no server had room for; submit them again later."""
-        todo = list(zip(prompt_ids, token_ids))
+        share each). ``seeds``: one per prompt (``PromptBatch.seeds``) or None. Returns the
+        prompt ids no server had room for; submit them again later."""
+        todo = list(zip(prompt_ids, token_ids, seeds if seeds is not None else [None] * len(prompt_ids), strict=True))
         while todo:
             room = [p for p in self.pool.ready(ROLE) if len(p.in_flight) < p.capacity]
             peer = self.pool.pick(ROLE)
@@ -192,14 +194,15 @@ class RolloutClient:
             take = min(peer.capacity - len(peer.in_flight), math.ceil(len(todo) / len(room)))
             chunk, rest = todo[:take], todo[take:]
             batch = P.PromptBatch(
-                prompt_ids=[p for p, _ in chunk],
-                token_ids=[list(t) for _, t in chunk],
+                prompt_ids=[p for p, _, _ in chunk],
+                token_ids=[list(t) for _, t, _ in chunk],
                 sampling=sampling,
                 policy_version=policy_version,
+                seeds=[s for _, _, s in chunk] if seeds is not None else [],
             )
             if self.pool.send_work(peer, batch, batch.prompt_ids):
                 todo = rest
-        return [p for p, _ in todo]
+        return [p for p, _, _ in todo]
 
     def reap(self) -> list[LostWork]:
         """Dead servers (silent past the pool's deadline, announced fatal, unreachable, failed a

@@ -23,6 +23,10 @@ class PromptItem:
     tokens: list[int]
     text: str = ""  # for function rewards: OpenRLHF's `queries` are text + response
     label: Any = None  # for rule rewards (the dataset's --label_key)
+    # vLLM samples this prompt with seed .. seed + n-1 on any server, on every retry (None: the
+    # engine's generator). Set by ``PromptStream`` under --seed_sampling, from the prompt's place
+    # in the run, so a resumed run draws the samples the uninterrupted one drew.
+    seed: int | None = None
 
 
 @dataclass

@@ -120,7 +120,7 @@ class PPOConfig:
     adam_offload: bool = flag(False, "DeepSpeedCPUAdam with optimizer states offloaded", group="optim")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward", group="optim")
     flash_attn: bool = flag(False, "flash_attention_2 where available (a notice on CPU)", group="optim")
-    seed: int = flag(42, "seed of data order, sampling and init", group="optim")
+    seed: int = flag(42, "seed of data order and init, and of sampling with --seed_sampling", group="optim")
 
     # ---- algorithm
     advantage_estimator: str = flag(
@@ -202,6 +202,14 @@ class PPOConfig:
     temperature: float = flag(1.0, "sampling temperature", group="rollout")
     top_p: float = flag(1.0, "nucleus sampling", group="rollout")
     top_k: int = flag(-1, "top-k sampling (-1: off)", group="rollout")
+    seed_sampling: bool = flag(
+        False,
+        "sample each prompt with its own seed, from --seed and the prompt's place in the run (its stream "
+        "position; a dynamic-filtering refill: its step and draw), on whichever server and retry: a run samples "
+        "what a run with the same flags sampled, and a run resumed from a checkpoint what the uninterrupted run "
+        "did (vLLM keeps a generator per seeded request: a little slower sampling on GPUs)",
+        group="rollout",
+    )
 
     # ---- the off-policy async schedule (learner/rl/schedules/async_.py, docs/async.md)
     async_train: bool = flag(

@@ -7,12 +7,15 @@ and counts instead.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import logging
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from common.protocol import SEED_LIMIT
 from learner.controller.types import PromptItem
 from learner.rl.config import PPOConfig
 
@@ -42,29 +45,45 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str) -> list[PromptI
     return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label) for r in rows]
 
 
+def sampling_seed(base: int, *key: object) -> int:
+    """A prompt's sampling seed (``PromptItem.seed``) from the run's ``--seed`` and the prompt's
+    place in the run: a hash, so that seeds of different places are unrelated (vLLM samples a
+    prompt's n samples with seed .. seed + n-1: consecutive integers would overlap)."""
+    digest = hashlib.blake2b(repr((base, *key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_LIMIT
+
+
 class PromptStream:
     """The training prompts in the order a run draws them: step s takes the ``batch_size``
     prompts after step s-1's, episode after episode (the same slices every episode);
-    dynamic-filtering refills draw the prompts that follow the step's batch, cycling."""
+    dynamic-filtering refills draw the prompts that follow the step's batch, cycling.
 
-    def __init__(self, items: list[PromptItem], batch_size: int) -> None:
+    With ``seed`` (``--seed_sampling``) every prompt drawn carries its sampling seed: the
+    prompt at stream position p ``sampling_seed(seed, p)``, the j-th refill of step s
+    ``sampling_seed(seed, "refill", s, j)`` -- places, not prompt ids, so that a learner
+    restarted from a checkpoint draws each place with the seed the killed one used."""
+
+    def __init__(self, items: list[PromptItem], batch_size: int, seed: int | None = None) -> None:
         if len(items) < batch_size:
             raise ValueError(f"{len(items)} prompts, fewer than one batch of {batch_size}")
         self.items = items
         self.batch_size = batch_size
         self.steps_per_episode = len(items) // batch_size
+        self.seed = seed
+
+    def _seeded(self, item: PromptItem, *key: object) -> PromptItem:
+        return item if self.seed is None else dataclasses.replace(item, seed=sampling_seed(self.seed, *key))
 
     def batch(self, step: int) -> list[PromptItem]:
-        """The prompts of ``step`` (1-based)."""
-        offset = ((step - 1) % self.steps_per_episode) * self.batch_size
-        return self.items[offset : offset + self.batch_size]
+        """The prompts of ``step`` (1-based): stream positions (step-1)*B .. step*B - 1."""
+        return [self.at((step - 1) * self.batch_size + i) for i in range(self.batch_size)]
 
     def at(self, position: int) -> PromptItem:
         """The prompt at ``position`` (0-based) of the endless sequence batch(1), batch(2), ...:
         how the async schedule's checkpoints name prompts (controller prompt ids restart at 0
         in a new learner process; positions do not)."""
         step, i = divmod(position, self.batch_size)  # batch(step + 1)[i]
-        return self.items[(step % self.steps_per_episode) * self.batch_size + i]
+        return self._seeded(self.items[(step % self.steps_per_episode) * self.batch_size + i], position)
 
     def stream(self, position: int) -> Iterator[PromptItem]:
         """The prompts from ``position`` on, without end (``at(position)``, ``at(position + 1)``, ...)."""
@@ -94,8 +113,8 @@ class PromptStream:
     def refills(self, step: int) -> Callable[[int], list[PromptItem]]:
         """``more(k)``: the next k prompts after ``step``'s batch, cycling through the data."""
         offset = ((step - 1) % self.steps_per_episode) * self.batch_size + self.batch_size
-        following = itertools.islice(itertools.cycle(self.items), offset, None)
-        return lambda k: list(itertools.islice(following, k))
+        following = enumerate(itertools.islice(itertools.cycle(self.items), offset, None))
+        return lambda k: [self._seeded(item, "refill", step, j) for j, item in itertools.islice(following, k)]
 
 
 def fingerprint(prompts: Iterable[list[int]]) -> int:

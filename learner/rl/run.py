@@ -117,7 +117,7 @@ def run(cfg: PPOConfig) -> int:
             driver = Driver(
                 cfg,
                 controller,
-                PromptStream(train_items, cfg.rollout_batch_size),
+                PromptStream(train_items, cfg.rollout_batch_size, seed=cfg.seed if cfg.seed_sampling else None),
                 metrics_writer(cfg),
                 eval_items=eval_items,
                 greedy=greedy,

@@ -9,12 +9,13 @@ What is asserted, and what is not:
   the steps it did after k;
 - the services kept their processes (one start each), rejoined the new controller, and the
   first samples after the restart came from the resumed weights (policy version k);
-- vLLM and the learner agree on log-probs after the restart (the resumed weights arrived).
-Per-step losses and rewards are NOT compared with an uninterrupted run: train_ppo samples
-without a seed (``SamplingParams.seed`` None) and vLLM's batching order is not reproducible, so
-two runs' samples differ from step 1 on; with seeded sampling the seed is offset by the
-controller's prompt id, which restarts at 0 in a new learner process. The learner-side state
-(weights, optimizer, LR schedule, RNGs, KL) is checked exactly in tests/unit/rl/test_checkpoint.py.
+- vLLM and the learner agree on log-probs after the restart (the resumed weights arrived);
+- with --seed_sampling (each prompt's seed from its stream position, not from the controller's
+  prompt ids, which restart at 0) and fp32, the per-step rewards and losses of the steps the
+  killed run did after k equal the resumed run's to 1e-4: the killed run is the uninterrupted
+  run up to its kill, from the very state the checkpoint holds.
+The learner-side state (weights, optimizer, LR schedule, RNGs, KL) is also checked exactly in
+tests/unit/rl/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from helpers.e2e_launch import local_cmd, metrics, start
 
 pytestmark = pytest.mark.slow
 
-STEPS, SAVE_EVERY, KILL_AFTER = 9, 3, 4  # steps take ~0.2 s: the kill lands after step 4 or a little later
+STEPS, SAVE_EVERY, KILL_AFTER = 9, 3, 5  # steps take ~0.2 s: the kill lands after step 5 or a little later
 
 
 def _prompts(tmp_path: Path) -> Path:
@@ -103,7 +104,7 @@ def _run_killing_the_learner(tmp_path: Path, model: Path, learner: list[str]) ->
 def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
-    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, _learner_flags(prompts))
+    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, [*_learner_flags(prompts), "--seed_sampling"])
     logs = run / "logs"
     learner_log = (logs / "learner.log").read_text()
     k = int(re.search(r"resumed from \S+step_(\d+): step (\d+)", learner_log).group(2))
@@ -116,6 +117,16 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
     expected = _expected_crcs(tiny_model_dir, prompts)
     assert {m["step"]: m["data/prompts_crc"] for m in rows} == expected
     assert all(killed_run[s]["data/prompts_crc"] == expected[s] for s in killed_run)
+    # the steps done twice (by the killed run after k, and again after the restart) drew the same
+    # samples and trained the same: rewards and every policy metric equal to 1e-4
+    again = [s for s in killed_run if s > k]
+    assert again, f"the kill landed before step {k + 1} was written"
+    by_step = {m["step"]: m for m in rows}
+    for s in again:
+        keys = ["rollout/reward", "rollout/response_len", *sorted(x for x in killed_run[s] if x.startswith("policy/"))]
+        diffs = {x: (killed_run[s][x], by_step[s].get(x)) for x in keys if x in killed_run[s]}
+        assert all(b is not None and abs(a - b) <= 1e-4 for a, b in diffs.values()), (s, diffs)
+        assert len(diffs) > 3, killed_run[s]
     # the services never restarted: one start each, and they rejoined the new controller
     assert out.count("started rollout-0") == 1 and out.count("started reward-0") == 1
     assert out.count("started learner") == 2 and "restart 1 of 1" in out

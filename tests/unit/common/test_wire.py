@@ -60,6 +60,7 @@ EXAMPLES: dict[type, P.Message] = {
             token_ids=[[5, 6], [7]],
             sampling=P.SamplingParams(n=4, temperature=0.7, stop_token_ids=[2], seed=3),
             policy_version=2,
+            seeds=[11, 2**62 - 1],
         ),
         P.Heartbeat(name="r0", seq=3, policy_version=1, stats={"in_flight": 2.0}),
         P.Error(code="bad_request", message="nope", prompt_ids=[1]),
@@ -239,3 +240,11 @@ def test_sampling_params_validated():
                 msgspec.msgpack.encode({"prompt_ids": [1], "token_ids": [[1]], "sampling": {"n": 0}}),
             ]
         )
+
+
+def test_prompt_batch_seeds_are_checked_naming_the_field():
+    P.PromptBatch(prompt_ids=[1, 2], token_ids=[[3], [4]], seeds=[0, 2**62 - 1])
+    with pytest.raises(ValueError, match="seeds has 1 entries, expected 2"):
+        P.PromptBatch(prompt_ids=[1, 2], token_ids=[[3], [4]], seeds=[5])
+    with pytest.raises(ValueError, match=r"seeds must be in \[0, 2\*\*62\)"):
+        P.PromptBatch(prompt_ids=[1], token_ids=[[3]], seeds=[-1])

@@ -29,6 +29,7 @@ class FakeService(threading.Thread):
         self.hold = hold  # take work and never answer (a hung server)
         self.stop = threading.Event()
         self.seen: list[int] = []
+        self.seeds: list[tuple[int, int | None]] = []  # (prompt id, PromptBatch.seeds entry or None)
         self.shutdown_reason: str | None = None
 
     def run(self):
@@ -44,6 +45,7 @@ class FakeService(threading.Thread):
             _, msg = got
             if isinstance(msg, P.PromptBatch):
                 self.seen += msg.prompt_ids
+                self.seeds += zip(msg.prompt_ids, msg.seeds or [None] * len(msg.prompt_ids))
                 if self.hold:
                     continue
                 n = msg.sampling.n
@@ -147,6 +149,24 @@ def test_killed_rollout_server_work_is_reissued_once(ctrl):
     assert c.pool.counters["died"] == 1
     # each prompt trained once
     assert sorted({s.prompt_id for s in res.rollout.samples}) == list(range(6))
+
+
+def test_a_prompt_keeps_its_seed_on_every_server_and_retry(ctrl):
+    """PromptItem.seed travels as PromptBatch.seeds, the same on the server that re-takes a dead
+    server's prompt; seeded and unseeded prompts of one collect go in separate batches."""
+    c, services = ctrl
+    hung = start(c, services, "r-hung", "rollout", capacity=100, hold=True)
+    start(c, services, "rw0", "reward")
+    c.wait_for_services(1, 1, timeout_s=10)
+    c.pump(0.1)
+    good = start(c, services, "r-good", "rollout", capacity=2)
+    its = items(6)
+    for i in (0, 2, 3, 5):
+        its[i].seed = 1000 * i + 7
+    res = c.collect(its, timeout_s=30)
+    assert len(res.rollout) == 12 and set(hung.seen) and set(hung.seen) <= set(good.seen)
+    want = {pid: (1000 * pid + 7 if pid in (0, 2, 3, 5) else None) for pid in range(6)}
+    assert all(seed == want[pid] for pid, seed in hung.seeds + good.seeds), (hung.seeds, good.seeds)
 
 
 def test_failed_scores_drop_the_group_and_are_counted(ctrl):

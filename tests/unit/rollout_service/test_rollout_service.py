@@ -67,15 +67,14 @@ def stack(tiny_model_dir, tmp_path_factory):
         ctrl.close()
 
 
-def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180):
+def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180, seeds=()):
     """Prompts through the controller (or straight to one server); {prompt id: samples}."""
     ids = list(range(first_id, first_id + len(prompts)))
     if to is None:
-        assert not stack.client.submit(ids, prompts, sampling, policy_version=version)
+        assert not stack.client.submit(ids, prompts, sampling, policy_version=version, seeds=seeds or None)
     else:
-        stack.ep.send(
-            P.PromptBatch(prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=version), to=to.encode()
-        )
+        batch = P.PromptBatch(prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=version, seeds=seeds)
+        stack.ep.send(batch, to=to.encode())
     stack.wait_results(ids, timeout=timeout)
     return {pid: samples_of(stack.results[pid], pid) for pid in ids}
 
@@ -112,9 +111,10 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
 
 
 def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
-    """A batch's seed S samples prompt P with S + P: two prompts of one batch do not share a
-    random stream, and a prompt sampled again (another id, another server) with the seed that
-    makes S + P equal gives the very same tokens."""
+    """A batch's seed S samples prompt P with S + n*P (its samples S + n*P + 0..n-1): two
+    prompts of one batch do not share a random stream, and a prompt sampled again (another id,
+    another server) with the seed that makes S + n*P equal gives the very same tokens; so does
+    the prompt's own seed (PromptBatch.seeds, what --seed_sampling sends), whatever S says."""
     v = stack.client.version
     prompt = [1, 90, 91, 92]
     first = _run(
@@ -126,17 +126,20 @@ def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
     )
     assert [s["tokens"] for s in first[900]] != [s["tokens"] for s in first[901]]
     assert first[900][0]["tokens"] != first[900][1]["tokens"], "the n samples of a seeded prompt are copies"
-    for server in ("ra", "rb"):  # prompt 850 with seed 50 is sampled as prompt 900 with seed 0
+    # prompt 875 with seed 50 is sampled as prompt 900 with seed 0 (seed 1800); so is prompt 7
+    # with its own seed 1800 under a batch seed that would say otherwise
+    for server, pid, seed, seeds in (("ra", 875, 50, ()), ("rb", 7, 4, [1800])):
         again = _run(
             stack,
             [prompt],
-            P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=50),
-            first_id=850,
+            P.SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=seed),
+            first_id=pid,
             version=v,
             to=server,
+            seeds=seeds,
         )
-        assert [s["tokens"] for s in again[850]] == [s["tokens"] for s in first[900]], server
-        stack.results.pop(850)
+        assert [s["tokens"] for s in again[pid]] == [s["tokens"] for s in first[900]], server
+        stack.results.pop(pid)
 
 
 def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack):
