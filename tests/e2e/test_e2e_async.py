@@ -12,9 +12,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_e2e_async_faults import K, _check_steps_and_accounting
 
-from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
+from helpers.e2e_launch import (
+    ASYNC_K,
+    addition_prompts,
+    check_async_steps_and_accounting,
+    cpu_env,
+    finish,
+    local_cmd,
+    metrics,
+    start,
+)
 from learner.rl.schedules.async_ import SLOW_LEARNER_ENV
 
 pytestmark = pytest.mark.slow
@@ -66,8 +74,8 @@ def test_async_k1_slow_learner_stays_within_the_bound_overlaps_and_pushes_back(t
     assert "async data path at the end" in log, log[-3000:]
 
     # Back-pressure: the learner sleeps 2 s a step, several times the generation of a batch.
-    _check_steps_and_accounting(rows, steps, B, G)
-    bound = (K + 1) * B
+    check_async_steps_and_accounting(rows, steps, B, G)
+    bound = (ASYNC_K + 1) * B
     assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
     # The feed logs, at every batch, the most admitted-and-unfinished groups it has held so far.
     seen = [int(x) for x in re.findall(r"outstanding at most (\d+) so far", log)]

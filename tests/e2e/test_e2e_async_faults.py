@@ -19,11 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
+from helpers.e2e_launch import (
+    ASYNC_K,
+    addition_prompts,
+    async_rows,
+    check_async_steps_and_accounting,
+    cpu_env,
+    finish,
+    local_cmd,
+    start,
+)
 
 pytestmark = pytest.mark.slow
-
-K = 1
 
 
 def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, extra=()) -> subprocess.Popen:
@@ -33,32 +40,11 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers:
         *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g)),
         *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps)),
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
-        *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(K)),
+        *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(ASYNC_K)),
         *extra,
     ]
     cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers)])
     return start(cmd, cpu_env())
-
-
-def _rows(run: Path) -> list[dict]:
-    return [m for m in metrics(run) if "async/admitted" in m]
-
-
-def _check_steps_and_accounting(rows: list[dict], steps: int, b: int, g: int) -> None:
-    """Every step trained a full batch (B groups of G) within the bound, and each step the feed's
-    identity held: admitted = trained + dropped (stale, failed, filtered) + aborted + outstanding."""
-    assert [m["step"] for m in rows] == list(range(1, steps + 1)), [m.get("step") for m in rows]
-    for m in rows:
-        assert m["samples"] == b * g and 0 <= m["async/max_lag"] <= K, m
-        assert m["async/trained_groups"] == m["step"] * b, m
-        ended = (
-            m["async/trained_groups"]
-            + m["async/dropped_stale"]
-            + m["async/dropped_failed"]
-            + m.get("filter/groups_filtered", 0)
-            + m["async/aborted"]
-        )
-        assert m["async/admitted"] == ended + m["async/outstanding"], m
 
 
 def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
@@ -79,7 +65,7 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
             pids[m.group(1)] = int(m.group(2))
     killed = False
     while not killed and time.monotonic() < deadline and proc.poll() is None:
-        if any(m["step"] >= 2 for m in _rows(run)):
+        if any(m["step"] >= 2 for m in async_rows(run)):
             os.killpg(pids["rollout-1"], signal.SIGKILL)
             killed = True
         time.sleep(0.01)
@@ -87,8 +73,8 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
     out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
     assert proc.returncode == 0, out[-4000:]
     assert "rollout-1 died" in out, out[-4000:]
-    rows = _rows(run)
-    _check_steps_and_accounting(rows, steps, b, g)
+    rows = async_rows(run)
+    check_async_steps_and_accounting(rows, steps, b, g)
     assert rows[-1]["pool/died"] == 1
     log = (run / "logs" / "learner.log").read_text()
     reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", log)]
@@ -114,8 +100,8 @@ def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir):
     )
     out = finish(proc, 400)
     assert proc.returncode == 0, out[-4000:]
-    rows = _rows(tmp_path / "run")
-    _check_steps_and_accounting(rows, steps, b, g)
+    rows = async_rows(tmp_path / "run")
+    check_async_steps_and_accounting(rows, steps, b, g)
     filtered = rows[-1]["filter/groups_filtered"]
     print("filtered", filtered, "admitted", rows[-1]["async/admitted"])
     assert filtered >= 1, rows[-1]

@@ -16,10 +16,18 @@ import sys
 import time
 
 import pytest
-from test_e2e_async_faults import K, _check_steps_and_accounting, _rows
 
 from common.net import free_port
-from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, start
+from helpers.e2e_launch import (
+    ASYNC_K,
+    addition_prompts,
+    async_rows,
+    check_async_steps_and_accounting,
+    cpu_env,
+    finish,
+    local_cmd,
+    start,
+)
 from helpers.paths import HELPERS
 from helpers.tcp_gate import TcpGate
 
@@ -38,7 +46,7 @@ def test_zero3_two_ranks_slow_data_side_and_a_joiner(tmp_path, tiny_model_dir):
         *("--train_batch_size", str(b * g), "--micro_train_batch_size", str(b * g // 2)),
         *("--micro_rollout_batch_size", str(b * g), "--max_steps", str(steps), "--generate_max_len", "4"),
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "3", "--seed", "0"),
-        *("--peer_timeout_s", "20", "--async_train", "--max_staleness", str(K)),
+        *("--peer_timeout_s", "20", "--async_train", "--max_staleness", str(ASYNC_K)),
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "128", "--enforce_eager", "--seed", "0"]
     reward = f"--reward_func {HELPERS / 'reward_slow_parity.py'}"
@@ -70,7 +78,7 @@ def test_zero3_two_ranks_slow_data_side_and_a_joiner(tmp_path, tiny_model_dir):
         )
     try:
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None and not any(m["step"] >= 2 for m in _rows(run)):
+        while time.monotonic() < deadline and proc.poll() is None and not any(m["step"] >= 2 for m in async_rows(run)):
             time.sleep(0.2)
         assert proc.poll() is None, finish(proc, 60)[-4000:]
         assert joiner.poll() is None, joiner_log.read_text()[-3000:]
@@ -85,9 +93,9 @@ def test_zero3_two_ranks_slow_data_side_and_a_joiner(tmp_path, tiny_model_dir):
                 os.killpg(p.pid, 9)
         gate.close()
 
-    rows = _rows(run)
-    _check_steps_and_accounting(rows, steps, b, g)
-    bound = (K + 1) * b
+    rows = async_rows(run)
+    check_async_steps_and_accounting(rows, steps, b, g)
+    bound = (ASYNC_K + 1) * b
     assert all(m["async/outstanding"] <= bound for m in rows), [m["async/outstanding"] for m in rows]
     log = (run / "logs" / "learner.log").read_text()
     # The data side is the slow one: the learner waits for much of each step after the first.

@@ -87,3 +87,30 @@ def metrics(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             pass
     return rows
+
+
+# ---------------------------------------------------------------------------- async runs
+
+ASYNC_K = 1  # --max_staleness of the async e2e runs
+
+
+def async_rows(run: Path) -> list[dict]:
+    """The async schedule's step rows so far."""
+    return [m for m in metrics(run) if "async/admitted" in m]
+
+
+def check_async_steps_and_accounting(rows: list[dict], steps: int, b: int, g: int, k: int = ASYNC_K) -> None:
+    """Every step trained a full batch (B groups of G) within the bound K, and each step the feed's
+    identity held: admitted = trained + dropped (stale, failed, filtered) + aborted + outstanding."""
+    assert [m["step"] for m in rows] == list(range(1, steps + 1)), [m.get("step") for m in rows]
+    for m in rows:
+        assert m["samples"] == b * g and 0 <= m["async/max_lag"] <= k, m
+        assert m["async/trained_groups"] == m["step"] * b, m
+        ended = (
+            m["async/trained_groups"]
+            + m["async/dropped_stale"]
+            + m["async/dropped_failed"]
+            + m.get("filter/groups_filtered", 0)
+            + m["async/aborted"]
+        )
+        assert m["async/admitted"] == ended + m["async/outstanding"], m
