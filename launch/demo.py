@@ -259,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
     # Lockstep: vLLM and the reward service wait while the learner trains, so the learner may use
     # every core (learner_threads 0): SmolLM2's step is 1.35x faster on 2 threads than on 1 here.
-    # Not for the tiny model: its ~0.2 s step falls inside the 1 s that an idle vLLM engine keeps
-    # busy-polling, and two OpenMP threads sharing a core with it made the step 6x slower.
+    # Not for the tiny model: its ~0.1 s training is faster on one thread beside vLLM's one core
+    # (split: 0.40 s a step against 0.42-0.46 in phases, docs/performance.md).
     # Async: the services generate while the learner trains, so the cores are not the learner's.
     # SmolLM2 binds vLLM to every core too (launch.local --cpu_cores phases): generation 2.9 s
     # instead of 5.1, a step 18.8 s instead of 22.5, in two back-to-back runs (docs/performance.md).
-    # The tiny model keeps vLLM's own one-core binding, for the busy-poll reason above.
+    # The tiny model keeps vLLM's own one-core binding (split), for the reason above.
     threads = 1 if cfg.async_train else preset["learner_threads"] or os.cpu_count() or 1
     cpu_cores = "split" if cfg.async_train else preset["cpu_cores"]
     code = subprocess.call(

@@ -49,9 +49,7 @@ class LocalConfig:
         0,
         "OMP_NUM_THREADS of each learner rank (0: --threads_per_process). In the "
         "lockstep schedule the learner trains while the services wait, so on a "
-        "CPU host it may use the cores they idle on -- when a step lasts well over "
-        "1 s: an idle vLLM engine busy-polls for 1 s, and OpenMP threads sharing "
-        "a core with it crawl",
+        "CPU host it may use the cores they idle on (--cpu_cores phases)",
     )
     cpu_cores: str = flag(
         "split",
@@ -62,8 +60,8 @@ class LocalConfig:
         "thread counts as given and vLLM's own binding (one core). auto: phases for lockstep on a CPU "
         "build of vLLM, split otherwise (async overlaps the roles; GPUs have their own devices). "
         "Variables already in the environment win. Default split: phases made SmolLM2's lockstep step "
-        "faster (18.9 s against 22.5, generation 2.9 against 5.1) but a tiny model's sub-second steps "
-        "slower (vLLM's idle engine busy-polls for 1 s; docs/performance.md)",
+        "faster (18.9 s against 22.5, generation 2.9 against 5.1), a tiny model's sub-second steps "
+        "~5%% slower (docs/performance.md)",
         choices=("auto", "phases", "split"),
     )
     stop_timeout_s: float = flag(20.0, "how long roles get to exit after the run before they are killed")

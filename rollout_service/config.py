@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from common.config import flag
 from common.weights import known_backends
 
+CPU_IDLE_SPIN_S = 0.05  # --idle_spin_s's default on a CPU build of vLLM (docs/performance.md)
+
 
 @dataclass
 class RolloutConfig:
@@ -48,6 +50,13 @@ class RolloutConfig:
         False,
         "enable vLLM sleep mode so the server can free memory on request (GPU only; on CPU the server "
         "serves without it and answers Sleep/WakeUp not_supported)",
+        group="engine",
+    )
+    idle_spin_s: float | None = flag(
+        None,
+        "seconds a vLLM worker keeps spinning on its queue after its last step before it sleeps "
+        "(vLLM 0.32: 1 s, a core taken from whatever runs next on a shared host); default: "
+        f"{CPU_IDLE_SPIN_S} on a CPU build, vLLM's own on GPUs",
         group="engine",
     )
     engine_start_attempts: int = flag(
@@ -92,4 +101,6 @@ class RolloutConfig:
             raise ValueError(f"--max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"--heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.idle_spin_s is not None and self.idle_spin_s < 0:
+            raise ValueError(f"--idle_spin_s must be >= 0, got {self.idle_spin_s}")
         self.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.dtype, self.dtype)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
@@ -51,7 +52,7 @@ from typing import Any
 
 from common import protocol as P
 from common.weights import resolve_backend
-from rollout_service.config import RolloutConfig
+from rollout_service.config import CPU_IDLE_SPIN_S, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class RolloutCore:
         self.version_floor = 0
         self.workers = cfg.tensor_parallel_size  # vLLM worker processes = ranks in a weight group
         self.engine_dtype = ""
+        self.worker_idle_spin_s: float | None = None  # what the workers' queues spin (reported at start)
         self._holds: set[str] = set()  # reasons the gate is closed: pause, update, sleep, update_failed
         self._changed = asyncio.Condition()  # gate or version changed
         self._update_lock = asyncio.Lock()  # one weight-update step at a time
@@ -183,9 +185,23 @@ class RolloutCore:
             kwargs["enable_chunked_prefill"] = chunked
         return AsyncEngineArgs(**kwargs)
 
+    def idle_spin_s(self) -> float | None:
+        """--idle_spin_s, or its platform default: short on a CPU build (the roles share the
+        cores), vLLM's own (None) on GPUs."""
+        if self.cfg.idle_spin_s is not None:
+            return self.cfg.idle_spin_s
+        return CPU_IDLE_SPIN_S if self.backend == "gloo" else None
+
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rollout_service.worker_ext import IDLE_SPIN_ENV
+
+        spin = self.idle_spin_s()
+        if spin is None:
+            os.environ.pop(IDLE_SPIN_ENV, None)
+        else:  # read by rollout_service.worker_ext in the worker processes vLLM spawns next
+            os.environ[IDLE_SPIN_ENV] = str(spin)
         for attempt in range(1, self.cfg.engine_start_attempts + 1):
             try:
                 self.llm = AsyncLLM.from_engine_args(self.engine_args())
@@ -206,14 +222,16 @@ class RolloutCore:
             raise RuntimeError(f"vLLM workers have no weight-transfer engine for backend {self.backend!r}: {engines}")
         self.workers = len(engines)
         self.engine_dtype = str(self.llm.model_config.dtype).removeprefix("torch.")
+        self.worker_idle_spin_s = (await self.llm.collective_rpc("rayless_idle_spin_s"))[0]
         await self.llm.update_weight_version(str(self.version))
         log.info(
-            "engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s)",
+            "engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s), idle spin %s s",
             self.cfg.model,
             self.workers,
             self.engine_dtype,
             self.backend,
             engines[0],
+            self.worker_idle_spin_s,
         )
 
     async def shutdown(self) -> None:
@@ -231,6 +249,7 @@ class RolloutCore:
             "workers": self.workers,
             "dtype": self.engine_dtype,
             "weight_transfer_backend": self.backend,
+            "idle_spin_s": self.worker_idle_spin_s,
             "sleep": self.sleep_supported(),
             "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
             "policy_version": self.version,

@@ -20,6 +20,7 @@ from common import protocol as P
 from common.tiny import ENDOFTEXT_ID, IM_END_ID
 from common.transport import RemoteError, free_port
 from helpers.rollout_harness import REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
+from rollout_service.config import CPU_IDLE_SPIN_S
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +109,8 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
     for name in ("ra", "rb"):
         health = stack.client.health(name)
         assert health.policy_version == 2 and health.state == "serving"
+        # the worker made its queues with the CPU build's short idle spin (--idle_spin_s)
+        assert stack.client.peer(name).capabilities["idle_spin_s"] == CPU_IDLE_SPIN_S
 
 
 def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
