@@ -46,6 +46,7 @@ Run (prints one JSON line per run, then a table per config)::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -284,6 +285,32 @@ def run_limit(args, model: Path, prompts: Path, work: Path, new_tokens: int) -> 
     return json.loads(line[len("LIMIT_RESULT ") :])
 
 
+def rayless_learner(model: str):
+    """The learner's ``PolicyTrainer`` on its DeepSpeed engine, built as ``train_ppo`` builds it
+    with ``run_rayless``'s flags (one rank, no services)."""
+    from learner.rl.build import train_engine
+    from learner.rl.config import PPOConfig
+    from learner.rl.policy_trainer import PolicyTrainer
+    from learner.runtime import engine as E
+
+    cfg = PPOConfig(
+        pretrain=model,
+        prompt_data="-",
+        advantage_estimator="group_norm",
+        n_samples_per_prompt=GROUP,
+        rollout_batch_size=PROMPTS,
+        train_batch_size=PROMPTS * GROUP,
+        micro_train_batch_size=MICRO,
+        micro_rollout_batch_size=MICRO,
+        actor_learning_rate=LR,
+        init_kl_coef=0.0,
+        zero_stage=2,
+    )
+    info = E.init_distributed()
+    engine = train_engine(cfg, E.load_causal_lm(model, zero_stage=cfg.zero_stage), cfg.actor_learning_rate, 1000)
+    return PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
+
+
 def limit_worker(job: dict) -> None:
     import gc
 
@@ -343,11 +370,17 @@ def limit_worker(job: dict) -> None:
     for g in floor.opt.param_groups:
         g["lr"] = LR
     floor.step(Rollout(samples[:MICRO], GROUP))  # warm-up: AdamW state, allocator
-    train_s = []
+    # rayless's learner alone on the same samples, its step alternated with the floor's: what
+    # separates the learner's in-run train time from the floor, less what the run adds around it
+    learner = rayless_learner(job["model"])
+    learner.step(rollout, on_policy=True)  # warm-up: DeepSpeed's first step
+    train_s, alone_s = [], []
     for _ in range(job["rounds"]):
-        t0 = time.perf_counter()
-        floor.step(rollout)
-        train_s.append(time.perf_counter() - t0)
+        for fn, out in ((floor.step, train_s), (functools.partial(learner.step, on_policy=True), alone_s)):
+            t0 = time.perf_counter()
+            fn(rollout)
+            out.append(time.perf_counter() - t0)
+    del learner
 
     # A raw broadcast of the model's bytes (tied weights once) to a bare receiver process.
     nbytes = sum(p.numel() * p.element_size() for p in floor.model.parameters())
@@ -360,6 +393,7 @@ def limit_worker(job: dict) -> None:
         "side": "limit",
         "generate_s": med(gen_s),
         "train_s": med(train_s),
+        "learner_alone_s": med(alone_s),
         "broadcast_s": med(kept),
         "broadcast_new_buffer_s": med(fresh),
         "mb": nbytes / 1e6,
@@ -386,6 +420,8 @@ def table(config: str, new_tokens: int, results: list[dict]) -> str:
         of_limit = f"{limit / s:.0%}" if limit and r["side"] != "limit" else "-"
         if r["side"] == "limit":
             parts = f"generate {r['generate_s']:.1f} + train {r['train_s']:.1f} + broadcast {r['broadcast_s']:.2f}"
+            if "learner_alone_s" in r:
+                parts += f" (rayless's learner alone: train {r['learner_alone_s']:.1f})"
         elif r["side"].startswith("rayless"):
             parts = f"generate {r['generate_s']:.1f}, train {r['train_s']:.1f}, push {r['push_s']:.2f}"
         else:
