@@ -207,25 +207,45 @@ class AggSpec:
 
 
 def _chunked_rows(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Apply ``fn(rows (n, V), *extra rows) -> (n,)`` to row chunks of (..., V) logits.
+    """Apply ``fn(rows (..., V), *extra rows (...)) -> (...)`` to blocks of about ``chunk_size``
+    rows of (..., V) logits; returns float32 of the leading shape.
 
-    Under autograd each chunk is checkpointed: only the input view is kept and the float32
-    work (softmax etc.) is recomputed chunk by chunk in backward, so peak extra memory is
-    one chunk, not a float32 copy of the whole (B, T, V) tensor.
+    Blocks are views: whole sequences of a (B, T, V) tensor at a time, or pieces of one sequence
+    when T is longer than ``chunk_size``, so logits that are a slice of the model's output (the
+    response positions, ``[:, :T]``: not contiguous) are never copied whole to be flattened.
+
+    Under autograd, logits that are not float32 have each block checkpointed: only the input
+    view is kept and the float32 work (softmax etc.) is recomputed block by block in backward,
+    so peak extra memory is one block, not a float32 copy of the whole (B, T, V) tensor.
+    float32 logits need no copy (``fn`` works on views and saves only what autograd needs),
+    and recomputing would cost backward a second pass over every block.
     """
     lead = logits.shape[:-1]
-    flat = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
-    flat_extra = [e.reshape(-1) for e in extra]
-    outs = []
-    for s in range(0, flat.shape[0], chunk_size):
-        args = (flat[s : s + chunk_size], *[e[s : s + chunk_size] for e in flat_extra])
-        if torch.is_grad_enabled() and logits.requires_grad:
-            outs.append(checkpoint(fn, *args, use_reentrant=False))
-        else:
-            outs.append(fn(*args))
-    if not outs:
+    if logits.dim() != 3:  # (N, V) or deeper: as (1, N, V)
+        flat = logits.reshape(1, -1, logits.shape[-1])
+        out = _chunked_rows(fn, flat, *[e.reshape(1, -1) for e in extra], chunk_size=chunk_size)
+        return out.reshape(lead)
+    B, T = lead
+    if B == 0 or T == 0:
         return logits.new_zeros(lead, dtype=torch.float32)
-    return torch.cat(outs).reshape(lead)
+    recompute = logits.dtype != torch.float32 and torch.is_grad_enabled() and logits.requires_grad
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
+
+    if T <= chunk_size:  # whole sequences, chunk_size // T of them per block
+        step = max(1, chunk_size // T)
+        return torch.cat([run(logits[b : b + step], *[e[b : b + step] for e in extra]) for b in range(0, B, step)])
+    rows = [
+        torch.cat(
+            [
+                run(logits[b, t : t + chunk_size], *[e[b, t : t + chunk_size] for e in extra])
+                for t in range(0, T, chunk_size)
+            ]
+        )
+        for b in range(B)
+    ]
+    return torch.stack(rows)
 
 
 def log_probs_from_logits(
@@ -254,7 +274,9 @@ def log_probs_from_logits(
     inv_tau = 1.0 / temperature
 
     def fn(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        z = z.float() * inv_tau  # (n, V)
+        z = z.float()  # (n, V); a view when already float32
+        if inv_tau != 1.0:
+            z = z * inv_tau
         return z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
 
     return _chunked_rows(fn, logits, labels.long(), chunk_size=chunk_size)
@@ -275,12 +297,18 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, chunk
     inv_tau = 1.0 / temperature
 
     def fn(z: torch.Tensor) -> torch.Tensor:
-        z = z.float() * inv_tau  # (n, V)
-        p = torch.softmax(z, dim=-1)
-        # A -inf logit (masked vocab entry) has p = 0 and must contribute 0, not 0 * -inf = NaN;
-        # replace z before the product so the backward pass never multiplies by inf either.
+        z = z.float()  # (n, V); a view when already float32
+        if inv_tau != 1.0:
+            z = z * inv_tau
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)  # (n, 1)
+        if not torch.is_grad_enabled():  # a metric: in place, one (n, V) buffer
+            pz = torch.sub(z, lse).exp_().mul_(z)  # p_v z_v
+            # A -inf logit (masked vocab entry) has p = 0 and contributes 0, not 0 * -inf = NaN.
+            return lse.squeeze(-1) - pz.nan_to_num_(nan=0.0).sum(dim=-1)
+        p = torch.exp(z - lse)
+        # As above; replace z before the product so that backward never multiplies by inf either.
         z_finite = torch.where(p > 0, z, torch.zeros_like(z))
-        return torch.logsumexp(z, dim=-1) - (p * z_finite).sum(dim=-1)
+        return lse.squeeze(-1) - (p * z_finite).sum(dim=-1)
 
     return _chunked_rows(fn, logits, chunk_size=chunk_size)
 

@@ -136,6 +136,53 @@ def test_entropy_by_hand():
     assert torch.isfinite(grad).all()
 
 
+def test_entropy_as_a_metric_without_grad_by_hand():
+    """The no-grad path (the logged metric, computed in place) gives the same hand values, the
+    masked -inf entry contributing 0 rather than NaN, at temperature 1 and 2."""
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [LN(0.5), LN(0.25), LN(0.25), -math.inf]]])
+    with torch.no_grad():
+        close(entropy_from_logits(logits), torch.tensor([[LN(4), 1.5 * LN(2)]]))
+        # tau = 2 on [ln .5, ln .25, ln .25]: p ~ [.5^.5, .25^.5, .25^.5] = [.7071, .5, .5] / 1.7071
+        q = torch.tensor([0.5**0.5, 0.5, 0.5]) / (0.5**0.5 + 1.0)
+        close(entropy_from_logits(logits[:, 1:], temperature=2.0), -(q * q.log()).sum().reshape(1, 1))
+    assert torch.equal(logits[0, 1, :3], torch.tensor([LN(0.5), LN(0.25), LN(0.25)])), "not changed in place"
+
+
+def test_log_probs_and_entropy_of_bf16_logits_keep_their_grads_through_the_checkpoint():
+    torch.manual_seed(2)
+    base = torch.randn(2, 3, 11)
+    labels = torch.randint(0, 11, (2, 3))
+    for fn in (
+        lambda z: log_probs_from_logits(z, labels, chunk_size=4),
+        lambda z: entropy_from_logits(z, chunk_size=4),
+    ):
+        z16 = base.to(torch.bfloat16).requires_grad_()
+        z32 = base.to(torch.bfloat16).float().requires_grad_()
+        (g16,) = torch.autograd.grad(fn(z16).sum(), z16)
+        (g32,) = torch.autograd.grad(fn(z32).sum(), z32)
+        close(g16.float(), g32, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 7, 1024])  # pieces of a sequence, one, several, all
+def test_chunks_of_a_sliced_logits_view_match_the_whole_with_grad(chunk_size):
+    """The trainer passes ``out.logits[:, :T]`` (the response positions: a view, not contiguous);
+    blocks of whole sequences or of pieces of one give the unchunked values and gradients."""
+    torch.manual_seed(3)
+    full = torch.randn(3, 6, 9, requires_grad=True)
+    logits = full[:, :5]  # (3, 5, 9), as logits_to_keep = T + 1 then [:, :T]
+    labels = torch.randint(0, 9, (3, 5))
+    ref_lp = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    lp = log_probs_from_logits(logits, labels, chunk_size=chunk_size)
+    h = entropy_from_logits(logits, chunk_size=chunk_size)
+    close(lp, ref_lp)
+    close(h, ref_h)
+    w = torch.randn(3, 5)
+    (g_ref,) = torch.autograd.grad((ref_lp * w + ref_h).sum(), full)
+    (g,) = torch.autograd.grad((lp * w + h).sum(), full)
+    close(g, g_ref)
+
+
 def test_entropy_matches_naive_chunked_with_grad():
     torch.manual_seed(1)
     logits = torch.randn(3, 2, 5, requires_grad=True)
