@@ -206,7 +206,9 @@ class AggSpec:
 # --- log-probs and entropy from logits -----------------------------------------------------
 
 
-def _chunked_rows(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def _chunked_rows(
+    fn, logits: torch.Tensor, *extra: torch.Tensor, chunk_size: int, always_recompute: bool = False
+) -> torch.Tensor:
     """Apply ``fn(rows (..., V), *extra rows (...)) -> (...)`` to blocks of about ``chunk_size``
     rows of (..., V) logits; returns float32 of the leading shape.
 
@@ -218,17 +220,20 @@ def _chunked_rows(fn, logits: torch.Tensor, *extra: torch.Tensor, chunk_size: in
     view is kept and the float32 work (softmax etc.) is recomputed block by block in backward,
     so peak extra memory is one block, not a float32 copy of the whole (B, T, V) tensor.
     float32 logits need no copy (``fn`` works on views and saves only what autograd needs),
-    and recomputing would cost backward a second pass over every block.
+    and recomputing would cost backward a second pass over every block -- unless ``fn`` keeps
+    (n, V) intermediates for its backward (``always_recompute``: the entropy's softmax).
     """
     lead = logits.shape[:-1]
     if logits.dim() != 3:  # (N, V) or deeper: as (1, N, V)
         flat = logits.reshape(1, -1, logits.shape[-1])
-        out = _chunked_rows(fn, flat, *[e.reshape(1, -1) for e in extra], chunk_size=chunk_size)
+        out = _chunked_rows(
+            fn, flat, *[e.reshape(1, -1) for e in extra], chunk_size=chunk_size, always_recompute=always_recompute
+        )
         return out.reshape(lead)
     B, T = lead
     if B == 0 or T == 0:
         return logits.new_zeros(lead, dtype=torch.float32)
-    recompute = logits.dtype != torch.float32 and torch.is_grad_enabled() and logits.requires_grad
+    recompute = (always_recompute or logits.dtype != torch.float32) and torch.is_grad_enabled() and logits.requires_grad
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         return checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args)
@@ -310,7 +315,7 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0, chunk
         z_finite = torch.where(p > 0, z, torch.zeros_like(z))
         return lse.squeeze(-1) - (p * z_finite).sum(dim=-1)
 
-    return _chunked_rows(fn, logits, chunk_size=chunk_size)
+    return _chunked_rows(fn, logits, chunk_size=chunk_size, always_recompute=True)
 
 
 # --- policy losses -------------------------------------------------------------------------
