@@ -27,6 +27,9 @@ from pathlib import Path
 
 from common.config import flag, log_config, parse
 from common.transport import free_port
+from rollout_service.config import IDLE_SPIN_ENV
+
+PHASES_IDLE_SPIN_S = 0.05  # the rollout workers' idle spin under --cpu_cores phases (docs/performance.md)
 
 
 @dataclass
@@ -55,7 +58,8 @@ class LocalConfig:
         "split",
         "CPU hosts: how the roles share the cores. 'phases': each phase of a step gets every core -- "
         "a lone rollout server's vLLM OpenMP threads bound to all of them, the learner's "
-        "OMP_NUM_THREADS = cores / ranks (unless --learner_threads says otherwise); right for "
+        "OMP_NUM_THREADS = cores / ranks (unless --learner_threads says otherwise), the vLLM worker's 1 s idle "
+        "spin cut to 0.05 s (rollout_service --idle_spin_s); right for "
         "lockstep, where the roles take turns. 'split': the "
         "thread counts as given and vLLM's own binding (one core). auto: phases for lockstep on a CPU "
         "build of vLLM, split otherwise (async overlaps the roles; GPUs have their own devices). "
@@ -307,7 +311,10 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
         return {}
     n = len(os.sched_getaffinity(0))
     cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    service = {}
+    # vLLM's worker spins 1 s on a core after each generation, in the learner's phase: cut short
+    # (rollout_service --idle_spin_s; tiny model's step 1.40 -> 0.42 s). Not for async: a worker
+    # that sleeps between its steps more often sometimes misses a wake-up and waits 5 s.
+    service = {IDLE_SPIN_ENV: os.environ.get(IDLE_SPIN_ENV, str(PHASES_IDLE_SPIN_S))}
     if cfg.rollout_servers == 1:  # several servers generate at once: vLLM's own binding then
         # What the user's environment sets wins (launch.local sets OMP_NUM_THREADS itself).
         service["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus)

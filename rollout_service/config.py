@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from common.config import flag
 from common.weights import known_backends
 
-CPU_IDLE_SPIN_S = 0.05  # --idle_spin_s's default on a CPU build of vLLM (docs/performance.md)
+# --idle_spin_s through the environment: read by rollout_service.worker_ext in vLLM's workers;
+# set by the server from the flag, or by a launcher for every server (launch.local --cpu_cores phases).
+IDLE_SPIN_ENV = "RAYLESS_VLLM_IDLE_SPIN_S"
 
 
 @dataclass
@@ -54,9 +56,11 @@ class RolloutConfig:
     )
     idle_spin_s: float | None = flag(
         None,
-        "seconds a vLLM worker keeps spinning on its queue after its last step before it sleeps "
-        "(vLLM 0.32: 1 s, a core taken from whatever runs next on a shared host); default: "
-        f"{CPU_IDLE_SPIN_S} on a CPU build, vLLM's own on GPUs",
+        "seconds a vLLM worker keeps spinning on its queue after its last step before it sleeps (vLLM 0.32: "
+        "1 s, a core taken from whatever runs next on a shared host). Default: the environment's "
+        "RAYLESS_VLLM_IDLE_SPIN_S (launch.local --cpu_cores phases sets 0.05), else vLLM's own. A sleeping "
+        "worker can miss a wake-up and then waits up to 5 s (vLLM's lost-notify recheck): seen in async runs "
+        "with 0.05, so keep short spins for lockstep on shared cores (docs/performance.md)",
         group="engine",
     )
     engine_start_attempts: int = flag(

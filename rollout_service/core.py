@@ -52,7 +52,7 @@ from typing import Any
 
 from common import protocol as P
 from common.weights import resolve_backend
-from rollout_service.config import CPU_IDLE_SPIN_S, RolloutConfig
+from rollout_service.config import IDLE_SPIN_ENV, RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -185,23 +185,11 @@ class RolloutCore:
             kwargs["enable_chunked_prefill"] = chunked
         return AsyncEngineArgs(**kwargs)
 
-    def idle_spin_s(self) -> float | None:
-        """--idle_spin_s, or its platform default: short on a CPU build (the roles share the
-        cores), vLLM's own (None) on GPUs."""
-        if self.cfg.idle_spin_s is not None:
-            return self.cfg.idle_spin_s
-        return CPU_IDLE_SPIN_S if self.backend == "gloo" else None
-
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from rollout_service.worker_ext import IDLE_SPIN_ENV
-
-        spin = self.idle_spin_s()
-        if spin is None:
-            os.environ.pop(IDLE_SPIN_ENV, None)
-        else:  # read by rollout_service.worker_ext in the worker processes vLLM spawns next
-            os.environ[IDLE_SPIN_ENV] = str(spin)
+        if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
+            os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
         for attempt in range(1, self.cfg.engine_start_attempts + 1):
             try:
                 self.llm = AsyncLLM.from_engine_args(self.engine_args())
@@ -487,12 +475,20 @@ class RolloutCore:
             raise BadRequest(f"{what} dropped: asked by a controller that has gone away since")
 
     async def start_weight_update(self, version: int) -> None:
-        epoch = self._weight_epoch
+        epoch, t0 = self._weight_epoch, time.monotonic()
         async with self._update_lock:
             self._check_epoch(epoch, "WeightUpdateStart")
             if self._update_open:
                 raise BadRequest(f"weight update to v{version}: an update is already open")
+            t1 = time.monotonic()
             await self._hold("update")
+            if time.monotonic() - t0 > 1.0:  # the learner's push waits for this: say where it went
+                log.warning(
+                    "weight update to v%d: %.2f s waiting for the previous weight step, %.2f s pausing generation",
+                    version,
+                    t1 - t0,
+                    time.monotonic() - t1,
+                )
             try:
                 await self.llm.start_weight_update()
             except BaseException:

@@ -6,7 +6,8 @@ its message queues. Two things happen on the way:
 * registering our weight-transfer receivers (``rollout_service.weight_receiver``) puts them
   where the worker's ``load_model`` looks for the engine named by
   ``weight_transfer_config.backend``: this is the one place registration can happen;
-* ``shorten_idle_spin``: the rollout server's ``--idle_spin_s``, passed in the environment.
+* ``shorten_idle_spin``: the rollout server's ``--idle_spin_s``, passed in the environment
+  (``IDLE_SPIN_ENV``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import inspect
 import logging
 import os
 
+from rollout_service.config import IDLE_SPIN_ENV
 from rollout_service.weight_receiver import register
 
 log = logging.getLogger(__name__)
-
-IDLE_SPIN_ENV = "RAYLESS_VLLM_IDLE_SPIN_S"  # set by the rollout server (--idle_spin_s) for its workers
 
 
 def shorten_idle_spin(seconds: float | None) -> float | None:

@@ -386,11 +386,13 @@ class WeightPublisher:
                 # A group that failed mid-transfer is out of step for good: drop it.
                 self.disconnect(s, notify=False)
         self.version = version
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items() if k != "total")
         log.info(
-            "pushed v%d to %d server(s) in %.2f s (%.1f MB each%s)%s",
+            "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s)%s",
             version,
             len(report.updated),
             report.seconds["total"],
+            parts,
             report.bytes_per_server / 1e6,
             f"; {len(report.fleet)} through the fleet group" if report.fleet else "",
             f"; failed: {failures}" if failures else "",

@@ -229,9 +229,16 @@ class AsyncSchedule(Schedule):
     def push_weights(self, version: int) -> None:
         if self.pump is None:
             return super().push_weights(version)
+        t0 = time.monotonic()
         with self.pump.hold() as feed:
+            t1 = time.monotonic()
             feed.abort_stale(next_train_version=version)
+            t2 = time.monotonic()
             super().push_weights(version)
+        if t2 - t0 > 1.0:  # the data path held the push up: say where
+            log.warning(
+                "push of v%d: %.2f s to park the data path, %.2f s to abort stale groups", version, t1 - t0, t2 - t1
+            )
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int) -> Decision:

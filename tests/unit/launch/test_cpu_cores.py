@@ -14,14 +14,15 @@ def test_phases_give_each_role_every_core(monkeypatch):
     cpus = sorted(os.sched_getaffinity(0))
     env = L.phase_env(_cfg(cpu_cores="phases"))
     assert env["learner"] == {"OMP_NUM_THREADS": str(len(cpus))}
-    assert env["service"] == {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+    assert env["service"] == {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), L.IDLE_SPIN_ENV: "0.05"}
     # an explicit --learner_threads stands
     assert L.phase_env(_cfg(cpu_cores="phases", learner_threads=1))["learner"]["OMP_NUM_THREADS"] == "1"
 
 
 def test_the_users_binding_wins(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    assert L.phase_env(_cfg(cpu_cores="phases"))["service"] == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    monkeypatch.setenv(L.IDLE_SPIN_ENV, "1")
+    assert L.phase_env(_cfg(cpu_cores="phases"))["service"] == {"VLLM_CPU_OMP_THREADS_BIND": "0", L.IDLE_SPIN_ENV: "1"}
 
 
 def test_auto_is_phases_for_lockstep_on_cpu_vllm_only(monkeypatch):

@@ -20,7 +20,6 @@ from common import protocol as P
 from common.tiny import ENDOFTEXT_ID, IM_END_ID
 from common.transport import RemoteError, free_port
 from helpers.rollout_harness import REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
-from rollout_service.config import CPU_IDLE_SPIN_S
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +56,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("rollout-logs")
     try:
         ctrl.late_port = free_port()
-        ctrl.start("ra", logs)
+        ctrl.start("ra", logs, "--idle_spin_s", "0.05")
         ctrl.start("rb", logs)
         ctrl.servers.append(
             Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200")
@@ -109,8 +108,8 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
     for name in ("ra", "rb"):
         health = stack.client.health(name)
         assert health.policy_version == 2 and health.state == "serving"
-        # the worker made its queues with the CPU build's short idle spin (--idle_spin_s)
-        assert stack.client.peer(name).capabilities["idle_spin_s"] == CPU_IDLE_SPIN_S
+        # ra's worker made its queues with the idle spin asked for (--idle_spin_s), rb's with vLLM's own
+        assert stack.client.peer(name).capabilities["idle_spin_s"] == {"ra": 0.05, "rb": 1.0}[name]
 
 
 def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
