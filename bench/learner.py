@@ -9,7 +9,7 @@ random tokens, ``--response_len`` response tokens, random rewards) is trained on
   packed row, no padding computed);
 * ``torch``: the floor — plain torch over the same micro-batches: forward with logits only at
   response positions, a policy-gradient loss over the response tokens, backward, gradient
-  clipping and ``torch.optim.AdamW`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
+  clipping and ``torch.optim.AdamW(fused=True)`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
   accumulating).
 
 Each round runs every variant once, in a rotating order (contention from other processes
@@ -125,7 +125,8 @@ class TorchStep:
         self.ddp = None
         if world > 1:
             self.ddp = torch.nn.parallel.DistributedDataParallel(model)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95))
+        # fused: torch's fastest AdamW on CPU too (one pass per parameter), as the learner's
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=True)
         self.args, self.world, self.rank = args, world, rank
 
     def step(self, rollout) -> None:

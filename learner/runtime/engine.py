@@ -249,7 +249,10 @@ def make_optimizer(
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=learning_rate, betas=betas, adamw_mode=True)
-    fused = get_accelerator().device_name() == "cuda"
+    # Fused: one pass over each parameter's state instead of a kernel per operation. On CPU
+    # (torch >= 2.4) it is 4.8x faster than the default for-loop AdamW on SmolLM2's 135 M
+    # parameters (0.11 s against 0.53 a step, 2 threads), same results to float rounding.
+    fused = get_accelerator().device_name() in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
 
@@ -361,7 +364,24 @@ def make_engine(
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
     )
+    skip_lone_allreduce(engine)
     return engine
+
+
+def skip_lone_allreduce(engine: Any) -> bool:
+    """Turns off DeepSpeed's end-of-accumulation gradient all-reduce when it has no one to reduce
+    with: one data-parallel rank and no ZeRO or bf16 optimizer (those reduce in their own hooks
+    and need their epilogue). DeepSpeed runs it regardless of the group size: it flattens every
+    gradient into 5e8-element buckets, all-reduces them with itself, divides by 1 and copies them
+    back -- three passes over all gradients (a sixth of SmolLM2's backward on CPU, in
+    ``_flatten_dense_tensors``) for the identity. Returns whether it did."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if engine.dp_world_size != 1 or isinstance(engine.optimizer, (ZeROOptimizer, BF16_Optimizer)):
+        return False
+    engine.enable_backward_allreduce = False
+    return True
 
 
 def make_frozen_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, offload: bool = False):

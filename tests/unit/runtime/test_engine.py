@@ -131,7 +131,64 @@ def test_zero3_two_ranks_partition_train_and_save_hf(tiny_model_dir, tmp_path):
     assert torch.equal(saved.lm_head.weight, saved.model.embed_tokens.weight)  # still tied
 
 
+@pytest.mark.slow
+def test_one_rank_engine_updates_as_plain_torch_without_the_lone_allreduce(tiny_model_dir, tmp_path):
+    """One fp32 rank: DeepSpeed's gradient all-reduce with itself is switched off
+    (``skip_lone_allreduce``) and the optimizer is torch's fused AdamW, yet two accumulated
+    micro-batches, clipping and one step move every parameter as plain torch does (unfused
+    AdamW, ``clip_grad_norm_``), to float rounding."""
+    r = run_worker(["lone", str(tiny_model_dir), str(tmp_path)])
+    assert r["world_size"] == 1 and r["skipped"] and not r["allreduce_on"]
+    assert r["fused"] and r["optimizer_steps"] == 1
+    assert r["moved"] > 1e-4  # the step did something
+    assert r["max_diff"] < 1e-6, r
+
+
 # --------------------------------------------------------------------------- worker side
+
+
+def _lone(model_dir: str) -> dict:
+    """``test_one_rank_engine_updates_as_plain_torch_without_the_lone_allreduce``'s worker."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from learner.runtime import engine as E
+
+    info = E.init_distributed()
+    eng = E.make_engine(
+        E.load_causal_lm(model_dir, zero_stage=2, bf16=False),  # one fp32 rank: stage 0
+        zero_stage=2,
+        bf16=False,
+        train_batch_size=2,
+        micro_train_batch_size=1,
+        learning_rate=1e-2,
+        num_training_steps=10,
+        grad_clip=1.0,
+        lr_scheduler="constant_with_warmup",
+        lr_warmup_ratio=0.0,
+    )
+    plain = E.load_causal_lm(model_dir, zero_stage=0, bf16=False)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = ["What is 2 + 3? Answer: 5", "Reverse 123: 321"]
+    before = {n: t.detach().clone() for n, t in plain.named_parameters()}
+    for text in texts:  # accumulation 2: one optimizer step
+        batch = tok([text], return_tensors="pt")
+        eng.backward(eng(**batch, labels=batch["input_ids"]).loss)
+        eng.step()
+        (plain(**batch, labels=batch["input_ids"]).loss / len(texts)).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    opt.step()
+    ours = dict(E.unwrap(eng).named_parameters())
+    return {
+        "world_size": info.world_size,
+        "skipped": not eng.enable_backward_allreduce,
+        "allreduce_on": eng.enable_backward_allreduce,
+        "fused": all(g.get("fused") for g in eng.optimizer.param_groups),
+        "optimizer_steps": eng.global_steps,
+        "moved": max((p - before[n]).abs().max().item() for n, p in plain.named_parameters()),
+        "max_diff": max((ours[n] - p).abs().max().item() for n, p in plain.named_parameters()),
+    }
 
 
 def _worker(what: str, model_dir: str, out: str) -> None:
@@ -141,6 +198,9 @@ def _worker(what: str, model_dir: str, out: str) -> None:
     from learner.runtime import engine as E
 
     torch.manual_seed(0)
+    if what == "lone":
+        print("RESULT " + json.dumps(_lone(model_dir)), flush=True)
+        return
     info = E.init_distributed()
     stage = 2 if what == "zero2" else 3
     model = E.load_causal_lm(model_dir, zero_stage=stage, bf16=False)
