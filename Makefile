@@ -68,6 +68,7 @@ bench: setup
 	$(PY) bench/rollout.py
 	$(PY) bench/learner.py --model small --zero_stage 0 1 2
 	$(PY) bench/schedules.py
+	$(PY) bench/idle_spin.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/
