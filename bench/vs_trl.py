@@ -318,6 +318,7 @@ def limit_worker(job: dict) -> None:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from common.host_memory import keep_freed_memory
     from learner.controller.types import Rollout, ScoredSample
     from learner.runtime.engine import load_causal_lm
 
@@ -362,7 +363,10 @@ def limit_worker(job: dict) -> None:
     gc.collect()
     time.sleep(2.0)  # the engine's worker busy-polls for 1 s after its last request
 
-    # The plain-torch training floor: bench/learner.py's TorchStep on exactly these samples.
+    # The plain-torch training floor: bench/learner.py's TorchStep on exactly these samples, with
+    # the host malloc settings the learner trains with on CPU (--host_malloc auto), so the floor
+    # and the learner alone share them.
+    keep_freed_memory("limit")
     torch.set_num_threads(cores())
     floor = bench_learner().TorchStep(
         load_causal_lm(job["model"]), argparse.Namespace(micro_batch=MICRO), world=1, rank=0

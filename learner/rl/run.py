@@ -43,6 +43,7 @@ def run(cfg: PPOConfig) -> int:
 
     info = E.init_distributed()
     setup_logging(info.rank)
+    E.set_host_malloc(cfg.host_malloc)
     try:
         cfg.check_world_size(info.world_size)
     except ValueError as e:

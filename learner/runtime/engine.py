@@ -40,12 +40,14 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from common.host_memory import keep_freed_memory
 from common.net import free_port
 from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
     "DistInfo",
     "init_distributed",
+    "set_host_malloc",
     "device",
     "is_rank0",
     "barrier",
@@ -140,6 +142,16 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
             dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
         )
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device())
+
+
+def set_host_malloc(mode: str) -> None:
+    """``--host_malloc``: ``keep`` freed host memory in this process (``common.host_memory``),
+    leave glibc's ``default``, or ``auto``: keep when this rank trains on CPU, where every
+    micro-batch's activations and gradients live in host memory."""
+    if mode not in ("auto", "keep", "default"):
+        raise ValueError(f"--host_malloc: {mode!r} is not auto, keep or default")
+    if mode == "keep" or (mode == "auto" and device().type == "cpu"):
+        keep_freed_memory("learner")
 
 
 def device() -> torch.device:

@@ -73,6 +73,14 @@ class TrainerConfig:
         False, "optimizer state in CPU memory, DeepSpeedCPUAdam (needs ZeRO >= 1)", group="deepspeed"
     )
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", group="deepspeed")
+    host_malloc: str = flag(
+        "auto",
+        "how glibc treats freed host memory: keep (blocks up to 32 MiB stay in the process instead of being "
+        "unmapped and faulted in again every micro-batch; docs/performance.md), default (glibc's own), "
+        "auto (keep when training on CPU)",
+        choices=("auto", "keep", "default"),
+        group="deepspeed",
+    )
     flash_attn: bool = flag(
         False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
     )

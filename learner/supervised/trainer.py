@@ -46,6 +46,7 @@ def setup_run(cfg: Any, name: str):
     torch.manual_seed(cfg.seed)
     if info.rank == 0:
         log_config(cfg, log)
+    E.set_host_malloc(cfg.host_malloc)
     return info, load_tokenizer(cfg)
 
 
