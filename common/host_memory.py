@@ -23,8 +23,11 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from typing import Any
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "keep_freed_memory_env"]
+from common.config import flag
+
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "host_malloc_flag", "keep_freed_memory", "keep_freed_memory_env"]
 
 log = logging.getLogger("rayless.host_memory")
 
@@ -94,3 +97,15 @@ def keep_freed_memory_env(env: dict[str, str] | None = None) -> dict[str, str]:
     added = {name: str(value) for name, _, value in _SETTINGS if name not in env}
     env.update(added)
     return added
+
+
+def host_malloc_flag(group: str) -> Any:
+    """The trainers' ``--host_malloc`` flag (``learner.runtime.engine.set_host_malloc`` acts on it)."""
+    return flag(
+        "auto",
+        "how glibc treats freed host memory: keep (blocks up to 32 MiB stay in the process instead of being "
+        "unmapped and faulted in again every micro-batch; docs/performance.md), default (glibc's own), "
+        "auto (keep when training on CPU)",
+        choices=("auto", "keep", "default"),
+        group=group,
+    )

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from common.config import flag
+from common.host_memory import host_malloc_flag
 from common.weights import known_backends
 
 log = logging.getLogger("learner")
@@ -119,14 +120,7 @@ class PPOConfig:
     bf16: bool = flag(False, "train in bf16 (fp16 is refused by DeepSpeed on CPU)", group="optim")
     adam_offload: bool = flag(False, "DeepSpeedCPUAdam with optimizer states offloaded", group="optim")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward", group="optim")
-    host_malloc: str = flag(
-        "auto",
-        "how glibc treats freed host memory: keep (blocks up to 32 MiB stay in the process instead of being "
-        "unmapped and faulted in again every micro-batch; docs/performance.md), default (glibc's own), "
-        "auto (keep when training on CPU)",
-        choices=("auto", "keep", "default"),
-        group="optim",
-    )
+    host_malloc: str = host_malloc_flag(group="optim")
     flash_attn: bool = flag(False, "flash_attention_2 where available (a notice on CPU)", group="optim")
     seed: int = flag(42, "seed of data order and init, and of sampling with --seed_sampling", group="optim")
 

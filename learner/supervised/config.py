@@ -1,8 +1,8 @@
 """Flags shared by ``learner.train_sft``, ``learner.train_rm`` and ``learner.train_dpo``.
 
 Names and meanings follow OpenRLHF's ``openrlhf.cli.train_*`` so scripts port by swapping
-the module. Only ``common.config`` is imported here (no torch), so ``--help`` is instant.
-Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
+the module. Only ``common.config`` and ``common.host_memory`` are imported here (no torch), so
+``--help`` is instant. Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
 
 Flags accepted for compatibility with an explanation rather than an effect: ``--local_rank``
 (the ``deepspeed`` launcher passes it; the rank is read from the environment).
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import flag
+from common.host_memory import host_malloc_flag
 
 
 @dataclass
@@ -73,14 +74,7 @@ class TrainerConfig:
         False, "optimizer state in CPU memory, DeepSpeedCPUAdam (needs ZeRO >= 1)", group="deepspeed"
     )
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", group="deepspeed")
-    host_malloc: str = flag(
-        "auto",
-        "how glibc treats freed host memory: keep (blocks up to 32 MiB stay in the process instead of being "
-        "unmapped and faulted in again every micro-batch; docs/performance.md), default (glibc's own), "
-        "auto (keep when training on CPU)",
-        choices=("auto", "keep", "default"),
-        group="deepspeed",
-    )
+    host_malloc: str = host_malloc_flag(group="deepspeed")
     flash_attn: bool = flag(
         False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
     )
