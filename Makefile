@@ -67,6 +67,7 @@ bench: setup
 	$(PY) bench/transport.py
 	$(PY) bench/rollout.py
 	$(PY) bench/learner.py --model small --zero_stage 0 1 2
+	$(PY) bench/learner.py --model small --zero_stage 0 1 2 --nproc 2
 	$(PY) bench/schedules.py
 	$(PY) bench/idle_spin.py
 

@@ -12,7 +12,8 @@ random tokens, ``--response_len`` response tokens, random rewards) is trained on
   clipping and ``torch.optim.AdamW(fused=True)`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
   accumulating).
 
-Each round runs every variant once, in a rotating order (contention from other processes
+Both run in one process per rank with the learner's ``--host_malloc`` (``auto``: freed host
+memory kept on CPU). Each round runs every variant once, in a rotating order (contention from other processes
 falls on all of them alike); one warm-up round is discarded. Prints the median seconds per
 step of each and its ratio to torch.
 
@@ -171,6 +172,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     info = E.init_distributed()
+    E.set_host_malloc(args.host_malloc)  # the learner's own setting; the floor shares the process
     rank, world = info.rank, info.world_size
     path = model_dir(args.model, Path(args.cache))
     from transformers import AutoConfig
@@ -193,8 +195,11 @@ def worker(args) -> None:
     )
     floor = TorchStep(E.load_causal_lm(str(path)), args, world, rank)
     variants = {"torch": lambda: floor.step(rollout)}
-    for stage, packed in [(z, p) for z in args.zero_stage for p in ((False, True) if args.packing else (False,))]:
-        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed)
+    shapes = [
+        (z, p, c) for z in args.zero_stage for p in ((False, True) if args.packing else (False,)) for c in args.coalesce
+    ]
+    for stage, packed, coalesce in shapes:
+        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce)
         engine = E.make_engine(
             E.load_causal_lm(str(path), zero_stage=stage),
             zero_stage=stage,
@@ -210,7 +215,11 @@ def worker(args) -> None:
         )
         trainer = PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
         # on_policy: the batch stands for a lockstep rollout, sampled by the current weights
-        name = f"rayless zero{stage}" + (" packed" if packed else "")
+        name = (
+            f"rayless zero{stage}"
+            + (" packed" if packed else "")
+            + (f" coalesce={coalesce}" if len(args.coalesce) > 1 else "")
+        )
         variants[name] = lambda t=trainer: t.step(rollout, on_policy=True)
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
@@ -230,7 +239,7 @@ def worker(args) -> None:
             f"model={args.model} samples={args.samples} micro_batch={args.micro_batch} "
             f"response_len={args.response_len_range or args.response_len} tokens={tokens} "
             f"padded_tokens={padded_tokens(rollout, args.micro_batch, world)} ranks={world} "
-            f"threads/rank={args.threads} rounds={args.iters}"
+            f"threads/rank={args.threads} host_malloc={args.host_malloc} rounds={args.iters}"
         )
         print(f"{'variant':<22}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}")
         for name, ts in times.items():
@@ -253,11 +262,24 @@ def main() -> None:
     p.add_argument(
         "--packing", action="store_true", help="also time --packing_samples (one packed row per micro-batch)"
     )
+    p.add_argument(
+        "--coalesce",
+        nargs="+",
+        default=["auto"],
+        choices=("auto", "on", "off"),
+        help="--coalesce_grad_reduction of the rayless variants (several: one variant each)",
+    )
     p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
     p.add_argument(
         "--recompute_old_logprobs", action="store_true", help="run the old-log-probs forward even when not needed"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument(
+        "--host_malloc",
+        default="auto",
+        choices=("auto", "keep", "default"),
+        help="the learner's --host_malloc for this process (floor and rayless alike)",
+    )
     p.add_argument("--cache", default=str(ROOT / "runs" / "bench"), help="where models are built")
     args = p.parse_args()
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:

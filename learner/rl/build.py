@@ -64,6 +64,7 @@ def critic_save_path(cfg: PPOConfig) -> str:
 def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int) -> Any:
     """The critic's own DeepSpeed engine: same ZeRO stage and batch sizes as the policy."""
     from learner.rl.critic import Critic, load_critic
+    from learner.runtime.accumulation import engine_coalesces
 
     path = cfg.critic_path
     log.info(
@@ -88,6 +89,7 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
         device=device,
         micro_rollout_batch_size=cfg.micro_rollout_batch_size,
         value_clip=cfg.value_clip,
+        coalesce=engine_coalesces(engine, cfg.coalesce_grad_reduction, name="critic"),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from common.config import flag
 from common.host_memory import host_malloc_flag
 from common.weights import known_backends
+from learner.runtime.accumulation import coalesce_flag
 
 log = logging.getLogger("learner")
 
@@ -121,6 +122,7 @@ class PPOConfig:
     adam_offload: bool = flag(False, "DeepSpeedCPUAdam with optimizer states offloaded", group="optim")
     gradient_checkpointing: bool = flag(False, "recompute activations in backward", group="optim")
     host_malloc: str = host_malloc_flag(group="optim")
+    coalesce_grad_reduction: str = coalesce_flag(group="optim")
     flash_attn: bool = flag(False, "flash_attention_2 where available (a notice on CPU)", group="optim")
     seed: int = flag(42, "seed of data order and init, and of sampling with --seed_sampling", group="optim")
 

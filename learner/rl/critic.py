@@ -31,6 +31,7 @@ from learner.algorithms.losses import AggSpec, value_loss
 from learner.algorithms.packing import unpack_to_padded
 from learner.controller.types import Rollout
 from learner.rl.experience import score_all_ranks
+from learner.runtime.accumulation import OptimizerStep
 from learner.runtime.models import ScalarHeadModel, load_reward_model
 
 
@@ -67,9 +68,17 @@ class Critic:
     """The critic engine's two jobs in a PPO step: old values, then value-loss updates."""
 
     def __init__(
-        self, engine: Any, *, pad_id: int, device: torch.device, micro_rollout_batch_size: int, value_clip: float | None
+        self,
+        engine: Any,
+        *,
+        pad_id: int,
+        device: torch.device,
+        micro_rollout_batch_size: int,
+        value_clip: float | None,
+        coalesce: bool = False,
     ) -> None:
         self.engine = engine
+        self.coalesce = coalesce  # reduce its gradients once per optimizer step (learner.runtime.accumulation)
         self.pad_id = pad_id
         self.device = device
         self.micro_rollout_batch_size = micro_rollout_batch_size
@@ -88,17 +97,27 @@ class Critic:
             packed=packed,
         )
 
+    def optimizer_step(self) -> OptimizerStep:
+        """The window of one critic optimizer step: ``train_micro_batch`` each of its micro-batches."""
+        return OptimizerStep(self.engine, coalesce=self.coalesce)
+
     def train_micro_batch(
-        self, batch: dict[str, Any], old_values: torch.Tensor, returns: torch.Tensor, agg: AggSpec, world: int
+        self,
+        batch: dict[str, Any],
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        agg: AggSpec,
+        world: int,
+        step: OptimizerStep,
     ) -> dict[str, float]:
-        """One backward/step of the value loss on a collated micro-batch (padded or packed; old_values and
-        returns already sliced to it, (n, T)); ``agg`` counts the whole global train batch."""
+        """The value loss's backward on a collated micro-batch (padded or packed; old_values and
+        returns already sliced to it, (n, T)) inside ``step`` (``optimizer_step()``); ``agg`` counts
+        the whole global train batch."""
         v = response_values(self.engine, batch)
         loss, m = value_loss(v, old_values, returns, batch["action_mask"], agg, value_clip=self.value_clip)
         # DeepSpeed averages over ranks and accumulation steps; agg already divides by the
         # global count, so scale that mean back out.
-        self.engine.backward(loss * world * self.engine.gradient_accumulation_steps())
-        self.engine.step()
+        step.backward(loss * world * self.engine.gradient_accumulation_steps())
         return {k: float(x) for k, x in m.items()}
 
 

@@ -39,6 +39,7 @@ service, not from a learner forward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections import defaultdict
@@ -65,6 +66,7 @@ from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
 from learner.rl.experience import collate, score_all_ranks
+from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.models import check_packable
 
 
@@ -156,11 +158,17 @@ class PolicyTrainer:
             else FixedKLController(cfg.init_kl_coef)
         )
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
+        self.coalesce = engine_coalesces(engine, cfg.coalesce_grad_reduction, name="policy")
         self.packed = cfg.packing_samples
         if self.packed:
             check_packable(engine, "policy")
             if critic is not None:
                 check_packable(critic.engine, "critic")
+
+    def optimizer_step(self) -> OptimizerStep:
+        """The window of one policy optimizer step: ``backward`` each of its micro-batches."""
+        return OptimizerStep(self.engine, coalesce=self.coalesce)
 
     # ---------------------------------------------------------------- step 1
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -270,54 +278,56 @@ class PolicyTrainer:
                 agg = AggSpec.from_masks([mask[global_idx]], cfg.loss_agg_mode, max_len=cfg.generate_max_len)
                 value_agg = token_mean_spec(mask[global_idx]) if self.critic is not None else None
                 local = global_idx[rank::world]
-                for m in range(0, len(local), cfg.micro_train_batch_size):
-                    idx = local[m : m + cfg.micro_train_batch_size]
-                    batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
-                    T = batch["response"].shape[1]
-                    sl = lambda t: t[idx, :T].to(self.device)  # noqa: E731 - stored (N, T) -> this micro-batch
-                    mmask = batch["action_mask"]
-                    if self.critic is not None:
-                        for k, v in self.critic.train_micro_batch(
-                            batch, sl(old_values), sl(returns), value_agg, world
-                        ).items():
-                            metrics[f"critic/{k}"].append(v)
-                    if not update_actor:
-                        continue
-                    lp, ent = response_logprobs(
-                        self.engine, batch, cfg.temperature, with_entropy=log_entropy, entropy_grad=entropy_in_loss
-                    )
-                    if reuse:
-                        old_lp[idx, :T] = lp.detach().float().cpu()
-                    loss, pm = policy_loss(
-                        lp,
-                        lp.detach() if reuse else sl(old_lp),
-                        sl(advantages),
-                        mmask,
-                        agg,
-                        loss_type=cfg.policy_loss_type,
-                        eps_clip_low=low,
-                        eps_clip_high=high,
-                        dual_clip=cfg.dual_clip or None,
-                        rollout_log_probs=batch["rollout_logprobs"],
-                        is_correction=cfg.is_correction or None,
-                        is_low=cfg.is_correction_low_high[0],
-                        is_high=cfg.is_correction_low_high[1],
-                    )
-                    if cfg.use_kl_loss and have_ref:
-                        kloss, km = kl_loss(
-                            lp, batch["ref_logprobs"], mmask, agg, kl_coef=kl_coef, estimator=cfg.kl_estimator
+                with contextlib.ExitStack() as windows:  # one optimizer step of each trained engine
+                    critic_step = windows.enter_context(self.critic.optimizer_step()) if self.critic else None
+                    policy_step = windows.enter_context(self.optimizer_step()) if update_actor else None
+                    for m in range(0, len(local), cfg.micro_train_batch_size):
+                        idx = local[m : m + cfg.micro_train_batch_size]
+                        batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
+                        T = batch["response"].shape[1]
+                        sl = lambda t: t[idx, :T].to(self.device)  # noqa: E731 - stored (N, T) -> this micro-batch
+                        mmask = batch["action_mask"]
+                        if critic_step is not None:
+                            for k, v in self.critic.train_micro_batch(
+                                batch, sl(old_values), sl(returns), value_agg, world, critic_step
+                            ).items():
+                                metrics[f"critic/{k}"].append(v)
+                        if policy_step is None:  # the actor is frozen this step
+                            continue
+                        lp, ent = response_logprobs(
+                            self.engine, batch, cfg.temperature, with_entropy=log_entropy, entropy_grad=entropy_in_loss
                         )
-                        loss = loss + kloss
-                        pm.update(km)
-                    if ent is not None:
-                        eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.entropy_loss_coef)
-                        if entropy_in_loss:
-                            loss = loss + eloss
-                        pm.update(em)
-                    self.engine.backward(loss * scale)
-                    self.engine.step()
-                    for k, v in pm.items():
-                        metrics[f"policy/{k}"].append(float(v))
+                        if reuse:
+                            old_lp[idx, :T] = lp.detach().float().cpu()
+                        loss, pm = policy_loss(
+                            lp,
+                            lp.detach() if reuse else sl(old_lp),
+                            sl(advantages),
+                            mmask,
+                            agg,
+                            loss_type=cfg.policy_loss_type,
+                            eps_clip_low=low,
+                            eps_clip_high=high,
+                            dual_clip=cfg.dual_clip or None,
+                            rollout_log_probs=batch["rollout_logprobs"],
+                            is_correction=cfg.is_correction or None,
+                            is_low=cfg.is_correction_low_high[0],
+                            is_high=cfg.is_correction_low_high[1],
+                        )
+                        if cfg.use_kl_loss and have_ref:
+                            kloss, km = kl_loss(
+                                lp, batch["ref_logprobs"], mmask, agg, kl_coef=kl_coef, estimator=cfg.kl_estimator
+                            )
+                            loss = loss + kloss
+                            pm.update(km)
+                        if ent is not None:
+                            eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.entropy_loss_coef)
+                            if entropy_in_loss:
+                                loss = loss + eloss
+                            pm.update(em)
+                        policy_step.backward(loss * scale)
+                        for k, v in pm.items():
+                            metrics[f"policy/{k}"].append(float(v))
         if reuse and world > 1:
             old_lp = old_lp.to(self.device)
             dist.all_reduce(old_lp)  # each row was filled on exactly one rank, zeros elsewhere

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from common.config import flag
 from common.host_memory import host_malloc_flag
+from learner.runtime.accumulation import coalesce_flag
 
 
 @dataclass
@@ -75,6 +76,7 @@ class TrainerConfig:
     )
     gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", group="deepspeed")
     host_malloc: str = host_malloc_flag(group="deepspeed")
+    coalesce_grad_reduction: str = coalesce_flag(group="deepspeed")
     flash_attn: bool = flag(
         False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
     )

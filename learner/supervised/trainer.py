@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from learner.runtime import engine as E
+from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("rayless.trainer")
@@ -190,6 +191,8 @@ class Trainer:
             else None
         )
         self.accum = engine.gradient_accumulation_steps()
+        # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
+        self.coalesce = engine_coalesces(engine, cfg.coalesce_grad_reduction, name=self.name)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.steps_per_epoch = len(self.train_loader) // self.accum
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
@@ -254,11 +257,11 @@ class Trainer:
                 step_batches = [next(batches) for _ in range(self.accum)]
                 ctx = self.prepare_step(step_batches)
                 per_micro = []
-                for batch in step_batches:
-                    loss, metrics = self.loss(to_device(batch), ctx)
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    per_micro.append(metrics)
+                with OptimizerStep(self.engine, coalesce=self.coalesce) as step:
+                    for batch in step_batches:
+                        loss, metrics = self.loss(to_device(batch), ctx)
+                        step.backward(loss)
+                        per_micro.append(metrics)
                 self.global_step += 1
                 samples_since += cfg.train_batch_size
                 if self.global_step % cfg.logging_steps == 0 or self.global_step == self.total_steps:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from helpers.paths import ROOT
 
-__all__ = ["ROOT", "python_cmd", "read_log", "run_module", "worker_env"]
+__all__ = ["ROOT", "python_cmd", "read_log", "run_module", "run_worker", "worker_env"]
 
 
 def worker_env() -> dict:
@@ -42,6 +42,19 @@ def run_module(module: str, args: list[str], *, nproc: int = 1, timeout: float =
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{module} failed ({proc.returncode}):\n{out[-6000:]}"
     return out
+
+
+def run_worker(script: str, args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict:
+    """``python SCRIPT args`` (or under torchrun with ``nproc`` ranks) for a test whose worker side
+    prints ``RESULT {json}``; returns the last such result, raising with the output's tail when
+    the run fails or prints none."""
+    cmd = python_cmd([script, *args], nproc)
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, (
+        f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(results[-1])
 
 
 def read_log(save_path) -> list[dict]:

@@ -101,12 +101,14 @@ def test_critic_alone_fits_the_returns(tiny_model_dir):
     for _ in range(15):
         old = critic.values(ro)  # (4, T)
         agg = token_mean_spec(full["action_mask"])
-        step = []
-        for idx in ([0, 1], [2, 3]):  # two micro-batches, one optimizer step
-            b = collate([ro.samples[i] for i in idx], 0)
-            T = b["response"].shape[1]
-            step.append(critic.train_micro_batch(b, old[idx, :T], returns[idx, :T], agg, world=1)["value_loss"])
-        losses.append(sum(step) / 2)
+        step_losses = []
+        with critic.optimizer_step() as step:
+            for idx in ([0, 1], [2, 3]):  # two micro-batches, one optimizer step
+                b = collate([ro.samples[i] for i in idx], 0)
+                T = b["response"].shape[1]
+                m = critic.train_micro_batch(b, old[idx, :T], returns[idx, :T], agg, world=1, step=step)
+                step_losses.append(m["value_loss"])
+        losses.append(sum(step_losses) / 2)
     assert losses[-1] < 0.2 * losses[0], losses
 
 
@@ -127,8 +129,9 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
 
     torch.manual_seed(0)
     cfg = _cfg(tiny_model_dir, freezing_actor_steps=1, value_clip=0.5)
-    policy = FakeEngine(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), lr=1e-3)
-    critic_engine = FakeEngine(load_critic(str(tiny_model_dir)), lr=1e-2)
+    # train batch 4, micro-batches of 2 on one rank: DeepSpeed would accumulate 2
+    policy = FakeEngine(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), lr=1e-3, accum=2)
+    critic_engine = FakeEngine(load_critic(str(tiny_model_dir)), lr=1e-2, accum=2)
     critic = Critic(critic_engine, pad_id=0, device=torch.device("cpu"), micro_rollout_batch_size=2, value_clip=0.5)
     trainer = PolicyTrainer(policy, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
     ro = _rollout()

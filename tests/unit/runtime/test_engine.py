@@ -9,23 +9,16 @@ The slow tests run this file as a worker script: ``python tests/unit/runtime/tes
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.procs import ROOT, python_cmd, worker_env
+from helpers import procs
 
 
 def run_worker(args: list[str], *, nproc: int = 1, timeout: float = 300) -> dict:
-    cmd = python_cmd([__file__, *args], nproc)
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    results = [line[len("RESULT ") :] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and results, (
-        f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    )
-    return json.loads(results[-1])
+    return procs.run_worker(__file__, args, nproc=nproc, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- fast tests
