@@ -37,6 +37,41 @@ def prepare(*, tests: bool = False) -> Path:
     return REPO
 
 
+def grpo_learner_args(
+    prompts: Path,
+    *,
+    group: int,
+    prompts_per_step: int,
+    micro: int,
+    micro_rollout: int,
+    steps: int,
+    max_len: int,
+    lr: float,
+    **flags: object,
+) -> list[str]:
+    """``learner.train_ppo`` flags of a bench's lockstep GRPO job (``--learner_args`` of
+    ``launch.local``): one optimizer step of ``prompts_per_step x group`` samples per rollout,
+    ZeRO-2, no KL, seed 0; ``flags`` add or override (``label_key="label"``)."""
+    args: dict[str, object] = {
+        "prompt_data": prompts,
+        "input_key": "input",
+        "advantage_estimator": "group_norm",
+        "n_samples_per_prompt": group,
+        "rollout_batch_size": prompts_per_step,
+        "train_batch_size": prompts_per_step * group,
+        "micro_train_batch_size": micro,
+        "micro_rollout_batch_size": micro_rollout,
+        "max_steps": steps,
+        "generate_max_len": max_len,
+        "actor_learning_rate": lr,
+        "zero_stage": 2,
+        "init_kl_coef": 0.0,
+        "seed": 0,
+        **flags,
+    }
+    return [x for name, value in args.items() for x in (f"--{name}", str(value))]
+
+
 def run_stamped(
     cmd: list[str], run_dir: Path, *, env: dict[str, str], label: str, poll_s: float = 0.02
 ) -> list[tuple[float, dict]]:

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _setup import CPU_ENV, prepare, run_stamped
+from _setup import CPU_ENV, grpo_learner_args, prepare, run_stamped
 
 REPO = prepare(tests=True)
 
@@ -39,13 +39,18 @@ from rollout_service.config import IDLE_SPIN_ENV  # noqa: E402
 
 
 def learner_args(prompts: Path, steps: int) -> list[str]:
-    return [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
-        *("--n_samples_per_prompt", "8", "--rollout_batch_size", "16", "--train_batch_size", "128"),
-        *("--micro_train_batch_size", "128", "--micro_rollout_batch_size", "16", "--max_steps", str(steps)),
-        *("--num_episodes", "100", "--generate_max_len", "6", "--actor_learning_rate", "5e-4"),
-        *("--zero_stage", "2", "--init_kl_coef", "0.0", "--seed", "0", "--peer_timeout_s", "60"),
-    ]
+    return grpo_learner_args(
+        prompts,
+        group=8,
+        prompts_per_step=16,
+        micro=128,
+        micro_rollout=16,
+        steps=steps,
+        max_len=6,
+        lr=5e-4,
+        num_episodes=100,
+        peer_timeout_s=60,
+    )
 
 
 def run_variant(args, model: Path, prompts: Path, work: Path, name: str, spin: str, cores: str, rnd: int) -> list:

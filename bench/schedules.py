@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _setup import CPU_ENV, prepare, run_stamped
+from _setup import CPU_ENV, grpo_learner_args, prepare, run_stamped
 
 REPO = prepare()
 ENV = dict(os.environ, **CPU_ENV)
@@ -43,14 +43,17 @@ def run_once(args, model: Path, work: Path, name: str, *, async_train: bool, epo
     """One launch.local run; returns its rows with arrival times and samples/s after warm-up."""
     run_dir = work / name
     prompts = work / "prompts.jsonl"
-    learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--advantage_estimator", "group_norm"),
-        *("--n_samples_per_prompt", str(args.g), "--rollout_batch_size", str(args.b)),
-        *("--train_batch_size", str(args.b * args.g), "--micro_train_batch_size", str(args.b * args.g)),
-        *("--micro_rollout_batch_size", str(args.b * args.g), "--max_steps", str(steps)),
-        *("--generate_max_len", str(args.generate_max_len), "--max_epochs", str(epochs)),
-        *("--actor_learning_rate", "1e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
-    ]
+    learner = grpo_learner_args(
+        prompts,
+        group=args.g,
+        prompts_per_step=args.b,
+        micro=args.b * args.g,
+        micro_rollout=args.b * args.g,
+        steps=steps,
+        max_len=args.generate_max_len,
+        lr=1e-3,
+        max_epochs=epochs,
+    )
     if async_train:
         # Same loss in both: async's default IS correction is turned off so that only the
         # schedule differs (the correction costs a few element-wise ops).

@@ -59,7 +59,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _setup import prepare, run_stamped
+from _setup import grpo_learner_args, prepare, run_stamped
 
 REPO = prepare()
 
@@ -132,15 +132,20 @@ def run_rayless(args, model: Path, prompts: Path, work: Path, new_tokens: int, l
     """One launch.local lockstep run, as the demo's GRPO stage; s/step from the metrics rows."""
     run_dir = work / f"rayless-{new_tokens}-{layout}"
     steps = args.steps if new_tokens <= 16 else args.long_steps
-    learner = [
-        *("--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label"),
-        *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(GROUP)),
-        *("--rollout_batch_size", str(PROMPTS), "--train_batch_size", str(PROMPTS * GROUP)),
-        *("--micro_train_batch_size", str(MICRO), "--micro_rollout_batch_size", str(MICRO)),
-        *("--max_steps", str(steps), "--num_episodes", "100", "--generate_max_len", str(new_tokens)),
-        *("--temperature", "1.0", "--actor_learning_rate", str(LR), "--zero_stage", "2"),
-        *("--init_kl_coef", "0.0", "--seed", "0", "--peer_timeout_s", "600"),
-    ]
+    learner = grpo_learner_args(
+        prompts,
+        group=GROUP,
+        prompts_per_step=PROMPTS,
+        micro=MICRO,
+        micro_rollout=MICRO,
+        steps=steps,
+        max_len=new_tokens,
+        lr=LR,
+        label_key="label",
+        num_episodes=100,
+        temperature=1.0,
+        peer_timeout_s=600,
+    )
     rollout = ["--dtype", "float32", "--max_model_len", "256", "--seed", "0"]
     reward = ["--reward_func", str(REPO / "launch" / f"{task_module(args.model).__name__.split('.')[-1]}.py")]
     cmd = [
