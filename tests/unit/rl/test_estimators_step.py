@@ -56,6 +56,7 @@ def worker(model_dir: str) -> None:
     from learner.rl.experience import collate
     from learner.rl.policy_trainer import PolicyTrainer, response_logprobs
     from learner.runtime import engine as E
+    from learner.runtime.accumulation import engine_coalesces
 
     info = E.init_distributed()
     torch.manual_seed(0)
@@ -65,7 +66,9 @@ def worker(model_dir: str) -> None:
         n_samples_per_prompt=2,
         rollout_batch_size=4,
         train_batch_size=8,
-        micro_train_batch_size=4,
+        # micro-batches of 2: one rank accumulates 4, two ranks 2 each, which at ZeRO-2 on CPU
+        # reduce once per optimizer step (--coalesce_grad_reduction auto): checked against one rank
+        micro_train_batch_size=2,
         micro_rollout_batch_size=4,
         generate_max_len=8,
         init_kl_coef=0.0,
@@ -79,7 +82,7 @@ def worker(model_dir: str) -> None:
             zero_stage=2,
             bf16=False,
             train_batch_size=8,
-            micro_train_batch_size=4,
+            micro_train_batch_size=2,
             learning_rate=lr,
             num_training_steps=100,
             lr_scheduler="constant_with_warmup",
@@ -115,12 +118,14 @@ def worker(model_dir: str) -> None:
         cfg = PPOConfig(**{**common, **kw})
         critic = None
         if cfg.advantage_estimator == "gae":
+            critic_engine = engine_for(load_critic(model_dir, zero_stage=2), cfg.critic_learning_rate)
             critic = Critic(
-                engine_for(load_critic(model_dir, zero_stage=2), cfg.critic_learning_rate),
+                critic_engine,
                 pad_id=0,
                 device=info.device,
                 micro_rollout_batch_size=4,
                 value_clip=cfg.value_clip,
+                coalesce=engine_coalesces(critic_engine, cfg.coalesce_grad_reduction),
             )
         trainer = PolicyTrainer(policy, cfg, pad_id=0, device=info.device, critic=critic)
         stamp()
@@ -135,6 +140,7 @@ def worker(model_dir: str) -> None:
             "is_weight_mean": metrics.get("policy/is_weight_mean"),
             "kl_loss": metrics.get("policy/kl_loss"),
         }
+    results["_coalesced"] = {"policy": trainer.coalesce, "critic": critic.coalesce}
     # Whole-batch equivalence across ranks: the weights after all the steps, summarised.
     results["_weights"] = {
         "policy": [float(p.detach().double().sum()) for p in policy.module.parameters()],
@@ -171,6 +177,7 @@ def _run(model_dir, nproc: int = 1) -> dict:
 def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir):
     results = _run(tiny_model_dir)
     results.pop("_weights")
+    results.pop("_coalesced")
     assert set(results) == set(CASES)
     for name, r in results.items():
         assert r["finite"], (name, r)
@@ -187,10 +194,14 @@ def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir
 @pytest.mark.slow
 def test_two_ranks_end_with_the_weights_of_one(tiny_model_dir):
     """The same nine steps with the batch split over 2 gloo ranks (strided slices, global-count
-    aggregation, loss x world) leave policy and critic where one rank leaves them."""
+    aggregation, loss x world, gradients reduced once per optimizer step) leave policy and
+    critic where one rank leaves them."""
     import torch
 
-    one, two = _run(tiny_model_dir)["_weights"], _run(tiny_model_dir, nproc=2)["_weights"]
+    one, two = _run(tiny_model_dir), _run(tiny_model_dir, nproc=2)
+    assert one["_coalesced"] == {"policy": False, "critic": False}  # one rank: nothing to coalesce
+    assert two["_coalesced"] == {"policy": True, "critic": True}  # ZeRO-2 on CPU, 2 micro-batches a rank
+    one, two = one["_weights"], two["_weights"]
     for part in ("policy", "critic"):
         a, b = torch.tensor(one[part]), torch.tensor(two[part])
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-3), (part, (a - b).abs().max())

@@ -107,3 +107,21 @@ def test_sft_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_sft_on_two_zero2_ranks_reduces_once_per_step_and_learns(tiny_model_dir, tmp_path):
+    """Two gloo ranks at ZeRO-2, micro-batches of 4 in a global batch of 16: each rank
+    accumulates 2, and on CPU the trainer reduces them once per optimizer step
+    (``--coalesce_grad_reduction auto``); the model still learns."""
+    from learner.supervised.synthetic_data import write_all
+
+    data = tmp_path / "data"
+    write_all(data, n_train=64, n_eval=32)
+    save = tmp_path / "sft2"
+    args = sft_args(tiny_model_dir, data, save, "--eval_at_start")
+    args[args.index("--micro_train_batch_size") + 1] = "4"
+    out = run_module("learner.train_sft", args, nproc=2)
+    assert "sft: ZeRO-2 gradients reduced once per optimizer step, not after each of its 2 micro-batches" in out
+    evals = [r for r in read_log(save) if "eval/loss" in r]
+    assert evals[-1]["step"] == 8 and evals[-1]["eval/loss"] < 0.5 * evals[0]["eval/loss"], evals
