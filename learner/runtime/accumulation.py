@@ -74,6 +74,8 @@ def engine_coalesces(engine: Any, mode: str, *, name: str = "model") -> bool:
     coalesces; anything else, such as a test's stand-in engine, never coalesces."""
     if not hasattr(engine, "coalesce_grad_reduction"):
         return False
+    import torch  # here: the config modules import this file, and --help must not pay for torch
+
     stage = int(engine.zero_optimization_stage())
     supported = (
         stage in (1, 2, 3)
@@ -84,7 +86,7 @@ def engine_coalesces(engine: Any, mode: str, *, name: str = "model") -> bool:
     accum = int(engine.gradient_accumulation_steps())
     coalesce = should_coalesce(
         mode,
-        device_type=engine.device.type if hasattr(engine.device, "type") else str(engine.device).split(":")[0],
+        device_type=torch.device(engine.device).type,
         zero_stage=stage,
         dp_world_size=int(engine.dp_world_size),
         accum_steps=accum,
@@ -99,7 +101,7 @@ def engine_coalesces(engine: Any, mode: str, *, name: str = "model") -> bool:
             accum,
             mode,
         )
-    elif mode == "on" and not supported and engine.global_rank == 0:
+    elif mode == "on" and not supported and engine.dp_world_size > 1 and accum > 1 and engine.global_rank == 0:
         log.warning(
             "%s: --coalesce_grad_reduction on: DeepSpeed cannot coalesce this engine (ZeRO-%d, optimizer %s); "
             "reducing after every micro-batch",
