@@ -34,8 +34,8 @@ from _setup import CPU_ENV, grpo_learner_args, prepare, run_stamped
 
 REPO = prepare(tests=True)
 
+from common.vllm_spin import IDLE_SPIN_ENV  # noqa: E402
 from helpers.e2e_launch import addition_prompts, local_cmd  # noqa: E402 - after prepare()
-from rollout_service.config import IDLE_SPIN_ENV  # noqa: E402
 
 
 def learner_args(prompts: Path, steps: int) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common.config import flag, log_config, parse
 from common.transport import free_port
-from rollout_service.config import IDLE_SPIN_ENV
+from common.vllm_spin import IDLE_SPIN_ENV
 
 PHASES_IDLE_SPIN_S = 0.05  # the rollout workers' idle spin under --cpu_cores phases (docs/performance.md)
 

@@ -65,6 +65,14 @@ class RewardConfig:
         choices=("hf", "vllm"),
         group="reference model",
     )
+    ref_idle_spin_s: float | None = flag(
+        None,
+        "--ref_backend vllm: seconds its workers keep spinning on their queue after a scoring before they sleep "
+        "(vLLM 0.32: 1 s, a core taken from the learner on shared cores; as rollout_service --idle_spin_s). "
+        "Default: the environment's RAYLESS_VLLM_IDLE_SPIN_S (launch.local --cpu_cores phases sets 0.05), "
+        "else vLLM's own",
+        group="reference model",
+    )
     ref_tensor_parallel_size: int = flag(
         1, "--ref_backend vllm: GPUs the reference model spans", group="reference model"
     )
@@ -180,8 +188,14 @@ class RewardConfig:
                     "--ref_backend vllm reads log-probs from the raw logits: --temperature must be 1 "
                     "(use --ref_backend hf for a temperature-scaled reference)"
                 )
+            if self.ref_idle_spin_s is not None and self.ref_idle_spin_s < 0:
+                raise ValueError(f"--ref_idle_spin_s must be >= 0, got {self.ref_idle_spin_s}")
             if self.ref_tensor_parallel_size < 1:
                 raise ValueError(f"--ref_tensor_parallel_size must be >= 1, got {self.ref_tensor_parallel_size}")
+        if self.ref_idle_spin_s is not None and self.ref_backend != "vllm":
+            raise ValueError(
+                "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers: add --ref_backend vllm"
+            )
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("--retries and --retry_backoff_s must be >= 0")
 

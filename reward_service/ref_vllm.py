@@ -18,9 +18,12 @@ test_ref_vllm.py``).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
+
+from common.vllm_spin import IDLE_SPIN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ class VLLMReferenceScorer:
     def __init__(self, llm: Any, vocab_size: int) -> None:
         self.llm = llm
         self._vocab_size = vocab_size
+        self.idle_spin_s: float | None = None  # what its workers' queues spin (read at load)
 
     @classmethod
     def load(
@@ -41,9 +45,14 @@ class VLLMReferenceScorer:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         seed: int = 0,
+        idle_spin_s: float | None = None,
     ) -> VLLMReferenceScorer:
+        """``idle_spin_s``: how long the workers poll after their last step (``--ref_idle_spin_s``;
+        None: ``IDLE_SPIN_ENV`` if set, else vLLM's own)."""
         from vllm import LLM
 
+        if idle_spin_s is not None:  # read by reward_service.ref_worker_ext in the workers vLLM spawns
+            os.environ[IDLE_SPIN_ENV] = str(idle_spin_s)
         kw: dict[str, Any] = {}
         if max_model_len:
             kw["max_model_len"] = max_model_len
@@ -61,11 +70,20 @@ class VLLMReferenceScorer:
             # hold memory (and prompt log-probs are not served from it).
             enable_prefix_caching=False,
             seed=seed,
+            worker_extension_cls="reward_service.ref_worker_ext.RefWorkerExtension",
             **kw,
         )
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        log.info("reference model %s on vLLM (tp %d, %s)", path, tensor_parallel_size, dtype)
-        return cls(llm, vocab)
+        scorer = cls(llm, vocab)
+        scorer.idle_spin_s = llm.collective_rpc("rayless_idle_spin_s")[0]
+        log.info(
+            "reference model %s on vLLM (tp %d, %s), idle spin %s s",
+            path,
+            tensor_parallel_size,
+            dtype,
+            scorer.idle_spin_s,
+        )
+        return scorer
 
     def close(self) -> None:
         """Stops the engine's processes now. Left to interpreter exit, vLLM's teardown raced

@@ -211,6 +211,7 @@ class Scorer:
                     max_model_len=cfg.ref_max_model_len or None,
                     gpu_memory_utilization=cfg.ref_gpu_memory_utilization,
                     enforce_eager=cfg.ref_enforce_eager,
+                    idle_spin_s=cfg.ref_idle_spin_s,
                 )
             elif cfg.ref_pretrain:
                 ref = ReferenceScorer.load(
@@ -234,11 +235,14 @@ class Scorer:
 
     def capabilities(self) -> dict:
         """What the Hello announces: which sources this service computes."""
-        return {
+        caps = {
             "sources": (["ref"] if self.ref else []) + [s.name for s in self.sources],
             "ref_logprobs": self.ref is not None,
             "rewards": bool(self.sources),
         }
+        if hasattr(self.ref, "idle_spin_s"):  # a vLLM reference: what its workers spin after scoring
+            caps["ref_idle_spin_s"] = self.ref.idle_spin_s
+        return caps
 
     def score(self, req: ScoreRequest) -> ScoredBatch:
         """Scores every sample. Raises BadRequest for a request that cannot be scored as sent;

@@ -10,10 +10,6 @@ from dataclasses import dataclass
 from common.config import flag
 from common.weights import known_backends
 
-# --idle_spin_s through the environment: read by rollout_service.worker_ext in vLLM's workers;
-# set by the server from the flag, or by a launcher for every server (launch.local --cpu_cores phases).
-IDLE_SPIN_ENV = "RAYLESS_VLLM_IDLE_SPIN_S"
-
 
 @dataclass
 class RolloutConfig:

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import protocol as P
+from common.vllm_spin import IDLE_SPIN_ENV
 from common.weights import resolve_backend
-from rollout_service.config import IDLE_SPIN_ENV, RolloutConfig
+from rollout_service.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ def main() -> None:
     # The service's own path: flags -> config -> Scorer -> the vLLM reference.
     cfg = parse_config(
         ["--controller", "tcp://127.0.0.1:1", "--ref_pretrain", model, "--ref_backend", "vllm"]
-        + ["--ref_enforce_eager", "--ref_max_model_len", "128"]
+        + ["--ref_enforce_eager", "--ref_max_model_len", "128", "--ref_idle_spin_s", "0.05"]
     )
     scorer = Scorer.from_config(cfg)
     g = torch.Generator().manual_seed(0)
@@ -34,6 +34,7 @@ def main() -> None:
         "lengths": [len(got), len(want)],
         "vocab": scorer.ref.vocab_size,
         "sources": scorer.capabilities()["sources"],
+        "ref_idle_spin_s": scorer.capabilities()["ref_idle_spin_s"],  # what its worker's queues spin
     }
     print("RESULT " + json.dumps(result), flush=True)
     scorer.close()  # as the service does on its way out: the engine's processes stop here

@@ -29,6 +29,7 @@ def test_vllm_reference_logprobs_equal_transformers(tiny_model_dir):
     r = json.loads(lines[-1][len("RESULT ") :])
     assert r["lengths"] == [21, 21] and r["sources"] == ["ref"]
     assert r["max_abs_diff"] < 1e-4, r
+    assert r["ref_idle_spin_s"] == 0.05, r  # --ref_idle_spin_s reached the engine's worker (vLLM's own: 1 s)
 
 
 @pytest.mark.parametrize(
@@ -36,9 +37,16 @@ def test_vllm_reference_logprobs_equal_transformers(tiny_model_dir):
     [
         (["--temperature", "0.7"], "--temperature must be 1"),
         (["--ref_tensor_parallel_size", "0"], "--ref_tensor_parallel_size must be >= 1"),
+        (["--ref_idle_spin_s", "-1"], "--ref_idle_spin_s must be >= 0"),
     ],
 )
 def test_flags_the_vllm_reference_cannot_honour_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
         parse_config(["--controller", "tcp://h:1", "--ref_pretrain", "m", "--ref_backend", "vllm", *extra])
     assert message in capsys.readouterr().err
+
+
+def test_an_idle_spin_for_the_hf_reference_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--controller", "tcp://h:1", "--ref_pretrain", "m", "--ref_idle_spin_s", "0.05"])
+    assert "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers" in capsys.readouterr().err

@@ -25,6 +25,7 @@ def test_every_flag_keeps_its_default():
         "ref_pretrain": None,
         "temperature": 1.0,
         "ref_backend": "hf",
+        "ref_idle_spin_s": None,
         "ref_tensor_parallel_size": 1,
         "ref_max_model_len": 0,
         "ref_gpu_memory_utilization": 0.9,

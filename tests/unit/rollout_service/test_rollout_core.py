@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,6 @@ import pytest
 from common import protocol as P
 from common.transport import AsyncEndpoint, Endpoint
 from helpers.fake_controller import welcome_then
-from helpers.rollout_harness import REPO
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, RolloutCore
 
@@ -322,34 +319,6 @@ def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
     assert RolloutCore(RolloutConfig(**cfg)).engine_args().enable_chunked_prefill is False
     on = RolloutCore(RolloutConfig(**cfg, enable_chunked_prefill=True)).engine_args()
     assert on.enable_chunked_prefill is True
-
-
-_SPIN_CHECK = r"""
-import logging, sys
-import zmq
-from vllm.distributed.device_communicators import shm_broadcast
-from rollout_service.worker_ext import shorten_idle_spin
-logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
-ctx = zmq.Context()
-print("before", shm_broadcast.SpinCondition(True, ctx, "ipc:///tmp/rayless-spin-a").busy_loop_s)
-print("none", shorten_idle_spin(None), shm_broadcast.SpinCondition.__init__.__defaults__)
-print("set", shorten_idle_spin(0.05), shm_broadcast.SpinCondition(True, ctx, "ipc:///tmp/rayless-spin-b").busy_loop_s)
-class Other:  # a vLLM whose SpinCondition changed shape
-    def __init__(self, is_reader, context, notify_address, busy_loop_s=1, jitter=0): ...
-shm_broadcast.SpinCondition = Other
-print("other", shorten_idle_spin(0.05), Other.__init__.__defaults__)
-"""
-
-
-def test_idle_spin_becomes_the_default_of_the_workers_queues_or_is_left_alone():
-    """rollout_service.worker_ext.shorten_idle_spin (run in a fresh interpreter: it changes
-    vLLM's class): queues made after it spin that long; None leaves vLLM's 1 s; a SpinCondition
-    of another shape is left alone with a warning naming the flag."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SPIN_CHECK], capture_output=True, text=True, timeout=120, cwd=REPO
-    ).stdout.splitlines()
-    assert out[:3] == ["before 1", "none None (1,)", "set 0.05 0.05"], out
-    assert "--idle_spin_s 0.05 ignored" in out[3] and out[4] == "other None (1, 0)", out
 
 
 # ---------------------------------------------------------------------------- the server's shell
