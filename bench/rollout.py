@@ -134,12 +134,12 @@ def sync_bench(ctrl, rounds: int, gap_s: float) -> dict:
     """Full pushes and raw broadcasts of the same byte count, alternating (medians reported)."""
     nbytes = ctrl.publisher.source.nbytes()
     raw = RawPeer(nbytes, rounds)
-    ctrl.client.push_weights(1)  # warm-up
+    ctrl.fleet.push(1)  # warm-up
     pushes, raws, kept, phases = [], [], [], []
     for r in range(rounds):
         time.sleep(gap_s)
         t0 = time.perf_counter()
-        report = ctrl.client.push_weights(r + 2)
+        report = ctrl.fleet.push(r + 2)
         pushes.append(time.perf_counter() - t0)
         phases.append(report.seconds)
         time.sleep(gap_s)

@@ -25,9 +25,15 @@ from learner.rl.config import PPOConfig
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(PPOConfig, argv, description=__doc__.split("\n\n")[0], prog="learner.train_ppo")
-    from learner.rl.run import run  # heavy imports only after the flags parse
+    from learner.controller.controller import ServicesMissing  # heavy imports only after the flags parse
+    from learner.rl.build import RunError
+    from learner.rl.run import run
 
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (RunError, ServicesMissing) as e:
+        print(f"learner: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -149,7 +149,6 @@ class WeightPublisher:
         self.links: dict[str, _Link] = {}
         self.fleet: _Fleet | None = None
         self.fleet_builds = 0  # how many times a fleet group was formed (rebuilds included)
-        self.version: int | None = None  # last version pushed by this publisher
         self._buffers: Buffers | None = None  # 2 x bucket, on the weights' device, kept between pushes
 
     @property
@@ -179,7 +178,7 @@ class WeightPublisher:
         Fails as soon as the server answers with an error, naming it and quoting the error."""
         self._sender_only("connect")
         if self.control is None:
-            raise RuntimeError("no control channel to reach the servers (e.g. RolloutClient(..., publisher))")
+            raise RuntimeError("no control channel to reach the servers (WeightPublisher(..., control=RolloutClient))")
         if dtype:
             want = to_dtype(dtype)
             if self.source.dtype is None:
@@ -385,7 +384,6 @@ class WeightPublisher:
             if s in self.links:
                 # A group that failed mid-transfer is out of step for good: drop it.
                 self.disconnect(s, notify=False)
-        self.version = version
         parts = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items() if k != "total")
         log.info(
             "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s)%s",

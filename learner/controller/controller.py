@@ -12,12 +12,14 @@ generated and scored:
 Dead or silent peers give their work back (``pool.reap``), late work is re-issued
 (``ledger.expire``), late answers are dropped as duplicates. This class is the data path
 only: when to collect, train and push is a schedule's decision (``learner/rl/schedules/``).
-The policy version stamped on outgoing prompts is the schedule's to set
-(``set_policy_version``), after each weight push.
+Outgoing prompts are stamped with the version of the weights the fleet holds, which lives in
+the pool (``ServicePool.policy_version``) and moves only with a push (``FleetWeights.push``).
 
-A rollout server that joins mid-run gets the current weights before its first prompt: here
-at once when ``sync_joiners_in_pump`` (rank 0 can push alone), otherwise at the next weight
-push (ZeRO-3 on several ranks: a push is a collective of all learner ranks).
+A rollout server that joins mid-run gets the current weights before its first prompt
+(``FleetWeights.sync_joiners``): here at once when ``sync_joiners_in_pump`` (rank 0 can push
+alone and nothing trains meanwhile), otherwise at the next weight push (ZeRO-3 on several
+ranks, where a push is a collective of all learner ranks; the async schedule, where the
+learner trains while the data path runs).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from learner.controller.pool import ServicePool
 from learner.controller.reward_client import RewardClient, build_score_request
 from learner.controller.rollout_client import RolloutClient
 from learner.controller.types import CollectResult, PromptItem, Rollout, ScoredSample
+from learner.controller.weight_fleet import FleetWeights
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class Controller:
         *,
         sampling: SamplingParams,
         rewards: RewardClient | None = None,
+        weights: FleetWeights | None = None,
         max_prompts_per_request: int = 16,
         sync_joiners_in_pump: bool = True,
         detokenize: Callable[[list[list[int]]], list[str]] | None = None,
@@ -61,6 +65,8 @@ class Controller:
         self.endpoint: Endpoint = rollout.endpoint
         self.pool: ServicePool = rollout.pool
         self.rewards = rewards or RewardClient(self.pool)
+        # Without a weight publisher (tests of the data path) joiners are ready at once.
+        self.weights = weights or FleetWeights(self.pool)
         self.ledger = ledger
         self.sampling = sampling  # the default of collect(); evaluation passes its own
         self.max_prompts_per_request = max_prompts_per_request
@@ -68,22 +74,14 @@ class Controller:
         # Function rewards read text (OpenRLHF's `queries` = prompt + response); the controller
         # has the policy's tokenizer, so it decodes here once instead of in every reward service.
         self.detokenize = detokenize
-        self._policy_version = 0
         self._sampling_of: dict[int, SamplingParams] = {}  # prompt id -> how it is sampled
         self._next_id = 0
         self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
 
-    # ------------------------------------------------------------------ state the schedule sets
     @property
     def policy_version(self) -> int:
-        """The version of the weights the rollout servers hold (the last push)."""
-        return self._policy_version
-
-    def set_policy_version(self, version: int) -> None:
-        """Called by the schedule after a weight push: prompts sent from now on ask for it."""
-        if version < self._policy_version:
-            raise ValueError(f"policy version cannot go back: {version} < {self._policy_version}")
-        self._policy_version = version
+        """The version of the weights the rollout servers hold (the last push; the pool's)."""
+        return self.pool.policy_version
 
     # ------------------------------------------------------------------ intake
     def add_prompts(self, items: list[PromptItem], sampling: SamplingParams | None = None) -> list[int]:
@@ -123,7 +121,7 @@ class Controller:
         for pid in self.ledger.expire():
             log.warning("prompt %d passed its deadline; re-issuing", pid)
         if self.sync_joiners_in_pump:
-            self.rollout.sync_joiners(push=True)
+            self.weights.sync_joiners(push=True)
         self._dispatch_generation()
         self._dispatch_scoring()
 
@@ -140,7 +138,7 @@ class Controller:
                 self._on_scored(peer.name, outcome.scored)
         elif isinstance(msg, SampleBatch):  # RolloutClient has released these prompts at the pool
             for pid, sub in split_by_prompt(msg).items():
-                if sub.policy_versions and min(sub.policy_versions) < self._policy_version:
+                if sub.policy_versions and min(sub.policy_versions) < self.pool.policy_version:
                     self.counters["stale_samples"] += len(sub)
                 self.ledger.generated(pid, sub, peer.name)
         elif isinstance(msg, Error):  # a rollout server refusing prompts (call id 0)
@@ -183,14 +181,14 @@ class Controller:
                         [e.prompt_id for e in chunk],
                         [e.payload.tokens for e in chunk],
                         sampling,
-                        policy_version=self._policy_version,
+                        policy_version=self.pool.policy_version,
                         seeds=None if unseeded else [e.payload.seed for e in chunk],
                     )
                 )
                 for e in chunk:
                     if e.prompt_id not in unplaced:
                         holder = self.pool.holder(e.prompt_id).name
-                        self.ledger.start_generation([e.prompt_id], holder, version=self._policy_version)
+                        self.ledger.start_generation([e.prompt_id], holder, version=self.pool.policy_version)
                 if unplaced:
                     return
 

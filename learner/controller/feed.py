@@ -89,9 +89,14 @@ class OffPolicyFeed:
         self.total_groups = total_groups
         self.keep_group = keep_group
         self.clock = clock
-        # Bringing a joiner up to date reads the learner's parameters; in async the learner is
-        # training meanwhile, so joiners wait for the next push (which syncs them first).
-        controller.sync_joiners_in_pump = False
+        # Bringing a joiner up to date reads the learner's parameters, which the learner trains
+        # while this feed pumps: the controller must leave joiners to the next push (which syncs
+        # them first). Its builder decides that (``sync_joiners_in_pump``); a feed cannot.
+        if controller.sync_joiners_in_pump and controller.weights.publisher is not None:
+            raise ValueError(
+                "OffPolicyFeed: the controller syncs joiners in its pump, which would read weights the "
+                "learner is training; build it with sync_joiners_in_pump=False"
+            )
         self.ready: list[Group] = []
         self.in_flight: dict[int, PromptItem] = {}  # prompt id -> item: admitted, not yet ready
         self._position: dict[int, int] = {}  # prompt id -> stream position, for what is in flight

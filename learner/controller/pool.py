@@ -82,12 +82,38 @@ class ServicePool:
         self.peer_timeout_s = peer_timeout_s
         self.needs_preparation = set(needs_preparation)
         self.welcome_config = welcome_config or (lambda hello: {})
-        self.policy_version = 0
+        self._version: int | None = None  # the weights the rollout fleet holds; None before the first push
         self.clock = clock
         self.peers: dict[bytes, Peer] = {}
         self.lost: list[LostWork] = []  # dead peers' work not yet collected by reap()
         self.joined: list[Peer] = []  # peers that joined since the last take_joined()
         self.counters = {"joined": 0, "died": 0, "rejected_hello": 0, "lost_keys": 0}
+
+    # ------------------------------------------------------------------ the fleet's weights
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the rollout fleet holds: the last push's (0 before any).
+
+        The one place a run's policy version lives on rank 0: the controller stamps outgoing
+        prompts with it, a joiner's Welcome carries it, the async feed admits by it. Only a push
+        moves it (``weights_pushed``, called by ``learner.controller.weight_fleet.FleetWeights``)."""
+        return self._version or 0
+
+    @property
+    def pushed(self) -> bool:
+        """Whether any weights were pushed yet (a joiner before the first push gets none)."""
+        return self._version is not None
+
+    def weights_pushed(self, version: int, servers: Iterable[str]) -> None:
+        """Records a push of ``version``: the fleet's version, and the version each of
+        ``servers`` (the ones it updated) now holds. Versions never go back."""
+        if self._version is not None and version < self._version:
+            raise ValueError(f"policy version cannot go back: {version} < {self._version}")
+        self._version = version
+        for name in servers:
+            peer = self.peers.get(name.encode())
+            if peer is not None:
+                peer.policy_version = version
 
     # ------------------------------------------------------------------ messages
     def handle(self, identity: bytes, msg: Message) -> Message | None:

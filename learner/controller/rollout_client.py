@@ -1,29 +1,26 @@
-"""The controller's side of the rollout servers: work out, samples in, weights pushed.
+"""The controller's side of the rollout servers: work out, samples in, calls answered.
 
-Built on ``learner.controller.pool.ServicePool`` (who is there, what each holds, who died) and
-``common.weights.publisher.WeightPublisher`` (the weight groups: a joiner's own group, brought
-up to date alone by ``sync_joiners``; one fleet group for every server at ``push_weights``). ``RolloutClient`` owns the reading
-of the controller's ROUTER endpoint: every message goes through ``pool.handle`` (so heartbeats
-keep peers alive even while a weight push blocks the loop for minutes), replies to calls go to
-whoever is waiting on them, and everything else (SampleBatches, per-prompt Errors, and other
-roles' results) is queued for ``poll``.
+Built on ``learner.controller.pool.ServicePool`` (who is there, what each holds, who died).
+``RolloutClient`` owns the reading of the controller's ROUTER endpoint: every message goes
+through ``pool.handle`` (so heartbeats keep peers alive even while a weight push blocks the
+loop for minutes), replies to calls go to whoever is waiting on them, and everything else
+(SampleBatches, per-prompt Errors, and other roles' results) is queued for ``poll``. It is also
+the weight publisher's control channel (``common.weights.publisher.SyncControl``: ``request``);
+the weights themselves are ``learner.controller.weight_fleet.FleetWeights``'s.
 
 A controller loop::
 
-    client = RolloutClient(endpoint, pool, WeightPublisher(policy, backend="gloo"))
+    client = RolloutClient(endpoint, pool)
+    fleet = FleetWeights(pool, WeightPublisher(policy, control=client, backend="gloo"))
     while training:
-        client.sync_joiners()                        # new servers: weight group + current weights
-        unplaced = client.submit(ids, tokens, sampling, policy_version=v)
+        fleet.sync_joiners()                         # new servers: weight group + current weights
+        unplaced = client.submit(ids, tokens, sampling, policy_version=pool.policy_version)
         for ident, msg in client.poll(timeout=0.1):  # SampleBatch / Error(prompt_ids=...) / ...
             ...                                      # ledger.generated(...) / ledger.lost(...)
         for lost in client.reap():                   # dead servers: their prompt ids
             ledger.lost(lost.keys, lost.reason)
         ...
-        client.push_weights(v + 1)                   # after an optimizer step
-
-Multi-rank learners: ``push_weights`` and ``sync_joiners`` (when it pushes) run
-``WeightPublisher.push`` on rank 0, which under ZeRO-3 gathers with the other ranks: those
-must call ``publisher.push(version)`` at the same point (rank 0 tells them when).
+        fleet.push(v + 1)                            # after an optimizer step
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from collections.abc import Sequence
 
 from common import protocol as P
 from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError, safe_label
-from common.weights.publisher import PushReport, WeightPublisher, WeightSyncError
 from learner.controller.pool import LostWork, Peer, ServicePool
 
 log = logging.getLogger(__name__)
@@ -75,19 +71,9 @@ class _Pending:
 
 
 class RolloutClient:
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        pool: ServicePool,
-        publisher: WeightPublisher | None = None,
-        *,
-        call_timeout_s: float = 30.0,
-    ) -> None:
-        self.endpoint, self.pool, self.publisher = endpoint, pool, publisher
-        if publisher is not None and publisher.control is None:
-            publisher.control = self
+    def __init__(self, endpoint: Endpoint, pool: ServicePool, *, call_timeout_s: float = 30.0) -> None:
+        self.endpoint, self.pool = endpoint, pool
         self.call_timeout_s = call_timeout_s
-        self.version = pool.policy_version  # last version pushed to the servers
         self._waiting: set[int] = set()
         self._replies: dict[int, P.Message] = {}
         self._inbox: deque[tuple[bytes, P.Message]] = deque()
@@ -145,26 +131,6 @@ class RolloutClient:
     def call(self, server: str, msg: P.Message, timeout: float | None = None) -> P.Message:
         return self.request(server, msg).result(self.call_timeout_s if timeout is None else timeout)
 
-    def health(self, server: str) -> P.Health:
-        return self.call(server, P.GetHealth())
-
-    def pause(self, server: str) -> None:
-        self.call(server, P.Pause())
-
-    def resume(self, server: str) -> None:
-        self.call(server, P.Resume())
-
-    def shutdown(self, server: str, reason: str = "") -> None:
-        """Asks ``server`` to exit; what it held comes back from the next ``reap``."""
-        try:
-            self.call(server, P.Shutdown(reason=reason), timeout=min(self.call_timeout_s, 10.0))
-        finally:
-            peer = self.peer(server)
-            if peer is not None:
-                self.pool.mark_dead(peer, f"shut down by the controller ({reason or 'no reason'})")
-            if self.publisher is not None:
-                self.publisher.disconnect(server, notify=False)
-
     # ------------------------------------------------------------------ work
     def peer(self, server: str) -> Peer | None:
         return self.pool.peers.get(server.encode())
@@ -206,58 +172,6 @@ class RolloutClient:
 
     def reap(self) -> list[LostWork]:
         """Dead servers (silent past the pool's deadline, announced fatal, unreachable, failed a
-        weight push) with the prompt ids each held; their weight groups are dropped."""
+        weight push) with the prompt ids each held."""
         lost, self._lost = self._lost + self.pool.reap(), []
-        if self.publisher is not None:
-            for lw in lost:
-                self.publisher.disconnect(lw.peer.name, notify=False)
         return lost
-
-    # ------------------------------------------------------------------ weights
-    def sync_joiners(self, push: bool = True) -> list[str]:
-        """Servers that said Hello since the last call: forms each one's weight group, pushes the
-        current weights if any were pushed before (``push``), then lets it take work. A joiner
-        that fails is declared dead (it says Hello again on its next message)."""
-        synced = []
-        for peer in self.pool.take_joined():
-            if peer.role != ROLE or not peer.alive:
-                continue
-            try:
-                if self.publisher is not None:
-                    caps = peer.capabilities
-                    self.publisher.connect(
-                        peer.name, workers=int(caps.get("workers", caps.get("tp", 1))), dtype=caps.get("dtype") or None
-                    )
-                    if push and self.publisher.version is not None:
-                        self.publisher.push(self.publisher.version, [peer.name])
-                        peer.policy_version = self.publisher.version
-            except WeightSyncError as e:
-                self.pool.mark_dead(peer, str(e))
-                continue
-            peer.ready = True
-            synced.append(peer.name)
-        return synced
-
-    def push_weights(self, version: int) -> PushReport:
-        """Pushes the publisher's model as ``version`` to every live, connected server (one
-        transfer through the fleet group, formed again first if servers joined or left since
-        the last push). Servers that fail are declared dead (``reap`` returns their prompts) and
-        named in ``report.failed``; servers a failure cut off are retried within the push and
-        count as updated. Raises WeightSyncError only if no server could be updated."""
-        if self.publisher is None:
-            raise RuntimeError("RolloutClient has no WeightPublisher")
-        servers = [p.name for p in self.pool.alive(ROLE) if p.name in self.publisher.links]
-        try:
-            report = self.publisher.push(version, servers)
-        except WeightSyncError as e:
-            report = e.report
-            for server, why in e.failures.items():
-                peer = self.peer(server)
-                if peer is not None:
-                    self.pool.mark_dead(peer, f"weight push v{version} failed: {why}")
-            if servers and not report.updated:
-                raise
-        self.version = self.pool.policy_version = version
-        for server in report.updated:
-            self.peer(server).policy_version = version
-        return report

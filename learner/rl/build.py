@@ -1,4 +1,4 @@
-"""Set-up pieces of an RL run: the trained engines, the controller, the sampling settings.
+"""Set-up pieces of an RL run: the trained engines, rank 0's side, the sampling settings.
 
 Called once by ``learner.rl.run``; each builder takes the resolved ``PPOConfig`` so the flag
 -> object mapping lives in one place.
@@ -7,6 +7,7 @@ Called once by ``learner.rl.run``; each builder takes the resolved ``PPOConfig``
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,11 @@ from common.protocol import SamplingParams
 from learner.rl.config import PPOConfig
 
 log = logging.getLogger("learner")
+
+
+class RunError(RuntimeError):
+    """An RL run that cannot start or go on, for a reason its one-line message names (a flag,
+    a file, a missing service). ``learner.train_ppo.main`` prints it and exits 1."""
 
 
 def setup_logging(rank: int) -> None:
@@ -41,19 +47,53 @@ def sampling_params(cfg: PPOConfig, tokenizer: Any) -> tuple[SamplingParams, Sam
     return sampling, greedy
 
 
-def make_controller(cfg: PPOConfig, sampling: SamplingParams, rollout: Any, tokenizer: Any, *, sync_joiners: bool):
-    """Rank 0's controller over ``rollout`` (a RolloutClient bound to the controller socket)."""
+@dataclass
+class Rank0:
+    """Rank 0's side of an RL run (the controller's), built by ``build_rank0``."""
+
+    rollout: Any  # learner.controller.rollout_client.RolloutClient
+    weights: Any  # learner.rl.weight_push.WeightPush with rank 0's FleetWeights
+    driver: Any  # learner.rl.driver.Driver
+
+
+def build_rank0(
+    cfg: PPOConfig, engine: Any, tokenizer: Any, train_items: list, eval_items: list, *, world_size: int
+) -> Rank0:
+    """Rank 0's objects, each handed what it needs when it is made, in dependency order: the
+    controller's endpoint, the pool of services on it, the rollout client (the pool's reader and
+    the weight publisher's control channel), the publisher, the fleet's weights, the controller,
+    the driver. Nothing is wired in afterwards."""
+    from common.transport import Endpoint
     from learner.controller.controller import Controller
     from learner.controller.ledger import PromptLedger
+    from learner.controller.pool import ServicePool
+    from learner.controller.rollout_client import RolloutClient
+    from learner.controller.weight_fleet import FleetWeights
+    from learner.rl.driver import Driver
+    from learner.rl.metrics import metrics_writer
+    from learner.rl.prompts import PromptStream
+    from learner.rl.weight_push import WeightPush, make_publisher, rank0_syncs_joiners
 
-    ledger = PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s)
-    return Controller(
-        rollout,
-        ledger,
-        sampling=sampling,
-        sync_joiners_in_pump=sync_joiners,
-        detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
-    )
+    sampling, greedy = sampling_params(cfg, tokenizer)
+    endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
+    try:
+        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
+        rollout = RolloutClient(endpoint, pool)
+        fleet = FleetWeights(pool, make_publisher(cfg, engine, rank=0, control=rollout))
+        controller = Controller(
+            rollout,
+            PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s),
+            sampling=sampling,
+            weights=fleet,
+            sync_joiners_in_pump=rank0_syncs_joiners(cfg, world_size),
+            detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+        )
+        stream = PromptStream(train_items, cfg.rollout_batch_size, seed=cfg.seed if cfg.seed_sampling else None)
+        driver = Driver(cfg, controller, stream, metrics_writer(cfg), eval_items=eval_items, greedy=greedy)
+    except BaseException:
+        endpoint.close()
+        raise
+    return Rank0(rollout, WeightPush(fleet.publisher, fleet), driver)
 
 
 def critic_save_path(cfg: PPOConfig) -> str:
@@ -131,4 +171,4 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
         want.append(("rm", "--reward_pretrain is set: start a reward service with --reward_pretrain"))
     for source, why in want:
         if not any(source in s for s in sources.values()):
-            raise SystemExit(f"{why} (connected reward services and their sources: {sources})")
+            raise RunError(f"{why} (connected reward services and their sources: {sources})")

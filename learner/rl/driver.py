@@ -29,8 +29,15 @@ class StepBatch:
     """What rank 0 gathered for one step."""
 
     rollout: Rollout  # the groups to train on (after dynamic filtering)
-    collected: CollectResult  # the step's own collect, for its counters
+    failed_groups: int = 0  # groups dropped since the last step because their scoring failed
+    generated_tokens: int = 0  # response tokens generated for the step (filtered groups included)
     filter_stats: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, collected: CollectResult, rollout: Rollout | None = None, **kw: Any) -> StepBatch:
+        """A step's batch from its collect; ``rollout``: what is left of it to train on."""
+        tokens = sum(len(s.response) for s in collected.rollout.samples)
+        return cls(collected.rollout if rollout is None else rollout, collected.failed_groups, tokens, **kw)
 
 
 class Driver:
@@ -69,12 +76,9 @@ class Driver:
         """Generates and scores ``step``'s prompts; with --dynamic_filtering, refills."""
         res = self.controller.collect(self.prompts.batch(step), timeout_s=self.timeout_s)
         if not self.cfg.dynamic_filtering:
-            return StepBatch(res.rollout, res)
+            return StepBatch.of(res)
         rollout, stats = filter_and_refill(self.controller, self.cfg, res.rollout, self.prompts.refills(step))
-        return StepBatch(rollout, res, stats)
-
-    def weights_pushed(self, version: int) -> None:
-        self.controller.set_policy_version(version)
+        return StepBatch.of(res, rollout, filter_stats=stats)
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only."""
@@ -98,7 +102,7 @@ class Driver:
         n_trained: int,
         timings: dict[str, float],
     ) -> None:
-        metrics.update(run_metrics(self.controller, batch.collected, n_trained, timings))
+        metrics.update(run_metrics(self.controller, batch, n_trained, timings))
         metrics.update(batch.filter_stats)
         # Which prompts this step trained on, as one number: a resumed run's must equal the
         # uninterrupted run's step for step (tests/e2e/test_e2e_resume.py).

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from learner.controller.types import CollectResult
 from learner.rl.config import PPOConfig
 from learner.runtime.metrics import MetricsWriter
 
@@ -21,19 +20,19 @@ def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
     return MetricsWriter(cfg.metrics_file or out / "metrics.jsonl", cfg.use_tensorboard or out / "tensorboard")
 
 
-def run_metrics(controller: Any, res: CollectResult, n_samples: int, timings: dict[str, float]) -> dict[str, float]:
-    """The data path's counters for one step; ``timings``: generate_s, train_s, step_s, eta_s, total_steps."""
-    toks = sum(len(s.response) for s in res.rollout.samples)
+def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, float]) -> dict[str, float]:
+    """The data path's counters for one step (``batch``: the step's ``learner.rl.driver.StepBatch``);
+    ``timings``: generate_s, train_s, step_s, eta_s, total_steps."""
     return {
         "time/generate_s": timings["generate_s"],
         "time/train_s": timings["train_s"],
         "time/step_s": timings["step_s"],
         "time/eta_s": timings["eta_s"],
         "time/total_steps": timings["total_steps"],
-        "perf/rollout_tokens_per_s": toks / max(timings["generate_s"], 1e-6),
+        "perf/rollout_tokens_per_s": batch.generated_tokens / max(timings["generate_s"], 1e-6),
         "ledger/reissued": controller.ledger.counters["reissued"],
         "ledger/duplicates": controller.ledger.counters["duplicates"],
-        "ledger/failed_groups": res.failed_groups,
+        "ledger/failed_groups": batch.failed_groups,
         "pool/died": controller.pool.counters["died"],
         "pool/rollout_servers": len(controller.pool.alive("rollout")),
         "samples": n_samples,

@@ -1,44 +1,119 @@
-"""``learner.train_ppo``'s run: set-up, then a schedule's ``step`` per training step, then save.
+"""``learner.train_ppo``'s run: named set-up steps, then a schedule's ``step`` per training step.
 
-Every learner rank runs ``run``. Rank 0 also builds the controller side (``Driver``: the
-controller socket, prompts, metrics); all ranks build the trained engines and the weight
-publisher. Which schedule runs is the flags' choice (``learner.rl.schedules.SCHEDULES``).
+Every learner rank runs ``run``, which reads top to bottom:
+
+    init_process        torch.distributed, logging, host memory, the checks of the world size
+    load_data           tokenizer, prompts (rank 0 loads, every rank learns the count), steps
+    build_trainer       the policy (and critic) engines and the PolicyTrainer
+    build_rank0         rank 0 only: endpoint, pool, rollout client, publisher, controller, driver
+    make_schedule       lockstep or async, with colocated turns under --colocate_all_models
+    train               resume, first push, evaluation, the steps, checkpoints, final evaluation
+    save_final          the HF policy (and critic)
+
+Errors a user must act on are ``RunError`` (one line, naming the flag or file); the entry point
+(``learner.train_ppo.main``) turns them into an exit code. Nothing here exits the process.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from common.config import log_config
 from learner.rl.build import (
+    RunError,
+    build_rank0,
     critic_save_path,
-    make_controller,
     make_critic,
-    sampling_params,
     setup_logging,
     train_engine,
 )
 from learner.rl.checkpoint import Checkpointer, CheckpointMismatch, check_resumable
 from learner.rl.config import PPOConfig
-from learner.rl.schedules import SCHEDULES, RunParts, schedule_name
+from learner.rl.schedules import RunParts, Schedule, Turns, make_schedule, schedule_name
 from learner.rl.schedules.base import broadcast_int
 from learner.rl.schedules.colocated import check_colocated_push, make_turns
 
 log = logging.getLogger("learner")
 
 
-def run(cfg: PPOConfig) -> int:
-    from transformers import AutoTokenizer
+@dataclass
+class Process:
+    rank: int
+    world_size: int
+    device: torch.device
 
-    from common.transport import Endpoint
-    from learner.controller.pool import ServicePool
-    from learner.rl.driver import Driver
-    from learner.rl.metrics import metrics_writer
-    from learner.rl.policy_trainer import PolicyTrainer
-    from learner.rl.prompts import PromptStream, load_prompt_items
-    from learner.rl.weight_push import WeightPush
+    @property
+    def rank0(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Data:
+    tokenizer: Any
+    pad_id: int
+    train_items: list  # rank 0's prompts (empty elsewhere)
+    eval_items: list
+    n_prompts: int  # on every rank
+    steps_per_episode: int
+    total_steps: int
+
+
+@dataclass
+class Models:
+    engine: Any  # the policy's DeepSpeed engine
+    critic: Any  # learner.rl.critic.Critic or None
+    trainer: Any  # learner.rl.policy_trainer.PolicyTrainer
+
+
+def run(cfg: PPOConfig) -> int:
+    proc = init_process(cfg)
+    data = load_data(cfg, proc)
+    try:  # before the models load: a wrong resume fails in seconds, not minutes
+        check_resumable(cfg, world_size=proc.world_size, n_prompts=data.n_prompts)
+    except CheckpointMismatch as e:
+        raise RunError(str(e)) from None
+    models = build_trainer(cfg, proc, data)
+    rank0 = None
+    if proc.rank0:
+        rank0 = build_rank0(
+            cfg, models.engine, data.tokenizer, data.train_items, data.eval_items, world_size=proc.world_size
+        )
+    weights = rank0.weights if rank0 is not None else _other_rank_weights(cfg, models.engine, proc.rank)
+    driver = rank0.driver if rank0 is not None else None
+    ok = False
+    try:
+        if driver is not None:
+            driver.wait_for_services()
+        turns = _turns(cfg, models, proc, rank0)
+        schedule = make_schedule(RunParts(cfg, models.trainer, weights, driver, proc.device, data.total_steps, turns))
+        if proc.rank0:
+            log.info("schedule: %s", schedule_name(cfg))
+        ckpt = Checkpointer(
+            cfg,
+            models.trainer,
+            rank=proc.rank,
+            world_size=proc.world_size,
+            n_prompts=data.n_prompts,
+            steps_per_episode=data.steps_per_episode,
+            tokenizer=data.tokenizer,
+            driver=driver,
+            schedule=schedule,
+        )
+        train(cfg, schedule, ckpt, data.total_steps)
+        save_final(cfg, models, data.tokenizer, proc)
+        ok = True
+    finally:
+        if driver is not None:
+            driver.close(ok)
+        weights.close()
+    return 0
+
+
+def init_process(cfg: PPOConfig) -> Process:
     from learner.runtime import engine as E
 
     info = E.init_distributed()
@@ -46,35 +121,41 @@ def run(cfg: PPOConfig) -> int:
     E.set_host_malloc(cfg.host_malloc)
     try:
         cfg.check_world_size(info.world_size)
-    except ValueError as e:
-        raise SystemExit(f"learner: {e}") from None
-    rank0 = info.rank == 0
-    if rank0:
-        log_config(cfg, log)
-        for name in cfg.ray_flags_used():
-            log.warning(
-                "--%s is a Ray placement flag; rayless has no placement: start the processes you want "
-                "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
-                name,
-            )
-        for name, theirs in cfg.engine_flags_used():
-            log.warning(
-                "--%s configures vLLM engines, which rollout_service processes own here: start them with %s "
-                "(launch.local passes it on)",
-                name,
-                theirs,
-            )
-    try:
         check_colocated_push(cfg)
     except ValueError as e:
-        raise SystemExit(f"learner: {e}") from None
+        raise RunError(str(e)) from None
+    if info.rank == 0:
+        log_config(cfg, log)
+        _warn_foreign_flags(cfg)
     torch.manual_seed(cfg.seed)
+    return Process(info.rank, info.world_size, info.device)
+
+
+def _warn_foreign_flags(cfg: PPOConfig) -> None:
+    for name in cfg.ray_flags_used():
+        log.warning(
+            "--%s is a Ray placement flag; rayless has no placement: start the processes you want "
+            "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
+            name,
+        )
+    for name, theirs in cfg.engine_flags_used():
+        log.warning(
+            "--%s configures vLLM engines, which rollout_service processes own here: start them with %s "
+            "(launch.local passes it on)",
+            name,
+            theirs,
+        )
+
+
+def load_data(cfg: PPOConfig, proc: Process) -> Data:
+    from transformers import AutoTokenizer
+
+    from learner.rl.prompts import load_prompt_items
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
     train_items, eval_items = [], []
-    if rank0:
+    if proc.rank0:
         train_items = load_prompt_items(cfg, tokenizer, cfg.prompt_data)
         eval_items = load_prompt_items(cfg, tokenizer, cfg.eval_data) if cfg.eval_data else []
     n_items = broadcast_int(len(train_items))
@@ -83,17 +164,19 @@ def run(cfg: PPOConfig) -> int:
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     if total_steps == 0:
-        raise SystemExit(
+        raise RunError(
             f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
             f"({cfg.rollout_batch_size}); nothing to train"
         )
-    try:  # before the models load: a wrong resume fails in seconds, not minutes
-        check_resumable(cfg, world_size=info.world_size, n_prompts=n_items)
-    except CheckpointMismatch as e:
-        raise SystemExit(f"learner: {e}") from None
-    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    optimizer_steps = total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
+    return Data(tokenizer, pad_id, train_items, eval_items, n_items, steps_per_episode, total_steps)
 
+
+def build_trainer(cfg: PPOConfig, proc: Process, data: Data) -> Models:
+    from learner.rl.policy_trainer import PolicyTrainer
+    from learner.runtime import engine as E
+
+    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+    optimizer_steps = data.total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
     model = E.load_causal_lm(
         cfg.pretrain,
         zero_stage=cfg.zero_stage,
@@ -102,76 +185,58 @@ def run(cfg: PPOConfig) -> int:
         flash_attn=cfg.flash_attn,
     )
     engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
-    critic = (
-        make_critic(cfg, tokenizer, pad_id, info.device, optimizer_steps) if cfg.advantage_estimator == "gae" else None
-    )
-    trainer = PolicyTrainer(engine, cfg, pad_id, info.device, critic=critic)
-    sampling, greedy = sampling_params(cfg, tokenizer)
-    weights = WeightPush(cfg, engine)
-    driver = None
-    ok = False
+    critic = None
+    if cfg.advantage_estimator == "gae":
+        critic = make_critic(cfg, data.tokenizer, data.pad_id, proc.device, optimizer_steps)
+    trainer = PolicyTrainer(engine, cfg, data.pad_id, proc.device, critic=critic)
+    return Models(engine, critic, trainer)
+
+
+def _other_rank_weights(cfg: PPOConfig, engine: Any, rank: int) -> Any:
+    """A rank other than 0 only takes part in pushes (the gather under ZeRO-3)."""
+    from learner.rl.weight_push import WeightPush, make_publisher
+
+    return WeightPush(make_publisher(cfg, engine, rank=rank), None)
+
+
+def _turns(cfg: PPOConfig, models: Models, proc: Process, rank0: Any) -> Turns:
+    if not cfg.colocate_all_models:
+        return Turns()
+    trained = [models.engine] + ([models.critic.engine] if models.critic is not None else [])
     try:
-        if rank0:
-            endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
-            rollout = weights.connect(endpoint, ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s))
-            controller = make_controller(cfg, sampling, rollout, tokenizer, sync_joiners=weights.rank0_can_push_alone)
-            driver = Driver(
-                cfg,
-                controller,
-                PromptStream(train_items, cfg.rollout_batch_size, seed=cfg.seed if cfg.seed_sampling else None),
-                metrics_writer(cfg),
-                eval_items=eval_items,
-                greedy=greedy,
-            )
-            driver.wait_for_services()
-        turns = None
-        if cfg.colocate_all_models:
-            trained = [engine] + ([critic.engine] if critic is not None else [])
-            try:
-                turns = make_turns(cfg, trained, info.device, weights.rollout if rank0 else None)
-            except ValueError as e:
-                raise SystemExit(f"learner: {e}") from None
-        parts = RunParts(cfg, trainer, weights, driver, info.device, total_steps, turns=turns)
-        schedule = SCHEDULES[schedule_name(cfg)](parts)
-        if rank0:
-            log.info("schedule: %s", schedule.name)
-        ckpt = Checkpointer(
-            cfg,
-            trainer,
-            rank=info.rank,
-            world_size=info.world_size,
-            n_prompts=n_items,
-            steps_per_episode=steps_per_episode,
-            tokenizer=tokenizer,
-            driver=driver,
-            schedule=schedule,
-        )
-        resumed = ckpt.resume() if cfg.load_checkpoint else None
-        first = resumed.step + 1 if resumed else 1
-        # Servers may have loaded other weights: everyone starts equal. A resumed run pushes the
-        # resumed weights, as the version they were at, before any prompt is handed out: servers
-        # that outlived the old learner still hold its later weights.
-        schedule.start(resumed.state["policy_version"] if resumed else 0)
-        if driver is not None and not resumed:
-            driver.evaluate(0, "eval/accuracy")
-        for step in range(first, total_steps + 1):
-            schedule.step(step)
-            if cfg.save_steps and step % cfg.save_steps == 0:
-                with schedule.states_resident():
-                    ckpt.save(step)
-        schedule.finish()
-        if driver is not None:
-            driver.evaluate(total_steps, "eval/accuracy_final")
-        E.save_hf(engine, tokenizer, cfg.save_path)
-        if rank0:
-            log.info("saved the policy to %s", cfg.save_path)
-        if critic is not None and cfg.save_value_network:
-            E.save_hf(critic.engine, tokenizer, critic_save_path(cfg))
-            if rank0:
-                log.info("saved the critic to %s", critic_save_path(cfg))
-        ok = True
-    finally:
-        if driver is not None:
-            driver.close(ok)
-        weights.close()
-    return 0
+        return make_turns(cfg, trained, proc.device, rank0.rollout if rank0 is not None else None)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+
+
+def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: int) -> None:
+    """Every rank: resume (``--load_checkpoint``), the first push, the steps, the evaluations."""
+    driver = schedule.driver
+    resumed = ckpt.resume() if cfg.load_checkpoint else None
+    first = resumed.step + 1 if resumed else 1
+    # Servers may have loaded other weights: everyone starts equal. A resumed run pushes the
+    # resumed weights, as the version they were at, before any prompt is handed out: servers
+    # that outlived the old learner still hold its later weights.
+    schedule.start(resumed.state["policy_version"] if resumed else 0)
+    if driver is not None and not resumed:
+        driver.evaluate(0, "eval/accuracy")
+    for step in range(first, total_steps + 1):
+        schedule.step(step)
+        if cfg.save_steps and step % cfg.save_steps == 0:
+            with schedule.states_resident():
+                ckpt.save(step)
+    schedule.finish()
+    if driver is not None:
+        driver.evaluate(total_steps, "eval/accuracy_final")
+
+
+def save_final(cfg: PPOConfig, models: Models, tokenizer: Any, proc: Process) -> None:
+    from learner.runtime import engine as E
+
+    E.save_hf(models.engine, tokenizer, cfg.save_path)
+    if proc.rank0:
+        log.info("saved the policy to %s", cfg.save_path)
+    if models.critic is not None and cfg.save_value_network:
+        E.save_hf(models.critic.engine, tokenizer, critic_save_path(cfg))
+        if proc.rank0:
+            log.info("saved the critic to %s", critic_save_path(cfg))

@@ -1,15 +1,19 @@
 """When and to whom the learner pushes weights: the schedule's side of weight sync.
 
-``common.weights.publisher.WeightPublisher`` moves the bytes; ``learner.controller.rollout_client.RolloutClient``
-forms a weight group with each server. This class ties them to the training loop:
+``common.weights.publisher.WeightPublisher`` moves the bytes; rank 0's
+``learner.controller.weight_fleet.FleetWeights`` keeps its groups in step with the servers and
+records each push in the pool (the run's one policy version). This class ties them to the
+training loop:
 
-- one publisher on every learner rank (under ZeRO-3 a push gathers on all of them);
-- ``connect(endpoint, pool)`` on rank 0 makes the RolloutClient that shares the publisher;
-- ``push(version)`` at the step's sync point, on every rank: rank 0 first connects servers that
-  joined since the last push (they get this push too), then pushes to every connected server,
-  through one fleet group (formed again when the servers changed: see docs/rollout.md);
+- one publisher on every learner rank (under ZeRO-3 a push gathers on all of them); rank 0's has
+  the rollout client as its control channel (``make_publisher``);
+- ``push(version)`` at the step's sync point, on every rank, is the one call a push is: rank 0
+  first connects servers that joined since the last push (they get this push too), then pushes
+  to every connected server through one fleet group (formed again when the servers changed: see
+  docs/rollout.md), and the pool then holds ``version``;
 - between pushes, joiners are brought up to date at once when rank 0 can push alone (no ZeRO-3
-  across several ranks); otherwise they wait for the next push.
+  across several ranks) and the learner is not training meanwhile (not async); otherwise they
+  wait for the next push (``rank0_syncs_joiners``).
 
 Backend: ``auto`` picks NCCL when CUDA is available, else gloo — the same code path.
 """
@@ -20,10 +24,9 @@ import logging
 import socket
 from typing import Any
 
-import torch.distributed as dist
-
 from common.weights import resolve_backend
 from common.weights.publisher import PushReport, WeightPublisher
+from learner.controller.weight_fleet import FleetWeights
 from learner.rl.config import PPOConfig
 
 log = logging.getLogger(__name__)
@@ -38,38 +41,39 @@ def _sync_host(cfg: PPOConfig) -> str:
     return socket.gethostname()
 
 
+def rank0_syncs_joiners(cfg: PPOConfig, world_size: int) -> bool:
+    """Whether rank 0 may bring a joiner up to date between pushes: it reads the weights alone,
+    which ZeRO-3 across ranks cannot (a gather is a collective) and which async training is
+    changing meanwhile."""
+    return not (cfg.zero_stage == 3 and world_size > 1) and not cfg.async_train
+
+
+def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = None) -> WeightPublisher:
+    """This rank's publisher of ``engine``'s weights; rank 0 passes its RolloutClient as ``control``."""
+    return WeightPublisher(
+        engine,
+        control=control,
+        rank=rank,
+        backend=resolve_backend(cfg.weight_sync_backend),
+        host=_sync_host(cfg),
+        timeout_s=cfg.weight_sync_timeout_s,
+    )
+
+
 class WeightPush:
-    def __init__(self, cfg: PPOConfig, engine: Any) -> None:
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        backend = resolve_backend(cfg.weight_sync_backend)
-        self.publisher = WeightPublisher(
-            engine, rank=self.rank, backend=backend, host=_sync_host(cfg), timeout_s=cfg.weight_sync_timeout_s
-        )
-        # Under ZeRO-3 on several ranks a push is a collective: rank 0 cannot serve a joiner alone.
-        self.rank0_can_push_alone = not (cfg.zero_stage == 3 and world > 1)
-        self.last_report: PushReport | None = None
-        self.rollout: Any = None  # rank 0's RolloutClient, set by connect()
-
-    def connect(self, endpoint: Any, pool: Any) -> Any:
-        """Rank 0: the RolloutClient on the controller socket, sharing this publisher (its weight
-        groups are the rollout servers' connections). Pushes then go to its servers."""
-        from learner.controller.rollout_client import RolloutClient
-
-        self.rollout = RolloutClient(endpoint, pool, self.publisher)
-        return self.rollout
+    def __init__(self, publisher: WeightPublisher, fleet: FleetWeights | None) -> None:
+        """``fleet``: rank 0's (None on the other ranks)."""
+        self.publisher, self.fleet = publisher, fleet
 
     def push(self, version: int) -> PushReport | None:
         """Call on every rank at the same point. Rank 0 first connects servers that joined since
         the last push (they receive this very push), then sends; it returns the report (other
-        ranks return None). The caller then tells the controller the new version."""
-        if self.rank != 0:
+        ranks return None)."""
+        if self.fleet is None:
             self.publisher.push(version)
             return None
-        if self.rollout is None:
-            raise RuntimeError("WeightPush.push on rank 0 before connect(): no rollout client to push to")
-        self.rollout.sync_joiners(push=False)
-        r = self.last_report = self.rollout.push_weights(version)
+        self.fleet.sync_joiners(push=False)
+        r = self.fleet.push(version)
         log.info(
             "weights v%d -> %d server(s) in %.2f s (%d through the fleet group%s)%s",
             version,

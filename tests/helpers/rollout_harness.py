@@ -23,6 +23,7 @@ from common.transport import Endpoint
 from common.weights.publisher import WeightPublisher
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
+from learner.controller.weight_fleet import FleetWeights
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {
@@ -112,7 +113,7 @@ class Server:
 
 
 class Controller:
-    """The learner's rank 0, minus training: endpoint, pool, client, publisher."""
+    """The learner's rank 0, minus training: endpoint, pool, client, publisher, the fleet's weights."""
 
     def __init__(
         self,
@@ -125,8 +126,11 @@ class Controller:
     ) -> None:
         self.ep = Endpoint.bind("tcp://127.0.0.1:0")
         self.pool = ServicePool(self.ep, peer_timeout_s=peer_timeout_s)
-        self.publisher = WeightPublisher(model, backend=backend, timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes)
-        self.client = RolloutClient(self.ep, self.pool, self.publisher, call_timeout_s=weight_timeout_s)
+        self.client = RolloutClient(self.ep, self.pool, call_timeout_s=weight_timeout_s)
+        self.publisher = WeightPublisher(
+            model, control=self.client, backend=backend, timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes
+        )
+        self.fleet = FleetWeights(self.pool, self.publisher)
         self.model = model
         self.servers: list[Server] = []
         self.results: dict[int, P.SampleBatch] = {}
@@ -164,7 +168,7 @@ class Controller:
                     f"servers {sorted(want - set(self.client.servers()))} did not join within {timeout:.0f} s"
                 )
             self.pump(0.2)
-            self.client.sync_joiners()
+            self.fleet.sync_joiners()
 
     def wait_results(self, prompt_ids, timeout: float = 120.0, allow_dead: tuple[str, ...] = ()) -> None:
         deadline = time.monotonic() + timeout

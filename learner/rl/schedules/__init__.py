@@ -1,27 +1,43 @@
-"""Schedules of an RL run, one file each, siblings over one controller and one trainer.
+"""Schedules of an RL run, siblings over one controller, one trainer and one ``Schedule.step``.
 
-``SCHEDULES`` maps a name to its class; ``learner.rl.run`` picks one from the flags
-(``schedule_name``): ``lockstep`` (the default), ``async`` (``--async_train``, off-policy with
-bounded staleness) and ``colocated`` (``--colocate_all_models``, lockstep with learner and
-engines taking turns on the same GPUs).
+``SCHEDULES`` maps a kind to its class: ``lockstep`` (the default) and ``async``
+(``--async_train``, off-policy with bounded staleness). The colocated schedule
+(``--colocate_all_models``) is lockstep run with ``ColocatedTurns`` (``colocated.py``): learner
+and engines take turns on the same GPUs. ``schedule_name`` is what the run's log calls it.
 """
 
 from __future__ import annotations
 
 from learner.rl.config import PPOConfig
 from learner.rl.schedules.async_ import AsyncSchedule
-from learner.rl.schedules.base import Decision, RunParts, Schedule, StoppedByRank0
-from learner.rl.schedules.colocated import ColocatedSchedule
+from learner.rl.schedules.base import Decision, RunParts, Schedule, StoppedByRank0, Turns
 from learner.rl.schedules.lockstep import LockstepSchedule
 
-SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (LockstepSchedule, AsyncSchedule, ColocatedSchedule)}
+SCHEDULES: dict[str, type[Schedule]] = {s.kind: s for s in (LockstepSchedule, AsyncSchedule)}
+
+
+def schedule_kind(cfg: PPOConfig) -> str:
+    """The schedule class the flags ask for (PPOConfig refuses --colocate_all_models with --async_train)."""
+    return AsyncSchedule.kind if cfg.async_train else LockstepSchedule.kind
 
 
 def schedule_name(cfg: PPOConfig) -> str:
-    """The schedule the flags ask for (PPOConfig refuses --colocate_all_models with --async_train)."""
-    if cfg.colocate_all_models:
-        return ColocatedSchedule.name
-    return AsyncSchedule.name if cfg.async_train else LockstepSchedule.name
+    """The schedule as the run's log names it: lockstep, async, or colocated (lockstep with turns)."""
+    return "colocated" if cfg.colocate_all_models else schedule_kind(cfg)
 
 
-__all__ = ["SCHEDULES", "Decision", "RunParts", "Schedule", "StoppedByRank0", "schedule_name"]
+def make_schedule(parts: RunParts) -> Schedule:
+    return SCHEDULES[schedule_kind(parts.cfg)](parts)
+
+
+__all__ = [
+    "SCHEDULES",
+    "Decision",
+    "RunParts",
+    "Schedule",
+    "StoppedByRank0",
+    "Turns",
+    "make_schedule",
+    "schedule_kind",
+    "schedule_name",
+]

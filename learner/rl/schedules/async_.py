@@ -1,6 +1,7 @@
 """Async (off-policy): generation never waits for training; staleness is bounded and corrected.
 
-``--async_train``. Rank 0 runs a pump thread that owns the controller between steps: it
+``--async_train``. The step is ``Schedule.step`` (``base.py``), as lockstep's; what differs is
+where rank 0's batch comes from. Rank 0 runs a pump thread that owns the controller between steps: it
 admits prompts under the staleness budget, routes samples to scoring and keeps scored groups
 ready (``learner.controller.feed.OffPolicyFeed``, which documents the three places
 ``--max_staleness`` K is enforced). Every rank runs the same collectives in the same order as
@@ -44,11 +45,11 @@ from typing import Any
 
 import torch
 
-from learner.controller.feed import Group, OffPolicyFeed
-from learner.controller.types import CollectResult, Rollout
+from learner.controller.feed import OffPolicyFeed
+from learner.controller.types import Rollout
 from learner.rl.driver import StepBatch
-from learner.rl.experience import broadcast_rollout
-from learner.rl.schedules.base import Decision, RunParts, Schedule, StoppedByRank0, broadcast_decision
+from learner.rl.policy_trainer import StepResult
+from learner.rl.schedules.base import RunParts, Schedule, StepTimes
 
 log = logging.getLogger("learner")
 
@@ -66,7 +67,7 @@ class _Pump(threading.Thread):
         self._holders = 0  # main-thread hold() requests waiting: the pump lets them in
         self._stop_evt = threading.Event()
         self._want: int | None = None  # train version the main thread waits for a batch of
-        self.batches: queue.Queue[list[Group]] = queue.Queue(maxsize=1)
+        self.batches: queue.Queue[list[Any]] = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
 
@@ -99,7 +100,7 @@ class _Pump(threading.Thread):
         finally:
             self._holders -= 1
 
-    def next_batch(self, train_version: int, timeout_s: float) -> list[Group]:
+    def next_batch(self, train_version: int, timeout_s: float) -> list[Any]:
         with self.hold():
             self._want = train_version
             self.last_progress = time.monotonic()
@@ -128,7 +129,7 @@ class _Pump(threading.Thread):
             self.join(timeout=10)
 
 
-def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.Tensor | None) -> dict[str, float]:
+def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.Tensor) -> dict[str, float]:
     """Lag histogram of the trained samples and behaviour KL (sampler vs learner old log-probs,
     ``mean_t log pi_rollout - log pi_old``, the k1 estimate of KL(behaviour || proximal)) by lag."""
     lags = [train_version - s.policy_version for s in samples]
@@ -137,7 +138,7 @@ def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.T
     out["async/max_lag"] = float(max(lags))
     out["async/min_version"] = float(min(s.policy_version for s in samples))
     out["async/train_version"] = float(train_version)
-    if old_lp is not None and old_lp.shape[0] == len(samples):
+    if old_lp.shape[0] == len(samples):
         sums: dict[int, list[float]] = {}
         for i, (s, lag) in enumerate(zip(samples, lags)):
             t = len(s.response)
@@ -152,7 +153,8 @@ def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.T
 
 
 class AsyncSchedule(Schedule):
-    name = "async"
+    kind = "async"
+    generation_overlaps = True
 
     def __init__(self, parts: RunParts) -> None:
         super().__init__(parts)
@@ -160,6 +162,7 @@ class AsyncSchedule(Schedule):
         self.slow_s = float(os.environ.get(SLOW_LEARNER_ENV, "0") or 0)
         self._last_report = time.monotonic()
         self._last_idle = 0.0
+        self._failed_before = 0  # groups dropped for failed scoring by the previous step
         self._feed_state: dict[str, Any] | None = None  # from a checkpoint, or the last feed's at its end
 
     # ------------------------------------------------------------------ rank 0's data path
@@ -201,6 +204,7 @@ class AsyncSchedule(Schedule):
         )
         if first_step > 1:
             feed.restore(state, driver.prompts.at)
+        self._failed_before = feed.counters["dropped_failed"]  # run totals: a resumed feed's include the old run's
         self.pump = _Pump(feed)
         self.pump.start()
         self._last_report = time.monotonic()
@@ -241,63 +245,47 @@ class AsyncSchedule(Schedule):
             )
 
     # ------------------------------------------------------------------ the step
-    def step(self, step: int) -> Decision:
-        try:
-            return self._step(step)
-        except BaseException:
-            try:
-                self._stop_pump()  # the controller's socket is the main thread's again (driver.close)
-            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
-                log.exception("stopping the async data path after a failed step")
-            raise
+    def next_batch(self, step: int) -> StepBatch:
+        cfg = self.cfg
+        if self.pump is None:
+            self._start_pump(step)
+        groups = self.pump.next_batch(step - 1, cfg.generate_timeout_s + cfg.score_timeout_s)
+        # Which prompts each step trains, by stream position: what an audit of a resumed run
+        # (nothing skipped, nothing twice) reads; ranges keep the line short.
+        log.info("step %d trains stream positions %s", step, _ranges(g.position for g in groups))
+        with self.pump.hold() as feed:
+            failed = feed.counters["dropped_failed"]
+        rollout = Rollout([s for g in groups for s in g.samples], cfg.n_samples_per_prompt)
+        batch = StepBatch(rollout, failed - self._failed_before, sum(len(s.response) for s in rollout.samples))
+        self._failed_before = failed
+        return batch
 
-    def _step(self, step: int) -> Decision:
-        cfg, parts = self.cfg, self.parts
-        t0 = time.time()
-        train_version = step - 1
-        groups, decision = None, None
-        if self.driver is not None:
-            try:
-                if self.pump is None:
-                    self._start_pump(step)
-                groups = self.pump.next_batch(train_version, cfg.generate_timeout_s + cfg.score_timeout_s)
-                # Which prompts each step trains, by stream position: what an audit of a resumed
-                # run (nothing skipped, nothing twice) reads; ranges keep the line short.
-                log.info("step %d trains stream positions %s", step, _ranges(g.position for g in groups))
-            except BaseException:
-                broadcast_decision(Decision.STOP)
-                raise
-            decision = Decision.TRAIN
-        decision = broadcast_decision(decision)
-        if decision is Decision.STOP:
-            raise StoppedByRank0(f"step {step}: rank 0 (the controller) failed; its log has the error")
-        t_wait = time.time() - t0
-        local = Rollout([s for g in groups for s in g.samples], cfg.n_samples_per_prompt) if groups else None
-        rollout = broadcast_rollout(local, cfg.n_samples_per_prompt, device=parts.device)
-        rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
-        metrics = parts.trainer.step(rollout)
+    def train(self, rollout: Rollout, step: int) -> StepResult:
+        result = super().train(rollout, step)
         if self.slow_s:
             time.sleep(self.slow_s)
-        t_train = time.time() - t0 - t_wait
-        self.push_weights(step)
-        if self.driver is not None:
-            self._report(step, train_version, rollout, metrics, t0, t_wait, t_train)
-        if step == parts.total_steps and self.driver is not None:
-            self._stop_pump()
-        return decision
+        return result
 
-    def _report(self, step, train_version, rollout, metrics, t0, t_wait, t_train) -> None:
-        cfg, parts = self.cfg, self.parts
+    def abandon(self) -> None:
+        self._stop_pump()  # the controller's socket is the main thread's again (driver.close)
+
+    def after_step(self, step: int) -> None:
+        if step == self.parts.total_steps and self.driver is not None:
+            self._stop_pump()
+
+    def data_path(self) -> contextlib.AbstractContextManager[Any]:
+        # run_metrics reads the pool and the ledger, which the pump thread changes
+        return self.pump.hold() if self.pump is not None else contextlib.nullcontext()
+
+    def step_metrics(self, step: int, rollout: Rollout, result: StepResult, times: StepTimes) -> dict[str, float]:
+        """Called inside ``data_path()``: the pump is parked."""
+        cfg, feed = self.cfg, self.pump.feed
         now = time.monotonic()
-        with self.pump.hold() as feed:
-            counters = dict(feed.counters)
-            idle = feed.rollout_idle_s
-            outstanding = feed.outstanding()
-            feed.check_accounting()
+        counters = dict(feed.counters)
+        idle = feed.rollout_idle_s
+        feed.check_accounting()
         span = max(now - self._last_report, 1e-6)
-        step_s = time.time() - t0
-        old_lp = getattr(parts.trainer, "last_old_logprobs", None)
-        metrics.update(_lag_metrics(rollout.samples, train_version, cfg.max_staleness, old_lp))
+        metrics = _lag_metrics(rollout.samples, step - 1, cfg.max_staleness, result.old_logprobs)
         metrics.update(
             {
                 "async/dropped_stale": counters["dropped_stale"],
@@ -305,28 +293,17 @@ class AsyncSchedule(Schedule):
                 "async/aborted": counters["aborted"],
                 "async/admitted": counters["admitted"],
                 "async/trained_groups": counters["trained"],
-                "async/outstanding": outstanding,
+                "async/outstanding": feed.outstanding(),
                 "async/outstanding_max": feed.outstanding_max,
-                "async/learner_idle_frac": t_wait / max(step_s, 1e-6),
+                "async/learner_idle_frac": times.wait_s / max(times.step_s, 1e-6),
                 "async/rollout_idle_frac": min(1.0, (idle - self._last_idle) / span),
-                "async/is_truncated_frac": metrics.get("policy/is_filter_frac", 0.0),
+                "async/is_truncated_frac": result.metrics.get("policy/is_filter_frac", 0.0),
             }
         )
         if cfg.dynamic_filtering:
             metrics["filter/groups_filtered"] = counters["dropped_filtered"]
         self._last_report, self._last_idle = now, idle
-        timings = {
-            "generate_s": step_s,  # generation ran throughout; what the learner waited is learner_idle_frac
-            "train_s": t_train,
-            "step_s": step_s,
-            "eta_s": self.eta_s(step),
-            "total_steps": parts.total_steps,
-        }
-        collected = CollectResult(rollout, [], counters["dropped_failed"])
-        with self.pump.hold():  # run_metrics reads the pool, which the pump thread changes
-            self.driver.report(
-                step, parts.total_steps, metrics, StepBatch(rollout, collected), n_trained=len(rollout), timings=timings
-            )
+        return metrics
 
 
 def _ranges(positions) -> str:

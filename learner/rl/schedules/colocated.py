@@ -2,7 +2,8 @@
 
 OpenRLHF's hybrid engine without Ray: the learner ranks and the rollout servers are started on
 the same devices (``launch.local`` and ``launch/grpo_colocated.slurm`` place them) and take
-turns. One step, in this order:
+turns. The schedule is lockstep's; ``ColocatedTurns`` are the turns it runs with (every
+schedule runs with a ``Turns``, a no-op by default: ``base.py``). One step, in this order:
 
     wake the engines (weights and KV cache)          rank 0 -> servers: WakeUp
     generate and score the step's prompts            as lockstep
@@ -30,29 +31,71 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from learner.rl.config import PPOConfig
-from learner.rl.schedules.lockstep import LockstepSchedule
+from learner.rl.schedules.base import Turns
 from learner.rl.schedules.turns import CannotAct, EngineMemory, LearnerStates
 
 log = logging.getLogger("learner")
 
 
-@dataclass
-class Turns:
+class ColocatedTurns(Turns):
     """The two halves the colocated schedule hands the GPU between."""
 
-    learner: LearnerStates  # every rank
-    engines: EngineMemory | None  # rank 0 only
+    name = "colocated"
+
+    def __init__(self, learner: LearnerStates, engines: EngineMemory | None) -> None:
+        self.learner = learner  # every rank
+        self.engines = engines  # rank 0 only
+
+    def start(self) -> None:
+        # The engines are up and awake (they just loaded a model); the learner's states leave
+        # before the first generation needs the memory.
+        self.learner.offload()
+
+    def started(self) -> None:
+        if self.engines is not None:  # ready once the first push synced them
+            self.engines.check_servers()
+
+    def finish(self) -> None:
+        if self.engines is not None:  # the final evaluation generates
+            self.engines.wake()
+
+    @contextlib.contextmanager
+    def states_resident(self) -> Iterator[None]:
+        parked = self.learner.offloaded
+        self.learner.reload()
+        try:
+            yield
+        finally:
+            if parked:
+                self.learner.offload()
+
+    def before_generate(self) -> None:
+        self.engines.check_servers()  # joiners since the last step
+        self.engines.wake()
+
+    def after_generate(self) -> None:
+        if self.engines is not None:
+            self.engines.sleep()
+
+    def before_train(self) -> None:
+        self.learner.reload()
+
+    def after_train(self) -> None:
+        self.learner.offload()
+
+    def before_push(self) -> None:
+        if self.engines is not None:
+            self.engines.wake_weights()
 
 
 def make_turns(
     cfg: PPOConfig, engines: list[Any], device: torch.device, rollout: Any | None, notes: CannotAct | None = None
-) -> Turns:
+) -> ColocatedTurns:
     """``engines``: the trained DeepSpeed engines (policy, critic); ``rollout``: rank 0's
     RolloutClient (None on the other ranks). Raises ValueError for a combination that cannot
     work (ZeRO-3 offload without FusedAdam)."""
@@ -69,7 +112,7 @@ def make_turns(
             notes=notes,
             timeout_s=cfg.weight_sync_timeout_s,
         )
-    return Turns(learner, memory)
+    return ColocatedTurns(learner, memory)
 
 
 def check_colocated_push(cfg: PPOConfig) -> None:
@@ -87,54 +130,3 @@ def check_colocated_push(cfg: PPOConfig) -> None:
             "GPUs); the CUDA IPC hand-over meant for this is not built yet (docs/colocated.md). Pass "
             "--vllm_sync_backend gloo: weights then cross through host memory"
         )
-
-
-class ColocatedSchedule(LockstepSchedule):
-    name = "colocated"
-
-    def __init__(self, parts) -> None:
-        super().__init__(parts)
-        if parts.turns is None:
-            raise ValueError("the colocated schedule needs RunParts.turns (learner.rl.schedules.colocated.make_turns)")
-        self.turns: Turns = parts.turns
-        self.engines = self.turns.engines if self.driver is not None else None
-
-    def start(self, version: int = 0) -> None:
-        # The engines are up and awake (they just loaded a model); the learner's states leave
-        # before the first generation needs the memory.
-        self.turns.learner.offload()
-        super().start(version)
-        if self.engines is not None:  # ready once the push above synced them
-            self.engines.check_servers()
-
-    def finish(self) -> None:
-        if self.engines is not None:  # the final evaluation generates
-            self.engines.wake()
-
-    @contextlib.contextmanager
-    def states_resident(self) -> Iterator[None]:
-        parked = self.turns.learner.offloaded
-        self.turns.learner.reload()
-        try:
-            yield
-        finally:
-            if parked:
-                self.turns.learner.offload()
-
-    def before_generate(self) -> None:
-        self.engines.check_servers()  # joiners since the last step
-        self.engines.wake()
-
-    def after_generate(self) -> None:
-        if self.engines is not None:
-            self.engines.sleep()
-
-    def before_train(self) -> None:
-        self.turns.learner.reload()
-
-    def after_train(self) -> None:
-        self.turns.learner.offload()
-
-    def before_push(self) -> None:
-        if self.engines is not None:
-            self.engines.wake_weights()

@@ -80,7 +80,7 @@ def test_admission_follows_the_staleness_budget(ctrl):
     assert tokens(batch) == [100, 101]
     settle(feed)
     assert feed.counters["admitted"] == 4, "no new room until the next push"
-    c.set_policy_version(1)
+    c.pool.weights_pushed(1, [])
     pump_until(feed, lambda: feed.counters["admitted"] == 6 and len(feed.ready) == 4)
     # Oldest first: step 2 (v1) trains the two v0 groups (lag 1), not the fresh v1 ones.
     batch = feed.take_batch(1)
@@ -96,7 +96,7 @@ def test_groups_older_than_the_bound_are_dropped_whole_and_counted(ctrl):
     feed = make_feed(c, items(20), k=1)
     pump_until(feed, lambda: len(feed.ready) == 4)
     # The learner jumped two versions (say, the servers were re-synced): v0 groups are 2 behind v2.
-    c.set_policy_version(2)
+    c.pool.weights_pushed(2, [])
     assert feed.take_batch(2) is None
     assert feed.counters["dropped_stale"] == 4 and not feed.ready
     # Dropped groups free their budget: refills come from the same stream, at the new version.
@@ -116,13 +116,13 @@ def test_abort_before_push_requeues_under_new_ids_and_late_answers_are_duplicate
     pump_until(feed, lambda: len(feed.ready) == 2)
     settle(feed)
     assert feed.take_batch(0) is not None
-    c.set_policy_version(1)  # push v1: prompts 2, 3 (dispatched at v0) are still fine for step 2
+    c.pool.weights_pushed(1, [])  # push v1: prompts 2, 3 (dispatched at v0) are still fine for step 2
     assert feed.abort_stale(next_train_version=1) == 0
     pump_until(feed, lambda: len(feed.ready) == 2)  # the v1 admissions (ids 4, 5)
     assert feed.take_batch(1) is not None  # step 2 takes them: 2 and 3 are still generating
     # Before pushing v2 (step 3 trains v2, floor v1): 2 and 3, dispatched at v0, are aborted.
     assert feed.abort_stale(next_train_version=2) == 2
-    c.set_policy_version(2)
+    c.pool.weights_pushed(2, [])
     pump_until(feed, lambda: sorted(r.aborted) == [2, 3])
     assert feed.counters["aborted"] == 2
     held.discard(2)
@@ -145,7 +145,7 @@ def test_accounting_with_failed_and_filtered_groups_and_the_end_of_the_run(ctrl)
     trained = []
     for v in range(3):
         pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
-        c.set_policy_version(v + 1)
+        c.pool.weights_pushed(v + 1, [])
         feed.abort_stale(v + 1)
         feed.check_accounting()
     flat = [p.item.tokens[0] for b in trained for p in b]
@@ -183,7 +183,7 @@ def test_k0_is_lockstep(ctrl):
         assert {s.policy_version for g in batch for s in g.samples} == {step - 1}
         settle(feed, 0.1)  # "training"
         assert feed.outstanding() == 0 and feed.counters["admitted"] == step * B
-        c.set_policy_version(step)
+        c.pool.weights_pushed(step, [])
         assert feed.abort_stale(step) == 0
     assert feed.counters == dict(
         admitted=4 * B, trained=4 * B, dropped_stale=0, dropped_failed=0, dropped_filtered=0, aborted=0
@@ -208,11 +208,11 @@ def test_state_dict_names_every_pending_prompt_by_its_stream_position(ctrl):
     pump_until(feed, lambda: len(feed.ready) == 2)
     settle(feed)
     trained += feed.take_batch(0)
-    c.set_policy_version(1)
+    c.pool.weights_pushed(1, [])
     pump_until(feed, lambda: len(feed.ready) == 2)
     trained += feed.take_batch(1)
     assert feed.abort_stale(next_train_version=2) == 2
-    c.set_policy_version(2)  # step 2's push; the checkpoint is taken now
+    c.pool.weights_pushed(2, [])  # step 2's push; the checkpoint is taken now
     state = json.loads(json.dumps(feed.state_dict()))  # it goes into state.json
 
     assert [g.position for g in trained] == [5, 6, 9, 10]  # the items' own positions
@@ -244,7 +244,7 @@ def test_restore_admits_the_pending_prompts_first_then_goes_on_from_the_next_pos
             admitted=11, trained=2 * B, dropped_stale=0, dropped_failed=1, dropped_filtered=0, aborted=4
         ),  # 11 == 4 trained + 1 failed + 4 aborted + 2 outstanding
     }
-    c.set_policy_version(2)  # the resumed learner pushed the checkpoint's weights
+    c.pool.weights_pushed(2, [])  # the resumed learner pushed the checkpoint's weights
     feed = OffPolicyFeed(c, iter(its[9:]), batch_groups=B, max_staleness=1, total_groups=5 * B, first_position=9)
     assert feed.restore(state, its.__getitem__) == 3
     assert feed.counters["aborted"] == 4 + 2 and feed.outstanding_max == 4
@@ -255,7 +255,7 @@ def test_restore_admits_the_pending_prompts_first_then_goes_on_from_the_next_pos
     trained = []
     for v in range(2, 5):  # steps 3..5
         pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
-        c.set_policy_version(v + 1)
+        c.pool.weights_pushed(v + 1, [])
         feed.abort_stale(v + 1)
         feed.check_accounting()
     positions = sorted(g.position for b in trained for g in b)

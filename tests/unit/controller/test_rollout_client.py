@@ -13,6 +13,7 @@ from common import protocol as P
 from common.transport import Endpoint, PeerUnavailable, RemoteError
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
+from learner.controller.weight_fleet import FleetWeights
 
 
 class Scripted:
@@ -79,6 +80,7 @@ def ctl():
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0)
     client = RolloutClient(ep, pool, call_timeout_s=5.0)
+    fleet = FleetWeights(pool)  # no publisher: a joiner is ready once it is taken
     services: list[Scripted] = []
 
     def join(name, capacity):
@@ -88,7 +90,7 @@ def ctl():
         deadline = time.monotonic() + 10
         while name not in client.servers() and time.monotonic() < deadline:
             client.poll(0.05)
-            client.sync_joiners()
+            fleet.sync_joiners()
         t.join(10)
         services.append(s)
         return s
@@ -124,10 +126,10 @@ def test_calls_get_their_reply_while_other_traffic_is_kept(ctl):
     client, join = ctl
     join("a", 8)
     client.submit([1, 2, 3], [[5]] * 3, P.SamplingParams())
-    health = client.health("a")  # samples arrive meanwhile: kept for poll, not lost
+    health = client.call("a", P.GetHealth())  # samples arrive meanwhile: kept for poll, not lost
     assert isinstance(health, P.Health) and health.name == "a"
     with pytest.raises(RemoteError, match="a answered bad_request"):
-        client.pause("a")
+        client.call("a", P.Pause())
     got = []
     deadline = time.monotonic() + 5
     while len(got) < 3 and time.monotonic() < deadline:

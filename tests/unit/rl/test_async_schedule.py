@@ -21,6 +21,7 @@ from learner.controller.rollout_client import RolloutClient
 from learner.controller.types import PromptItem
 from learner.rl.config import PPOConfig
 from learner.rl.driver import Driver
+from learner.rl.policy_trainer import StepResult
 from learner.rl.prompts import PromptStream
 from learner.rl.schedules import SCHEDULES, RunParts
 
@@ -44,27 +45,34 @@ class SlowTrainer:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.trained: list[list] = []
+        self.on_policy: list[bool] = []
 
-    def step(self, rollout):
+    def step(self, rollout, *, on_policy=False):
         time.sleep(self.seconds)
         self.trained.append(list(rollout.samples))
+        self.on_policy.append(on_policy)
         T = max(len(s.response) for s in rollout.samples)
-        self.last_old_logprobs = torch.stack(
+        old = torch.stack(
             [torch.nn.functional.pad(s.rollout_logprobs, (0, T - len(s.response))) for s in rollout.samples]
         )
-        return {
+        metrics = {
             "rollout/reward": 0.0,
             "rollout/logprob_diff": 0.0,
             "policy/kl_to_ref": 0.0,
             "policy/is_filter_frac": 0.0,
         }
+        return StepResult(metrics, old)
 
 
 class Weights:
-    def __init__(self) -> None:
+    """A push without weights: the fleet's version (the pool's) moves, as a real push moves it."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
         self.pushed: list[int] = []
 
     def push(self, version: int) -> None:
+        self.pool.weights_pushed(version, [])
         self.pushed.append(version)
 
 
@@ -108,7 +116,7 @@ def run_schedule(c, *, k: int, steps: int, train_s: float):
     its = [PromptItem(tokens=[100 + i, 7], text=f"p{i}") for i in range(B * steps)]
     sink = Sink()
     driver = Driver(cfg, c, PromptStream(its, B), sink)
-    trainer, weights = SlowTrainer(train_s), Weights()
+    trainer, weights = SlowTrainer(train_s), Weights(c.pool)
     sched = SCHEDULES["async"](RunParts(cfg, trainer, weights, driver, torch.device("cpu"), steps))
     sched.start()
     for step in range(1, steps + 1):
@@ -146,6 +154,17 @@ def test_k0_trains_lockstep_batches_at_lag_zero(setup):
         assert {s.policy_version for s in batch} == {step - 1}
         assert sorted({s.prompt[0] for s in batch}) == [100 + (step - 1) * B + i for i in range(B)]
     assert sink.rows[-1]["async/admitted"] == steps * B
+    # Nothing lags, so the trainer is told what lockstep tells it: the step is on-policy (it may
+    # take the old log-probs from its training forward instead of a pass of their own).
+    assert trainer.on_policy == [True] * steps
+
+
+def test_k1_steps_with_lagging_samples_are_off_policy(setup):
+    c, _ = setup
+    _, _, trainer, _, _ = run_schedule(c, k=1, steps=4, train_s=0.3)
+    for step, (batch, on_policy) in enumerate(zip(trainer.trained, trainer.on_policy), 1):
+        assert on_policy == all(s.policy_version == step - 1 for s in batch)
+    assert not all(trainer.on_policy[1:]), "the slow learner's batches lag: the old log-probs are recomputed"
 
 
 def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
@@ -166,7 +185,7 @@ def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
 
     def schedule(trainer, c):
         driver = Driver(cfg, c, PromptStream(its, B), Sink())
-        return SCHEDULES["async"](RunParts(cfg, trainer, Weights(), driver, torch.device("cpu"), steps))
+        return SCHEDULES["async"](RunParts(cfg, trainer, Weights(c.pool), driver, torch.device("cpu"), steps))
 
     first = schedule(SlowTrainer(0.3), c)
     first.start()

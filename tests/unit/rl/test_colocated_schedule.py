@@ -15,8 +15,9 @@ from common.transport import PeerUnavailable, RemoteError
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.driver import StepBatch
-from learner.rl.schedules import SCHEDULES, Decision, RunParts, schedule_name
-from learner.rl.schedules.colocated import Turns, check_colocated_push, make_turns
+from learner.rl.policy_trainer import StepResult
+from learner.rl.schedules import Decision, RunParts, make_schedule, schedule_name
+from learner.rl.schedules.colocated import ColocatedTurns, check_colocated_push, make_turns
 from learner.rl.schedules.turns import SLEEP_LEVEL, CannotAct, EngineMemory, LearnerStates
 
 G = 2
@@ -47,17 +48,14 @@ class Recorder:
     # trainer / weight push / driver
     def step(self, rollout, *, on_policy=False):
         self.calls.append(("train", len(rollout)))
-        return {}
+        return StepResult({}, torch.zeros(len(rollout), 2))
 
     def push(self, version):
         self.calls.append(("push", version))
 
     def gather(self, step):
         self.calls.append(("gather", step))
-        return StepBatch(self.batches.pop(0), None)
-
-    def weights_pushed(self, version):
-        pass
+        return StepBatch(self.batches.pop(0))
 
     def skipped(self, step, batch):
         self.calls.append(("skipped", step))
@@ -120,7 +118,7 @@ def _schedule(rec: Recorder, *, device="cuda", notes=None, **kw):
     cfg = _cfg(**kw)
     turns = make_turns(cfg, [rec], torch.device(device), rec, notes)
     parts = RunParts(cfg, rec, rec, rec, torch.device("cpu"), total_steps=5, turns=turns)
-    return SCHEDULES[schedule_name(cfg)](parts)
+    return make_schedule(parts)
 
 
 def test_the_flag_selects_the_colocated_schedule_and_async_is_refused():
@@ -262,4 +260,4 @@ def test_nccl_push_is_refused_for_colocated_engines():
 
 def test_turns_without_a_rollout_client_on_other_ranks():
     turns = make_turns(_cfg(), [Recorder()], torch.device("cuda"), None)
-    assert isinstance(turns, Turns) and turns.engines is None and turns.learner.active
+    assert isinstance(turns, ColocatedTurns) and turns.engines is None and turns.learner.active

@@ -139,7 +139,7 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
     changed = lambda a, m: any(not torch.equal(x, y) for x, y in zip(a, m.parameters()))  # noqa: E731
 
     p0, c0 = snap(policy), snap(critic_engine)
-    m1 = trainer.step(ro)
+    m1 = trainer.step(ro).metrics
     assert not changed(p0, policy), "the actor must be frozen during --freezing_actor_steps"
     assert changed(c0, critic_engine)
     assert m1["policy/actor_updated"] == 0.0 and not any(k.startswith("policy/loss") for k in m1)
@@ -152,7 +152,7 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
     assert abs(m1["policy/return_mean"] - 4 / 7) < 1e-5
 
     p1, c1 = snap(policy), snap(critic_engine)
-    m2 = trainer.step(ro)
+    m2 = trainer.step(ro).metrics
     assert changed(p1, policy) and changed(c1, critic_engine)
     assert m2["policy/actor_updated"] == 1.0
     assert all(torch.isfinite(torch.tensor(v)) for v in m2.values() if isinstance(v, float))

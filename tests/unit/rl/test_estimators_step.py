@@ -130,7 +130,7 @@ def worker(model_dir: str) -> None:
         trainer = PolicyTrainer(policy, cfg, pad_id=0, device=info.device, critic=critic)
         stamp()
         before = [p.detach().clone() for p in policy.module.parameters()]
-        metrics = trainer.step(rollout)
+        metrics = trainer.step(rollout).metrics
         moved = max(float((a - p.detach()).abs().max()) for a, p in zip(before, policy.module.parameters()))
         results[name] = {
             "finite": all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float))),

@@ -138,8 +138,8 @@ def _step(model_dir, packed: bool, on_policy: bool, rollout: Rollout, **kw):
         )
     engine = GradEngine(_model(model_dir), accum)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
-    metrics = trainer.step(rollout, on_policy=on_policy)
-    return engine, critic, metrics, trainer
+    result = trainer.step(rollout, on_policy=on_policy)
+    return engine, critic, result.metrics, result
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,7 @@ def test_a_packed_step_gives_the_padded_steps_gradients_and_metrics(tiny_model_d
     assert m_pack["policy/old_logprobs_reused"] == m_pad["policy/old_logprobs_reused"]
     _assert_same_grads(packed.grads(), padded.grads())
     mask = collate(_rollout().samples, 0)["action_mask"]
-    torch.testing.assert_close(t_pack.last_old_logprobs[mask], t_pad.last_old_logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(t_pack.old_logprobs[mask], t_pad.old_logprobs[mask], rtol=0, atol=1e-5)
     for k, v in m_pad.items():  # losses, ratios, clip fractions, KL, entropy, lengths: per token, unchanged
         assert m_pack[k] == pytest.approx(v, rel=1e-6, abs=1e-5), k
 

@@ -48,8 +48,8 @@ def _step(model_dir, on_policy: bool, rollout: Rollout | None = None, **kw):
     cfg = small_ppo_config(model_dir, **kw)
     engine = GradEngine(_model(model_dir), accum=cfg.train_batch_size // cfg.micro_train_batch_size)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"))
-    metrics = trainer.step(rollout or _rollout(), on_policy=on_policy)
-    return engine, metrics, trainer
+    result = trainer.step(rollout or _rollout(), on_policy=on_policy)
+    return engine, result.metrics, result
 
 
 @pytest.mark.parametrize(
@@ -80,12 +80,12 @@ def test_skipping_old_logprobs_changes_nothing_when_on_policy(model_dir, kw):
 
 def test_logprob_diff_is_the_models_own(model_dir):
     rollout = _rollout()
-    engine, metrics, trainer = _step(model_dir, True, rollout)
+    engine, metrics, result = _step(model_dir, True, rollout)
     with torch.no_grad():
         lp, _ = response_logprobs(engine.module, collate(rollout.samples, 0), 1.0, response_only=False)
     mask = collate(rollout.samples, 0)["action_mask"]
     # a training forward and a no-grad one agree to float32 rounding (a few ulps at |lp| ~ 7)
-    torch.testing.assert_close(trainer.last_old_logprobs[mask], lp[mask], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(result.old_logprobs[mask], lp[mask], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -127,8 +127,8 @@ def test_response_only_logits_equal_the_full_computation(model_dir):
 def test_entropy_only_when_in_the_loss_or_logged(model_dir):
     cfg = small_ppo_config(model_dir, logging_steps=2)
     trainer = PolicyTrainer(GradEngine(_model(model_dir), 2), cfg, 0, torch.device("cpu"))
-    assert "policy/entropy" in trainer.step(_rollout(), on_policy=True)  # step 1 of 2: logged
-    assert "policy/entropy" not in trainer.step(_rollout(), on_policy=True)
+    assert "policy/entropy" in trainer.step(_rollout(), on_policy=True).metrics  # step 1 of 2: logged
+    assert "policy/entropy" not in trainer.step(_rollout(), on_policy=True).metrics
     # Without grad when not in the loss: the entropy metric has no graph.
     _, ent = response_logprobs(trainer.engine, collate(_rollout().samples, 0), 1.0, True, entropy_grad=False)
     assert not ent.requires_grad

@@ -10,8 +10,9 @@ import torch
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.driver import StepBatch
+from learner.rl.policy_trainer import StepResult
 from learner.rl.schedules import SCHEDULES, Decision, RunParts, StoppedByRank0
-from learner.rl.schedules import lockstep as lockstep_module
+from learner.rl.schedules import base as base_module
 
 G = 2
 
@@ -37,7 +38,7 @@ class Recorder:
     # trainer
     def step(self, rollout, *, on_policy=False):
         self.calls.append(("train", len(rollout), on_policy))
-        return {"rollout/reward": 0.5}
+        return StepResult({"rollout/reward": 0.5}, torch.zeros(len(rollout), 2))
 
     # weight push
     def push(self, version):
@@ -49,10 +50,7 @@ class Recorder:
         if isinstance(got, BaseException):
             raise got
         self.calls.append(("gather", step))
-        return StepBatch(got, None)
-
-    def weights_pushed(self, version):
-        self.calls.append(("version", version))
+        return StepBatch(got)
 
     def skipped(self, step, batch):
         self.calls.append(("skipped", step, len(batch.rollout)))
@@ -78,7 +76,7 @@ def _schedule(rec: Recorder, *, driver: bool = True, train_batch_size: int = 4):
 def test_a_step_gathers_trains_a_whole_number_of_train_batches_pushes_then_reports():
     rec = Recorder([_rollout(3)])  # one group of 4 failed scoring: 6 samples, train batches of 4: 4 trained
     assert _schedule(rec).step(1) is Decision.TRAIN
-    assert rec.calls == [("gather", 1), ("train", 4, True), ("push", 1), ("version", 1), ("report", 1, 4)]
+    assert rec.calls == [("gather", 1), ("train", 4, True), ("push", 1), ("report", 1, 4)]
 
 
 def test_a_sample_from_older_weights_makes_the_step_off_policy():
@@ -93,7 +91,7 @@ def test_a_sample_from_older_weights_makes_the_step_off_policy():
 def test_start_pushes_version_0_before_any_step():
     rec = Recorder([])
     _schedule(rec).start()
-    assert rec.calls == [("push", 0), ("version", 0)]
+    assert rec.calls == [("push", 0)]
 
 
 def test_too_few_samples_skip_the_update_and_keep_the_weights():
@@ -112,7 +110,7 @@ def test_a_controller_failure_raises_on_rank_0():
 def test_other_ranks_stop_with_an_error_when_rank_0_fails(monkeypatch):
     """Rank 0 broadcasts STOP before raising; a rank without a driver raises instead of
     waiting in the rollout broadcast that rank 0 will never enter."""
-    monkeypatch.setattr(lockstep_module, "broadcast_decision", lambda mine: Decision.STOP)
+    monkeypatch.setattr(base_module, "broadcast_decision", lambda mine: Decision.STOP)
     rec = Recorder([])
     with pytest.raises(StoppedByRank0, match="step 2: rank 0"):
         _schedule(rec, driver=False).step(2)

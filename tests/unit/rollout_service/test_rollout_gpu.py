@@ -39,7 +39,7 @@ def test_nccl_push_then_greedy_parity(tiny_model_dir, tmp_path):
         prompts = [[1, 5, 6, 7], [1, 50, 60, 70, 80]]
         for version in (1, 2):
             perturb(model, seed=version)
-            assert ctrl.client.push_weights(version).updated == ["gpu0"]
+            assert ctrl.fleet.push(version).updated == ["gpu0"]
             ids = [version * 10 + i for i in range(len(prompts))]
             assert not ctrl.client.submit(
                 ids, prompts, P.SamplingParams(temperature=0.0, max_new_tokens=16), policy_version=version

@@ -98,7 +98,7 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
     served under v1 and then v2: stale KV from v1 would show up as a v2 mismatch."""
     for version in (1, 2):
         perturb(stack.model, seed=version)
-        report = stack.client.push_weights(version)
+        report = stack.fleet.push(version)
         assert sorted(report.updated) == ["ra", "rb"] and not report.failed
         got = _run(stack, PROMPTS, GREEDY, first_id=version * 100, version=version)
         _assert_parity(stack.model, PROMPTS, got, version)
@@ -106,7 +106,7 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
         again = _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 50, version=version)
         assert [s[0]["tokens"] for s in again.values()] == [s[0]["tokens"] for s in got.values()]
     for name in ("ra", "rb"):
-        health = stack.client.health(name)
+        health = stack.client.call(name, P.GetHealth())
         assert health.policy_version == 2 and health.state == "serving"
         # ra's worker made its queues with the idle spin asked for (--idle_spin_s), rb's with vLLM's own
         assert stack.client.peer(name).capabilities["idle_spin_s"] == {"ra": 0.05, "rb": 1.0}[name]
@@ -117,7 +117,7 @@ def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
     prompts of one batch do not share a random stream, and a prompt sampled again (another id,
     another server) with the seed that makes S + n*P equal gives the very same tokens; so does
     the prompt's own seed (PromptBatch.seeds, what --seed_sampling sends), whatever S says."""
-    v = stack.client.version
+    v = stack.pool.policy_version
     prompt = [1, 90, 91, 92]
     first = _run(
         stack,
@@ -148,15 +148,15 @@ def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack
     """An update lands while samples are being generated: they are kept (not aborted), finish on
     the new weights (vLLM's per-token versions show both), and carry the version that sampled
     their first token."""
-    v = stack.client.version
+    v = stack.pool.policy_version
     sampling = P.SamplingParams(temperature=1.0, max_new_tokens=240, seed=3)
     ids = list(range(300, 308))
     prompts = [[1, 40 + i, 41, 42] for i in range(len(ids))]
 
     def in_flight() -> float:
-        return sum(stack.client.health(n).stats["in_flight"] for n in ("ra", "rb"))
+        return sum(stack.client.call(n, P.GetHealth()).stats["in_flight"] for n in ("ra", "rb"))
 
-    across_before = sum(stack.client.health(n).stats["samples_across_updates"] for n in ("ra", "rb"))
+    across_before = sum(stack.client.call(n, P.GetHealth()).stats["samples_across_updates"] for n in ("ra", "rb"))
     assert not stack.client.submit(ids, prompts, sampling, policy_version=v)
     stack.wait_until(lambda: in_flight() > 0, "prompts in flight")
     t = time.monotonic() + 0.3
@@ -164,7 +164,7 @@ def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack
         stack.pump(0.05)
     assert in_flight() > 0, "every sample finished within 0.3 s: lengthen them for this machine"
     perturb(stack.model, seed=v + 1)
-    stack.client.push_weights(v + 1)
+    stack.fleet.push(v + 1)
     stack.wait_results(ids, timeout=300)
     versions = {}
     for pid in ids:
@@ -172,7 +172,7 @@ def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack
         assert s["finish"] in ("stop", "length"), "kept across the update, not aborted"
         versions[pid] = s["version"]
     assert set(versions.values()) <= {v, v + 1} and v in versions.values()
-    across = sum(stack.client.health(n).stats["samples_across_updates"] for n in ("ra", "rb"))
+    across = sum(stack.client.call(n, P.GetHealth()).stats["samples_across_updates"] for n in ("ra", "rb"))
     assert across > across_before, "no sample was generating when the update landed"
     (s,) = _run(stack, [[1, 40, 41, 42]], sampling, first_id=320, version=v + 1)[320]
     assert s["version"] == v + 1
@@ -199,21 +199,21 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(stack):
         with pytest.raises(RemoteError) as err:
             stack.client.call("ra", msg, timeout=30)
         assert err.value.error.code == code, err.value
-    got = _run(stack, PROMPTS[:1], GREEDY, first_id=9100, version=stack.client.version, to="ra")
-    _assert_parity(stack.model, PROMPTS[:1], got, stack.client.version)
-    assert stack.client.health("ra").state == "serving"
+    got = _run(stack, PROMPTS[:1], GREEDY, first_id=9100, version=stack.pool.policy_version, to="ra")
+    _assert_parity(stack.model, PROMPTS[:1], got, stack.pool.policy_version)
+    assert stack.client.call("ra", P.GetHealth()).state == "serving"
 
 
 def test_pause_resume_health_and_sleep_not_supported_on_cpu(stack):
-    stack.client.pause("ra")
-    assert stack.client.health("ra").state == "paused"
+    stack.client.call("ra", P.Pause())
+    assert stack.client.call("ra", P.GetHealth()).state == "paused"
     stack.ep.send(P.PromptBatch(prompt_ids=[9200], token_ids=[[1, 2, 3]], sampling=GREEDY), to=b"ra")
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         stack.pump(0.1)
     assert 9200 not in stack.results
-    assert stack.client.health("ra").stats["waiting"] == 1
-    stack.client.resume("ra")
+    assert stack.client.call("ra", P.GetHealth()).stats["waiting"] == 1
+    stack.client.call("ra", P.Resume())
     stack.wait_results([9200])
     with pytest.raises(RemoteError, match="not supported") as err:
         stack.client.call("ra", P.Sleep(level=1))
@@ -221,7 +221,7 @@ def test_pause_resume_health_and_sleep_not_supported_on_cpu(stack):
 
 
 def test_work_spreads_and_a_killed_server_loses_exactly_its_prompts(stack):
-    v = stack.client.version
+    v = stack.pool.policy_version
     sampling = P.SamplingParams(temperature=1.0, max_new_tokens=150, seed=7)
     ids = list(range(400, 412))
     prompts = [[1, 60 + i, 61, 62] for i in range(len(ids))]
@@ -249,11 +249,11 @@ def test_work_spreads_and_a_killed_server_loses_exactly_its_prompts(stack):
 
 
 def test_a_server_joining_after_updates_gets_the_current_weights_before_work(stack):
-    v = stack.client.version
+    v = stack.pool.policy_version
     assert v >= 1
     stack.ep.sock.bind(f"tcp://127.0.0.1:{stack.late_port}")  # rc can reach the controller now
     stack.wait_joined(["rc"], timeout=600)
-    health = stack.client.health("rc")
+    health = stack.client.call("rc", P.GetHealth())
     assert health.policy_version == v and health.stats["prompts"] == 0  # synced, and nothing served before
     got = _run(stack, PROMPTS, GREEDY, first_id=500, version=v, to="rc")
     _assert_parity(stack.model, PROMPTS, got, v)  # the current weights, not the checkpoint it loaded

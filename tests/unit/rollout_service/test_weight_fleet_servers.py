@@ -52,7 +52,7 @@ def _generate(stack, server: str, first_id: int, version: int) -> list[dict]:
 def test_one_fleet_push_reaches_both_engines_bit_exactly(stack):
     for version in (1, 2):
         perturb(stack.model, seed=10 + version)
-        report = stack.client.push_weights(version)
+        report = stack.fleet.push(version)
         # The fleet is in join order, which is whichever engine came up first.
         assert sorted(report.fleet) == ["fa", "fb"] and not report.failed and not report.retried, report
         assert stack.publisher.fleet_builds == 1  # the same two servers: the group is kept

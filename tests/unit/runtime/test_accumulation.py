@@ -200,7 +200,7 @@ def _worker(model_dir: str) -> None:
         counted["n"] = 0
         losses, norms = [], []
         for _ in range(2):
-            losses.append(trainer.step(rollout, on_policy=True)["policy/policy_loss"])
+            losses.append(trainer.step(rollout, on_policy=True).metrics["policy/policy_loss"])
             norms.append(float(engine.get_global_grad_norm()))  # of the reduced gradient, before clipping
         result["allreduces"][mode] = counted["n"]
         result.setdefault("grad_norms", {})[mode] = norms
