@@ -114,14 +114,7 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
         cfg.value_clip,
         cfg.freezing_actor_steps,
     )
-    model = load_critic(
-        path,
-        tokenizer=tokenizer,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        flash_attn=cfg.flash_attn,
-    )
+    model = load_critic(path, tokenizer=tokenizer, **cfg.model_options())
     engine = train_engine(cfg, model, cfg.critic_learning_rate, optimizer_steps)
     return Critic(
         engine,
@@ -139,18 +132,12 @@ def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_ste
 
     return E.make_engine(
         model,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
+        **cfg.engine_options(),
         train_batch_size=cfg.train_batch_size,
         micro_train_batch_size=cfg.micro_train_batch_size,
         learning_rate=learning_rate,
         num_training_steps=max(1, optimizer_steps),
-        weight_decay=cfg.l2,
-        betas=tuple(cfg.adam_betas),
-        adam_offload=cfg.adam_offload,
-        grad_clip=cfg.max_norm,
         lr_scheduler="constant_with_warmup",
-        lr_warmup_ratio=cfg.lr_warmup_ratio,
     )
 
 

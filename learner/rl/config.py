@@ -7,15 +7,11 @@ is which processes you start and where (see README's multi-terminal recipe).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from common.config import flag
-from common.host_memory import host_malloc_flag
 from common.weights import known_backends
-from learner.runtime.accumulation import coalesce_flag
-
-log = logging.getLogger("learner")
+from learner.runtime.flags import OptimizerFlags
 
 # OpenRLHF passes these to the vLLM engines it creates; here each rollout_service is started
 # with its own engine flags (launch.local and the Slurm scripts pass them on).
@@ -37,8 +33,9 @@ RAY_PLACEMENT_FLAGS = (
 
 
 @dataclass
-class PPOConfig:
-    # ---- models and data
+class ModelFlags:
+    """The models: the policy, and those the reward services serve for it; where the result goes."""
+
     pretrain: str = flag("", "policy model: HF hub name or local path", required=True, group="model")
     reward_pretrain: str = flag(
         "",
@@ -68,6 +65,12 @@ class PPOConfig:
     save_value_network: bool = flag(
         False, "also write the trained critic (gae) in HF format to SAVE_PATH_critic", group="model"
     )
+
+
+@dataclass
+class DataFlags:
+    """The prompts and their limits."""
+
     prompt_data: str = flag(
         "", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name", required=True, group="data"
     )
@@ -87,8 +90,12 @@ class PPOConfig:
     prompt_max_len: int = flag(1024, "prompts longer than this (tokens) are an error or skipped", group="data")
     generate_max_len: int = flag(1024, "max new tokens per sample", group="data")
 
-    # ---- batch sizes (OpenRLHF semantics: rollout_batch_size prompts per step, each sampled
-    # n_samples_per_prompt times; train_batch_size samples per optimizer step)
+
+@dataclass
+class BatchFlags:
+    """Batch sizes (OpenRLHF's semantics: ``rollout_batch_size`` prompts per step, each sampled
+    ``n_samples_per_prompt`` times; ``train_batch_size`` samples per optimizer step) and run length."""
+
     rollout_batch_size: int = flag(512, "prompts per rollout step", group="batch")
     n_samples_per_prompt: int = flag(1, "samples per prompt (the group size G)", group="batch")
     micro_rollout_batch_size: int = flag(8, "samples per forward pass when computing log-probs", group="batch")
@@ -110,23 +117,19 @@ class PPOConfig:
     num_episodes: int = flag(1, "passes over the prompt dataset", group="batch")
     max_steps: int = flag(0, "stop after this many rollout steps (0: no limit)", group="batch")
 
-    # ---- optimisation
+
+@dataclass
+class RLOptimizerFlags(OptimizerFlags):
+    """The shared optimizer section plus the RL learning rates (policy and critic)."""
+
     actor_learning_rate: float = flag(1e-6, "policy learning rate", group="optim")
     critic_learning_rate: float = flag(9e-6, "critic learning rate (--advantage_estimator gae)", group="optim")
-    lr_warmup_ratio: float = flag(0.0, "fraction of steps of linear warm-up", group="optim")
-    l2: float = flag(0.0, "weight decay", group="optim")
-    max_norm: float = flag(1.0, "gradient clipping norm", group="optim")
-    adam_betas: list[float] = flag([0.9, 0.95], "Adam betas", group="optim")
-    zero_stage: int = flag(2, "DeepSpeed ZeRO stage 0-3", choices=(0, 1, 2, 3), group="optim")
-    bf16: bool = flag(False, "train in bf16 (fp16 is refused by DeepSpeed on CPU)", group="optim")
-    adam_offload: bool = flag(False, "DeepSpeedCPUAdam with optimizer states offloaded", group="optim")
-    gradient_checkpointing: bool = flag(False, "recompute activations in backward", group="optim")
-    host_malloc: str = host_malloc_flag(group="optim")
-    coalesce_grad_reduction: str = coalesce_flag(group="optim")
-    flash_attn: bool = flag(False, "flash_attention_2 where available (a notice on CPU)", group="optim")
-    seed: int = flag(42, "seed of data order and init, and of sampling with --seed_sampling", group="optim")
 
-    # ---- algorithm
+
+@dataclass
+class AlgorithmFlags:
+    """Estimator, losses, KL, reward shaping, the importance correction, dynamic filtering."""
+
     advantage_estimator: str = flag(
         "gae",
         "advantage estimator (gae: PPO with a critic, as OpenRLHF; group_norm: GRPO)",
@@ -202,7 +205,11 @@ class PPOConfig:
         group="algorithm",
     )
 
-    # ---- rollout
+
+@dataclass
+class SamplingFlags:
+    """How the rollout servers sample."""
+
     temperature: float = flag(1.0, "sampling temperature", group="rollout")
     top_p: float = flag(1.0, "nucleus sampling", group="rollout")
     top_k: int = flag(-1, "top-k sampling (-1: off)", group="rollout")
@@ -215,7 +222,11 @@ class PPOConfig:
         group="rollout",
     )
 
-    # ---- the off-policy async schedule (learner/rl/schedules/async_.py, docs/async.md)
+
+@dataclass
+class ScheduleFlags:
+    """Which schedule runs (``learner/rl/schedules``): async (docs/async.md), colocated (docs/colocated.md)."""
+
     async_train: bool = flag(
         False,
         "async (off-policy) schedule: rollout servers keep generating while the learner trains; "
@@ -228,8 +239,6 @@ class PPOConfig:
         "the ones being trained (0: lockstep's samples, on-policy)",
         group="async",
     )
-
-    # ---- the colocated (hybrid) schedule (learner/rl/schedules/colocated.py, docs/colocated.md)
     colocate_all_models: bool = flag(
         False,
         "colocated lockstep schedule: learner ranks and rollout engines share the same GPUs and take turns "
@@ -254,16 +263,12 @@ class PPOConfig:
         "--gpu_memory_utilization; the learner checks what the servers announce); unset: the servers' own",
         group="colocate",
     )
-    enforce_eager: bool = flag(
-        False, "vLLM engine flag: pass --enforce_eager to rollout_service (launch.local passes it on)", group="colocate"
-    )
-    use_wandb: str = flag(
-        "",
-        "accepted for OpenRLHF scripts and ignored (with a notice): metrics go to TensorBoard and metrics.jsonl",
-        group="logging",
-    )
 
-    # ---- processes and the wire (rayless's own)
+
+@dataclass
+class ServiceFlags:
+    """The processes and the wire (rayless's own)."""
+
     controller_bind: str = flag(
         "tcp://0.0.0.0:5555", "where the controller (rank 0) listens for services", group="services"
     )
@@ -292,7 +297,11 @@ class PPOConfig:
         "", "address rollout servers reach this rank at for weight sync (default: hostname)", group="services"
     )
 
-    # ---- logging
+
+@dataclass
+class LoggingFlags:
+    """Metrics and checkpoints."""
+
     logging_steps: int = flag(1, "log every N steps", group="logging")
     save_steps: int = flag(
         0,
@@ -311,7 +320,20 @@ class PPOConfig:
     use_tensorboard: str = flag("", "TensorBoard log dir (default: SAVE_PATH/tensorboard)", group="logging")
     metrics_file: str = flag("", "JSON-lines metrics (default: SAVE_PATH/metrics.jsonl)", group="logging")
 
-    # ---- accepted for OpenRLHF compatibility
+
+@dataclass
+class OpenRLHFCompatFlags:
+    """Accepted so OpenRLHF scripts run unchanged, and explained: Ray placement (here, placement is
+    which processes you start) and vLLM engine flags (rollout_service's own, passed on by launch.local)."""
+
+    enforce_eager: bool = flag(
+        False, "vLLM engine flag: pass --enforce_eager to rollout_service (launch.local passes it on)", group="colocate"
+    )
+    use_wandb: str = flag(
+        "",
+        "accepted for OpenRLHF scripts and ignored (with a notice): metrics go to TensorBoard and metrics.jsonl",
+        group="logging",
+    )
     ref_num_nodes: int = flag(0, "Ray placement (ignored: start reward_service processes yourself)", group="ray")
     ref_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
     actor_num_nodes: int = flag(0, "Ray placement (ignored: torchrun --nnodes decides)", group="ray")
@@ -325,7 +347,31 @@ class PPOConfig:
     colocate_actor_ref: bool = flag(False, "Ray placement (ignored)", group="ray")
     colocate_critic_reward: bool = flag(False, "Ray placement (ignored)", group="ray")
 
+
+@dataclass
+class PPOConfig(
+    OpenRLHFCompatFlags,
+    LoggingFlags,
+    ServiceFlags,
+    ScheduleFlags,
+    SamplingFlags,
+    AlgorithmFlags,
+    RLOptimizerFlags,
+    BatchFlags,
+    DataFlags,
+    ModelFlags,
+):
+    """Every flag of ``learner.train_ppo``: the union of its sections, each a type of its own (code
+    that needs one section can take that type; the supervised trainers share ``OptimizerFlags``).
+    The sections are listed last to first so that ``--help`` shows them from the models down.
+
+    Checks that rewrite a flag (a default switched to fit another flag, a flag that cannot act)
+    do not log while the flags parse, before logging is set up and on every rank: they are kept
+    in ``notices``, which the run logs once, on rank 0 (``learner.rl.run.init_process``)."""
+
     def __post_init__(self) -> None:
+        self.notices: list[str] = []  # not a flag: what the checks below changed or found inert
+        self.check_optimizer()
         g = self.n_samples_per_prompt
         if g < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")
@@ -350,7 +396,7 @@ class PPOConfig:
         self._check_algorithm()
         if self.normalize_reward and not self.reward_pretrain:
             # OpenRLHF scripts carry it with rule rewards too; it only concerns a reward model.
-            log.warning(
+            self.notices.append(
                 "--normalize_reward normalises a reward model's scores; without --reward_pretrain it does nothing"
             )
 
@@ -370,7 +416,7 @@ class PPOConfig:
                 "(default tis); pass --is_correction none to train without one"
             )
         if self.is_correction == "none":
-            log.warning("--async_train with --is_correction none: no importance correction for the policy lag")
+            self.notices.append("--async_train with --is_correction none: no importance correction for the policy lag")
             self.is_correction = ""
         elif self.is_correction == "auto":
             self.is_correction = "tis"
@@ -378,7 +424,7 @@ class PPOConfig:
     def _check_colocate(self) -> None:
         """--colocate_all_models and its sleep flags (OpenRLHF's meanings, docs/colocated.md)."""
         if self.use_wandb:
-            log.warning(
+            self.notices.append(
                 "--use_wandb: rayless does not log to Weights & Biases; metrics go to TensorBoard and metrics.jsonl"
             )
             self.use_wandb = "(given; ignored)"  # a token: kept out of the logged config
@@ -396,7 +442,7 @@ class PPOConfig:
         for name in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
             if getattr(self, name) and not self.colocate_all_models:
                 # As OpenRLHF: without colocation nothing else wants the memory, so the flag is off.
-                log.warning("--%s acts only with --colocate_all_models: turned off", name)
+                self.notices.append(f"--{name} acts only with --colocate_all_models: turned off")
                 setattr(self, name, False)
 
     def _check_algorithm(self) -> None:
@@ -419,7 +465,7 @@ class PPOConfig:
                 raise ValueError(
                     f"--policy_loss_type gspo needs --loss_agg_mode seq_mean_token_mean, got {self.loss_agg_mode}"
                 )
-            log.warning(
+            self.notices.append(
                 "--policy_loss_type gspo: using --loss_agg_mode seq_mean_token_mean (GSPO's loss is a "
                 "mean over sequences)"
             )

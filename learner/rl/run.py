@@ -126,6 +126,8 @@ def init_process(cfg: PPOConfig) -> Process:
         raise RunError(str(e)) from None
     if info.rank == 0:
         log_config(cfg, log)
+        for notice in cfg.notices:  # what the flags' checks changed, said once logging is up
+            log.warning("%s", notice)
         _warn_foreign_flags(cfg)
     torch.manual_seed(cfg.seed)
     return Process(info.rank, info.world_size, info.device)
@@ -177,13 +179,7 @@ def build_trainer(cfg: PPOConfig, proc: Process, data: Data) -> Models:
 
     samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     optimizer_steps = data.total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
-    model = E.load_causal_lm(
-        cfg.pretrain,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        flash_attn=cfg.flash_attn,
-    )
+    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
     engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
     critic = None
     if cfg.advantage_estimator == "gae":

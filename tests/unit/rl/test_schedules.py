@@ -127,3 +127,21 @@ def test_lockstep_resuming_an_async_checkpoint_says_it_does_not_reissue_its_pend
     _schedule(Recorder([])).load_state_dict({})  # a lockstep checkpoint: nothing to say
     _schedule(Recorder([]), driver=False).load_state_dict({"feed": feed})  # rank 0 says it, once
     assert not caplog.records
+
+
+def test_eta_counts_only_the_steps_this_process_ran(monkeypatch):
+    """A run resumed at step 8 of 10 that took 4 s for step 8: 2 steps left, 8 s -- not 4 s x 2 / 8."""
+    now = [100.0]
+    monkeypatch.setattr(base_module.time, "time", lambda: now[0])
+    rec = Recorder([_rollout(2)])
+    sched = _schedule(rec)
+    sched.parts.total_steps = 10
+    real_push = rec.push
+
+    def slow_push(version):
+        now[0] += 4.0  # the step takes 4 s
+        real_push(version)
+
+    rec.push = slow_push
+    sched.step(8)
+    assert sched.eta_s(8) == 8.0
