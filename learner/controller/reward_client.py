@@ -17,8 +17,8 @@ Socket-free like the pool: the controller's loop feeds it messages. In a loop::
     for req in client.on_lost(pool.reap()):          # a service died holding these
         client.submit(req)
 
-or, for a script or a test, the blocking ``client.score(request, timeout_s=...)`` pumps the
-endpoint itself and resubmits lost requests.
+Deadlines are the ledger's (``PromptLedger.expire`` re-issues a prompt not scored in time, under
+a new request); an answer to a request the client no longer holds is counted ``late`` and dropped.
 
 ``build_score_request`` fills ``samples.prompt_token_ids``: the reward service needs the
 prompt tokens for reference log-probs and for a reward model (it answers ``bad_request``
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol import Error, Message, SampleBatch, ScoredBatch, ScoreRequest
-from common.transport import CallTimeout, RemoteError, safe_label
+from common.transport import safe_label
 from learner.controller.pool import LostWork, Peer, ServicePool
 
 log = logging.getLogger(__name__)
@@ -152,58 +152,3 @@ class RewardClient:
         back = [cid for cid, p in self.pending.items() if p.peer.identity in dead]
         self.counters["lost"] += len(back)
         return [self.pending.pop(cid).request for cid in back]
-
-    def expire(self, timeout_s: float) -> list[ScoreRequest]:
-        """Requests unanswered for ``timeout_s``: forgotten (a late answer is dropped) and
-        returned to resubmit. The peer keeps its place in the pool; heartbeats decide if it lives."""
-        now = self.clock()
-        old = [cid for cid, p in self.pending.items() if now - p.sent_at > timeout_s]
-        out = []
-        for cid in old:
-            p = self.pending.pop(cid)
-            self.pool.complete(p.peer.identity, p.keys)
-            out.append(p.request)
-        return out
-
-    # ------------------------------------------------------------------ blocking use
-    def score(self, request: ScoreRequest, *, timeout_s: float, max_attempts: int = 3) -> ScoredBatch:
-        """Sends ``request`` and pumps the pool's endpoint until it is scored. A service that
-        dies or goes silent costs a resubmission (up to ``max_attempts`` sends); an Error
-        reply raises RemoteError; no answer within ``timeout_s`` raises CallTimeout. For a client
-        with nothing else in flight (scripts, tests, a lockstep loop scoring one batch)."""
-        if self.pending:
-            raise RuntimeError(
-                "RewardClient.score() is for a client with nothing else in flight; "
-                "drive submit / on_message / on_lost from your loop instead"
-            )
-        deadline = self.clock() + timeout_s
-        attempts = 0
-        ours: PendingScore | None = None
-        while True:
-            if ours is None:
-                if attempts >= max_attempts:
-                    raise RemoteError(
-                        "reward services",
-                        Error(code="lost", message=(f"ScoreRequest lost {attempts} times (services died holding it)")),
-                    )
-                ours = self.submit(request)
-                if ours is not None:
-                    attempts += 1
-            left = deadline - self.clock()
-            if left <= 0:
-                raise CallTimeout(
-                    f"no ScoredBatch within {timeout_s:.1f} s; reward services alive: "
-                    f"{[p.name for p in self.pool.alive(self.role)]}"
-                )
-            got = self.pool.endpoint.recv(timeout=min(left, 0.1))
-            if got is not None:
-                msg = self.pool.handle(*got)
-                if msg is not None:
-                    out = self.on_message(got[0], msg)
-                    if out is not None and ours is not None and out.request is ours.request:
-                        if out.error is not None:
-                            raise RemoteError(out.peer, out.error)
-                        return out.scored
-            if ours is not None and any(r is request for r in self.on_lost(self.pool.reap())):
-                log.warning("reward service %s died holding the request; resubmitting", ours.peer.name)
-                ours = None

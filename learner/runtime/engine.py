@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -59,8 +59,6 @@ __all__ = [
     "make_lr_scheduler",
     "make_engine",
     "make_frozen_engine",
-    "unwrap",
-    "full_named_parameters",
     "save_hf",
     "save_checkpoint",
     "load_checkpoint",
@@ -410,35 +408,11 @@ def make_frozen_engine(model: torch.nn.Module, *, zero_stage: int, bf16: bool, o
     return engine
 
 
-def unwrap(model: Any) -> torch.nn.Module:
-    """The HF module inside a DeepSpeed engine (or the module itself): ``common.weights.source.unwrap``,
-    so that saves and weight pushes name parameters alike."""
-    from common.weights.source import unwrap as unwrap_module
-
-    return unwrap_module(model)
-
-
 # --------------------------------------------------------------------------- saving
 
 
 def _is_zero3(p: torch.Tensor) -> bool:
     return hasattr(p, "ds_id")
-
-
-def full_named_parameters(model: Any, *, names: Sequence[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full tensor)`` for each parameter, gathering ZeRO-3 shards one at a time.
-
-    A COLLECTIVE under ZeRO-3: every rank must iterate the same names in the same order,
-    or the gather hangs. Each yielded tensor is only valid until the next one is requested
-    (it is the live, gathered parameter; clone it to keep it). Tied parameters appear once.
-    """
-    module = unwrap(model)
-    wanted = set(names) if names is not None else None
-    for name, p in module.named_parameters():
-        if wanted is not None and name not in wanted:
-            continue
-        with deepspeed.zero.GatheredParameters([p], enabled=_is_zero3(p)):
-            yield name, p.detach()
 
 
 def save_hf(
@@ -451,6 +425,8 @@ def save_hf(
     writes safetensors, the config (plus ``config_updates``, e.g. a reward model's
     ``mean``/``std``) and the tokenizer. Weights keep the training dtype.
     """
+    from common.weights.source import unwrap
+
     module = unwrap(model)
     rank0 = is_rank0()
     state: dict[str, torch.Tensor] = {}

@@ -145,6 +145,7 @@ def _lone(model_dir: str) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from common.weights.source import unwrap
     from learner.runtime import engine as E
 
     info = E.init_distributed()
@@ -172,7 +173,7 @@ def _lone(model_dir: str) -> dict:
         (plain(**batch, labels=batch["input_ids"]).loss / len(texts)).backward()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
     opt.step()
-    ours = dict(E.unwrap(eng).named_parameters())
+    ours = dict(unwrap(eng).named_parameters())
     return {
         "world_size": info.world_size,
         "skipped": not eng.enable_backward_allreduce,
@@ -188,6 +189,7 @@ def _worker(what: str, model_dir: str, out: str) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from helpers.params import full_named_parameters
     from learner.runtime import engine as E
 
     torch.manual_seed(0)
@@ -211,14 +213,14 @@ def _worker(what: str, model_dir: str, out: str) -> None:
     )
     tok = AutoTokenizer.from_pretrained(model_dir)
     batch = tok(["What is 2 + 3? Answer: 5"], return_tensors="pt").to(E.device())
-    before = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+    before = {n: t.clone() for n, t in full_named_parameters(eng)}
     losses = []
     for _ in range(6):  # 6 micro-steps, accumulation 2: three optimizer steps
         loss = eng(**batch, labels=batch["input_ids"]).loss
         eng.backward(loss)
         eng.step()
         losses.append(loss.item())
-    after = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+    after = {n: t.clone() for n, t in full_named_parameters(eng)}
     result.update(
         losses=losses,
         optimizer_steps=eng.global_steps,
@@ -232,7 +234,7 @@ def _worker(what: str, model_dir: str, out: str) -> None:
             eng.backward(eng(**batch, labels=batch["input_ids"]).loss)
             eng.step()
         state = E.load_checkpoint(eng, Path(out) / "ckpt")
-        resumed = {n: t.clone() for n, t in E.full_named_parameters(eng)}
+        resumed = {n: t.clone() for n, t in full_named_parameters(eng)}
         result.update(
             client_step=state["step"],
             resumed_global_steps=eng.global_steps,

@@ -191,7 +191,7 @@ def _snapshot(engine) -> dict:
     """
     import torch
 
-    from learner.runtime.engine import full_named_parameters
+    from helpers.params import full_named_parameters
 
     zero = engine.optimizer
     masters = getattr(zero, "single_partition_of_fp32_groups", None)  # ZeRO-1/2

@@ -4,6 +4,9 @@
   ``dist_sum`` reaches torch.distributed only when a caller asks for a cross-rank reduce);
 - ``learner/controller`` imports neither DeepSpeed nor torch.distributed, nor the learner's
   other sub-packages (which do);
+- inside the learner the layers run one way, ``runtime`` -> ``supervised`` -> ``rl``:
+  ``learner/runtime`` (DeepSpeed engines, model loading, checkpoints, metrics) imports no other
+  learner sub-package but the formulas, ``learner/supervised`` neither ``rl`` nor ``controller``;
 - the services (``rollout_service``, ``reward_service``) import no other role: only ``common``;
 - ``common`` imports no role.
 
@@ -69,6 +72,22 @@ def _rule_for(rel: Path):
             return None
 
         return controller
+    if rel.parts[:2] == ("learner", "runtime"):
+
+        def runtime(name: str) -> str | None:
+            if _under(name, "learner") and not (_under(name, "learner.runtime") or _under(name, "learner.algorithms")):
+                return "learner/runtime imports no learner sub-package above it"
+            return None
+
+        return runtime
+    if rel.parts[:2] == ("learner", "supervised"):
+
+        def supervised(name: str) -> str | None:
+            if _under(name, "learner.rl") or _under(name, "learner.controller"):
+                return "learner/supervised imports neither learner.rl nor learner.controller"
+            return None
+
+        return supervised
     if top in ("rollout_service", "reward_service"):
 
         def service(name: str) -> str | None:
@@ -109,6 +128,8 @@ def test_a_broken_rule_is_reported_with_file_line_and_reason(tmp_path):
     files = {
         "learner/algorithms/bad.py": "import numpy\nfrom torch import distributed\nfrom common import protocol\n",
         "learner/controller/bad.py": "def f():\n    import deepspeed\n\nfrom learner.rl import run\n",
+        "learner/runtime/bad.py": "from learner.supervised import trainer\nfrom learner.algorithms import losses\n",
+        "learner/supervised/bad.py": "from learner.rl.config import PPOConfig\nfrom learner.runtime import engine\n",
         "reward_service/bad.py": "from learner.controller import pool\nfrom common import protocol\n",
         "common/bad.py": "import rollout_service.core\n",
         "rollout_service/ok.py": "from . import core\nfrom common.transport import Endpoint\n",
@@ -122,6 +143,9 @@ def test_a_broken_rule_is_reported_with_file_line_and_reason(tmp_path):
         "learner/algorithms/bad.py:3 imports common: learner/algorithms imports only torch",
         "learner/controller/bad.py:2 imports deepspeed: learner/controller knows neither DeepSpeed nor torch.distributed",
         "learner/controller/bad.py:4 imports learner.rl: learner/controller imports no other learner sub-package",
+        "learner/runtime/bad.py:1 imports learner.supervised: learner/runtime imports no learner sub-package above it",
+        "learner/supervised/bad.py:1 imports learner.rl.config: learner/supervised imports neither learner.rl nor "
+        "learner.controller",
         "reward_service/bad.py:1 imports learner.controller: reward_service imports only common/ among the project's "
         "packages",
         "common/bad.py:1 imports rollout_service.core: common/ imports no role",
