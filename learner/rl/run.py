@@ -20,7 +20,7 @@ from learner.rl.build import (
     setup_logging,
     train_engine,
 )
-from learner.rl.checkpoint import Checkpointer, CheckpointMismatch, check_resumable
+from learner.rl.checkpoint import CheckpointError, check_resumable, rl_checkpointer
 from learner.rl.config import PPOConfig
 from learner.rl.schedules import SCHEDULES, RunParts, schedule_name
 from learner.rl.schedules.base import broadcast_int
@@ -87,9 +87,9 @@ def run(cfg: PPOConfig) -> int:
             f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
             f"({cfg.rollout_batch_size}); nothing to train"
         )
-    try:  # before the models load: a wrong resume fails in seconds, not minutes
-        check_resumable(cfg, world_size=info.world_size, n_prompts=n_items)
-    except CheckpointMismatch as e:
+    try:  # before the models load: a wrong or damaged resume fails in seconds, not minutes
+        check_resumable(cfg, n_prompts=n_items)
+    except CheckpointError as e:
         raise SystemExit(f"learner: {e}") from None
     samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
     optimizer_steps = total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
@@ -135,23 +135,16 @@ def run(cfg: PPOConfig) -> int:
         schedule = SCHEDULES[schedule_name(cfg)](parts)
         if rank0:
             log.info("schedule: %s", schedule.name)
-        ckpt = Checkpointer(
-            cfg,
-            trainer,
-            rank=info.rank,
-            world_size=info.world_size,
-            n_prompts=n_items,
-            steps_per_episode=steps_per_episode,
-            tokenizer=tokenizer,
-            driver=driver,
-            schedule=schedule,
-        )
-        resumed = ckpt.resume() if cfg.load_checkpoint else None
+        ckpt = rl_checkpointer(cfg, trainer, n_prompts=n_items, schedule=schedule, driver=driver, tokenizer=tokenizer)
+        try:
+            resumed = ckpt.resume() if cfg.load_checkpoint else None
+        except CheckpointError as e:
+            raise SystemExit(f"learner: {e}") from None
         first = resumed.step + 1 if resumed else 1
         # Servers may have loaded other weights: everyone starts equal. A resumed run pushes the
-        # resumed weights, as the version they were at, before any prompt is handed out: servers
-        # that outlived the old learner still hold its later weights.
-        schedule.start(resumed.state["policy_version"] if resumed else 0)
+        # resumed weights, as the version they were at (version k after step k), before any
+        # prompt is handed out: servers that outlived the old learner still hold its later weights.
+        schedule.start(resumed.step if resumed else 0)
         if driver is not None and not resumed:
             driver.evaluate(0, "eval/accuracy")
         for step in range(first, total_steps + 1):

@@ -21,6 +21,11 @@ log = logging.getLogger("learner")
 class LockstepSchedule(Schedule):
     name = "lockstep"
 
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing beyond the step: step s trains ``batch(s)`` whatever came before, so the
+        checkpoint's step is the schedule's whole position."""
+        return {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint of the async schedule (``--async_train``) holds its feed: the stream
         position it had reached and the prompts admitted but not trained. Lockstep draws by step
