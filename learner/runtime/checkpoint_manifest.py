@@ -107,6 +107,9 @@ def read(directory: Path) -> dict[str, dict[str, Any]]:
         files = record["files"]
         if record.get("format") != FORMAT or not isinstance(files, dict):
             raise ValueError(f"format {record.get('format')!r}, this learner reads {FORMAT}")
+        for name, entry in files.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)):
+                raise ValueError(f"the entry of {name} is {entry!r}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ManifestError(f"{MANIFEST} is unreadable ({type(e).__name__}: {e})") from None
     return files

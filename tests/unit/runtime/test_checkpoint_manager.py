@@ -35,6 +35,9 @@ def test_a_manifest_lists_every_file_with_its_size_and_crc32(tmp_path):
     (tmp_path / "a" / "x.bin").write_bytes(b"jello")  # same size, other bytes
     assert M.problem(tmp_path, "a/x.bin", files["a/x.bin"], checksum=False) is None
     assert "a/x.bin fails its checksum" in M.problem(tmp_path, "a/x.bin", files["a/x.bin"], checksum=True)
+    (tmp_path / "manifest.json").write_text('{"format": 1, "files": {"a/x.bin": {"size": "5"}}}')
+    with pytest.raises(M.ManifestError, match="the entry of a/x.bin is"):
+        M.read(tmp_path)
     (tmp_path / "manifest.json").write_text('{"format": 1, "files": {')  # cut
     with pytest.raises(M.ManifestError, match="manifest.json is unreadable"):
         M.read(tmp_path)
