@@ -4,6 +4,7 @@ again (its newest checkpoint damaged on purpose) continues exactly as the uninte
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -148,18 +149,34 @@ def test_sft_learns_and_a_killed_run_resumes_to_the_same_losses(tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_sft_on_two_zero2_ranks_reduces_once_per_step_and_learns(tiny_model_dir, tmp_path):
+def test_sft_on_two_zero2_ranks_reduces_once_per_step_learns_and_resumes(tiny_model_dir, tmp_path):
     """Two gloo ranks at ZeRO-2, micro-batches of 4 in a global batch of 16: each rank
     accumulates 2, and on CPU the trainer reduces them once per optimizer step
-    (``--coalesce_grad_reduction auto``); the model still learns."""
+    (``--coalesce_grad_reduction auto``); the model still learns. Its step-4 checkpoint (a ZeRO
+    shard and an RNG file per rank, hashed by both ranks), named explicitly, resumes two ranks
+    to the same losses."""
     from learner.supervised.synthetic_data import write_all
 
     data = tmp_path / "data"
     write_all(data, n_train=64, n_eval=32)
     save = tmp_path / "sft2"
-    args = sft_args(tiny_model_dir, data, save, "--eval_at_start")
+    args = sft_args(tiny_model_dir, data, save, "--eval_at_start", "--save_steps", "4")
     args[args.index("--micro_train_batch_size") + 1] = "4"
     out = run_module("learner.train_sft", args, nproc=2)
     assert "sft: ZeRO-2 gradients reduced once per optimizer step, not after each of its 2 micro-batches" in out
     evals = [r for r in read_log(save) if "eval/loss" in r]
     assert evals[-1]["step"] == 8 and evals[-1]["eval/loss"] < 0.5 * evals[0]["eval/loss"], evals
+    step4 = save / "checkpoints" / "step_00000004"
+    files = json.loads((step4 / "manifest.json").read_text())["files"]
+    assert {"rng/rank_0.pt", "rng/rank_1.pt"} <= set(files), sorted(files)
+    assert sum("zero_pp_rank_" in name for name in files) >= 2, sorted(files)  # a shard per rank
+
+    again = tmp_path / "again"
+    rerun = [a if a != str(save) else str(again) for a in args]
+    out = run_module("learner.train_sft", [*rerun, "--load_checkpoint", "--ckpt_path", str(step4)], nproc=2)
+    assert f"resumed from {step4}: step 4" in out
+    first, second = _losses(read_log(save)), _losses(read_log(again))
+    assert sorted(second) == [5, 6, 7, 8]
+    for step, loss in second.items():
+        assert loss == pytest.approx(first[step], rel=1e-4, abs=1e-5), step
+    assert [s for s, _ in checkpoints(save / "checkpoints")] == [4, 8]  # the resumed run saved 8 beside it
