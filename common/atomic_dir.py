@@ -1,9 +1,9 @@
 """Build a directory aside and rename it into place, safe against concurrent builders.
 
 Used by ``common.tiny`` and ``common.smollm2``: readers never see half a model, and when two
-processes build the same directory at once the loser keeps the winner's build. RL checkpoints
-(``learner.rl.checkpoint``) are written by several ranks at once, so they build the directory
-themselves and only ``commit_dir`` it.
+processes build the same directory at once the loser keeps the winner's build. Trainer
+checkpoints (``learner.runtime.checkpoint``) are written by several ranks at once, so they build
+the directory themselves and only ``commit_dir`` it.
 """
 
 from __future__ import annotations

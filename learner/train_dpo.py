@@ -49,9 +49,13 @@ class DPOConfig(TrainerConfig):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse(DPOConfig, argv, description=__doc__.split("\n")[0], prog="learner.train_dpo")
-    from learner.supervised.dpo_trainer import run  # torch and DeepSpeed only after the flags parse
+    from learner.runtime.checkpoint import CheckpointError  # torch and DeepSpeed only after the flags parse
+    from learner.supervised.dpo_trainer import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except CheckpointError as e:  # damaged, or made with other settings: one line naming it
+        raise SystemExit(f"learner.train_dpo: {e}") from None
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from common.config import flag
 from common.weights import known_backends
+from learner.runtime.checkpoint_config import CheckpointFlags
 from learner.runtime.flags import OptimizerFlags
 
 # OpenRLHF passes these to the vLLM engines it creates; here each rollout_service is started
@@ -299,24 +300,17 @@ class ServiceFlags:
 
 
 @dataclass
-class LoggingFlags:
-    """Metrics and checkpoints."""
+class LoggingFlags(CheckpointFlags):
+    """Metrics, and checkpoints (the flags every trainer shares, ``CheckpointFlags``)."""
 
     logging_steps: int = flag(1, "log every N steps", group="logging")
+    # RL counts checkpoints in rollout steps (the supervised trainers in optimizer steps)
     save_steps: int = flag(
-        0,
-        "save a checkpoint (DeepSpeed state and run state, see docs/checkpoints.md) in --ckpt_path every N steps "
-        "(0: none; the final HF policy is written to SAVE_PATH regardless)",
+        -1,
+        "save a checkpoint (engines, optimizer, LR schedule, run state, RNG; docs/checkpoints.md) every N "
+        "rollout steps (<= 0: never; the final HF policy is written to SAVE_PATH regardless)",
         group="ckpt",
     )
-    ckpt_path: str = flag("", "checkpoint directory (default: SAVE_PATH/checkpoints)", group="ckpt")
-    max_ckpt_num: int = flag(
-        3, "keep at most this many checkpoints (older ones go once a new one is complete)", group="ckpt"
-    )
-    load_checkpoint: bool = flag(
-        False, "resume from the newest complete checkpoint in --ckpt_path if there is one", group="ckpt"
-    )
-    save_hf_ckpt: bool = flag(False, "also write the policy in HF format into each checkpoint (hf/)", group="ckpt")
     use_tensorboard: str = flag("", "TensorBoard log dir (default: SAVE_PATH/tensorboard)", group="logging")
     metrics_file: str = flag("", "JSON-lines metrics (default: SAVE_PATH/metrics.jsonl)", group="logging")
 
@@ -370,6 +364,7 @@ class PPOConfig(
     in ``notices``, which the run logs once, on rank 0 (``learner.rl.run.init_process``)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # CheckpointFlags'
         self.notices: list[str] = []  # not a flag: what the checks below changed or found inert
         self.check_optimizer()
         g = self.n_samples_per_prompt

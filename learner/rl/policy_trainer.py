@@ -177,6 +177,14 @@ class PolicyTrainer:
             if critic is not None:
                 check_packable(critic.engine, "critic")
 
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own progress for a checkpoint (its engines, KL controller and shuffling
+        generator are checkpoint parts of their own: ``learner.rl.checkpoint``)."""
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_done = int(state["steps_done"])
+
     def optimizer_step(self) -> OptimizerStep:
         """The window of one policy optimizer step: ``backward`` each of its micro-batches."""
         return OptimizerStep(self.engine, coalesce=self.coalesce)

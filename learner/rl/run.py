@@ -31,11 +31,12 @@ from learner.rl.build import (
     setup_logging,
     train_engine,
 )
-from learner.rl.checkpoint import Checkpointer, CheckpointMismatch, check_resumable
+from learner.rl.checkpoint import CheckpointError, check_resumable, rl_checkpointer
 from learner.rl.config import PPOConfig
 from learner.rl.schedules import RunParts, Schedule, Turns, make_schedule, schedule_name
 from learner.rl.schedules.base import broadcast_int
 from learner.rl.schedules.colocated import check_colocated_push, make_turns
+from learner.runtime.checkpoint import Checkpointer
 
 log = logging.getLogger("learner")
 
@@ -72,9 +73,9 @@ class Models:
 def run(cfg: PPOConfig) -> int:
     proc = init_process(cfg)
     data = load_data(cfg, proc)
-    try:  # before the models load: a wrong resume fails in seconds, not minutes
-        check_resumable(cfg, world_size=proc.world_size, n_prompts=data.n_prompts)
-    except CheckpointMismatch as e:
+    try:  # before the models load: a wrong or damaged resume fails in seconds, not minutes
+        check_resumable(cfg, n_prompts=data.n_prompts)
+    except CheckpointError as e:
         raise RunError(str(e)) from None
     models = build_trainer(cfg, proc, data)
     rank0 = None
@@ -92,16 +93,8 @@ def run(cfg: PPOConfig) -> int:
         schedule = make_schedule(RunParts(cfg, models.trainer, weights, driver, proc.device, data.total_steps, turns))
         if proc.rank0:
             log.info("schedule: %s", schedule_name(cfg))
-        ckpt = Checkpointer(
-            cfg,
-            models.trainer,
-            rank=proc.rank,
-            world_size=proc.world_size,
-            n_prompts=data.n_prompts,
-            steps_per_episode=data.steps_per_episode,
-            tokenizer=data.tokenizer,
-            driver=driver,
-            schedule=schedule,
+        ckpt = rl_checkpointer(
+            cfg, models.trainer, n_prompts=data.n_prompts, schedule=schedule, driver=driver, tokenizer=data.tokenizer
         )
         train(cfg, schedule, ckpt, data.total_steps)
         save_final(cfg, models, data.tokenizer, proc)
@@ -208,17 +201,20 @@ def _turns(cfg: PPOConfig, models: Models, proc: Process, rank0: Any) -> Turns:
 def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: int) -> None:
     """Every rank: resume (``--load_checkpoint``), the first push, the steps, the evaluations."""
     driver = schedule.driver
-    resumed = ckpt.resume() if cfg.load_checkpoint else None
+    try:
+        resumed = ckpt.resume() if cfg.load_checkpoint else None
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
     first = resumed.step + 1 if resumed else 1
     # Servers may have loaded other weights: everyone starts equal. A resumed run pushes the
-    # resumed weights, as the version they were at, before any prompt is handed out: servers
-    # that outlived the old learner still hold its later weights.
-    schedule.start(resumed.state["policy_version"] if resumed else 0)
+    # resumed weights, as the version they were at (version k after step k), before any prompt
+    # is handed out: servers that outlived the old learner still hold its later weights.
+    schedule.start(resumed.step if resumed else 0)
     if driver is not None and not resumed:
         driver.evaluate(0, "eval/accuracy")
     for step in range(first, total_steps + 1):
         schedule.step(step)
-        if cfg.save_steps and step % cfg.save_steps == 0:
+        if cfg.save_steps > 0 and step % cfg.save_steps == 0:
             with schedule.states_resident():
                 ckpt.save(step)
     schedule.finish()

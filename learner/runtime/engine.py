@@ -28,7 +28,6 @@ import importlib.util
 import logging
 import math
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -455,20 +454,16 @@ def save_checkpoint(
     *,
     tag: str,
     client_state: dict[str, Any] | None = None,
-    max_keep: int | None = None,
 ) -> None:
     """DeepSpeed checkpoint (model, optimizer, LR schedule, ``client_state``) as ``save_dir/tag``.
 
     Call on all ranks. ``save_dir/latest`` names the newest tag, so ``load_checkpoint``
-    resumes from it. With ``max_keep`` rank 0 deletes the oldest tags beyond that many.
+    resumes from it. The trainers' checkpoints (atomic, verified, pruned, with the run's state)
+    are ``learner.runtime.checkpoint``'s, which calls the engine's own save per part.
     """
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=dict(client_state or {}))
-    if max_keep and is_rank0():
-        tags = sorted((d for d in save_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
-        for old in tags[:-max_keep]:
-            shutil.rmtree(old, ignore_errors=True)
     barrier()
 
 

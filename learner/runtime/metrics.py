@@ -37,6 +37,7 @@ class MetricsWriter:
         self.path.touch()  # exists from the start, so a reader can tell "no step yet" from "no run"
         self.tensorboard_dir = str(tensorboard_dir) if tensorboard_dir else None
         self.tb = None
+        self.last_step = 0  # the highest step written (a checkpoint's TensorBoard purge point)
         self._open_tensorboard()
 
     def _open_tensorboard(self, purge_step: int | None = None) -> None:
@@ -51,16 +52,37 @@ class MetricsWriter:
 
     def resume_after(self, step: int) -> None:
         """A run resumed from a checkpoint at ``step``: TensorBoard hides the killed run's events
-        from ``step + 1`` on (its ``purge_step``), since the resumed run writes those steps again.
-        (The JSON-lines file is trimmed by the checkpoint code, which owns that rule.)"""
+        from ``step + 1`` on (its ``purge_step``), since the resumed run writes those steps again."""
+        self.last_step = step
         if self.tb is not None:
             self.tb.close()
             self._open_tensorboard(purge_step=step + 1)
+
+    # ---- a checkpoint part (learner.runtime.checkpoint): where the file stood at the save
+    def state_dict(self) -> dict[str, Any]:
+        return {"bytes": self.path.stat().st_size, "step": self.last_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Drops what the killed run wrote after the checkpoint (the resumed run writes those
+        steps again; a line the kill cut goes too) by cutting the file back to its length at the
+        save, and hides the same steps' events from TensorBoard. A file shorter than that is
+        another file (a new --save_path or --metrics_file) and is left as it is."""
+        size, keep = self.path.stat().st_size, int(state["bytes"])
+        if size > keep:
+            with self.path.open("rb+") as fh:
+                fh.seek(keep)
+                dropped = fh.read().count(b"\n")
+                fh.truncate(keep)
+            log.info("%s: dropped %d record(s) written after the checkpoint (they are done again)", self.path, dropped)
+        elif size < keep:
+            log.info("%s is shorter than at the checkpoint (%d < %d bytes): a new file, kept", self.path, size, keep)
+        self.resume_after(int(state["step"]))
 
     def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> None:
         """Appends ``metrics``, keys as ``prefix/key`` when a prefix is given."""
         named = {f"{prefix}/{k}" if prefix else k: v for k, v in metrics.items()}
         record = {"step": step, "time": time.time(), **named}
+        self.last_step = max(self.last_step, step)
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
         if self.tb is not None:

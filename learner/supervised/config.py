@@ -1,7 +1,9 @@
 """Flags shared by ``learner.train_sft``, ``learner.train_rm`` and ``learner.train_dpo``.
 
 Names and meanings follow OpenRLHF's ``openrlhf.cli.train_*`` so scripts port by swapping
-the module. Only ``common.config`` and ``common.host_memory`` are imported here (no torch), so
+the module; the checkpoint flags (``--save_steps``, ``--ckpt_path``, ``--max_ckpt_num``,
+``--load_checkpoint``, ``--save_hf_ckpt``) come from
+``learner.runtime.checkpoint_config.CheckpointFlags``. No torch is imported here, so
 ``--help`` is instant. Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
 
 Flags accepted for compatibility with an explanation rather than an effect: ``--local_rank``
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 from common.config import flag
 from common.host_memory import host_malloc_flag
 from learner.runtime.accumulation import coalesce_flag
+from learner.runtime.checkpoint_config import CheckpointFlags
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(CheckpointFlags):
     # ---- model and output
     pretrain: str = flag("", "model to start from: local HF directory or hub name", required=True, group="model")
     save_path: str = flag("./ckpt", "where the final HF-format model (and train_log.jsonl) are written", group="model")
@@ -84,19 +87,14 @@ class TrainerConfig:
         -1, "set by the deepspeed launcher; ignored (the rank comes from the env)", group="deepspeed"
     )
 
-    # ---- checkpoints and logging
-    save_steps: int = flag(-1, "DeepSpeed checkpoint every this many optimizer steps (-1: never)", group="ckpt")
-    ckpt_path: str = flag("", "DeepSpeed checkpoint directory (default: SAVE_PATH/checkpoints)", group="ckpt")
-    max_ckpt_num: int = flag(3, "keep at most this many DeepSpeed checkpoints", group="ckpt")
-    load_checkpoint: bool = flag(
-        False, "resume from the newest checkpoint in --ckpt_path if there is one", group="ckpt"
-    )
-    logging_steps: int = flag(1, "log train metrics every this many optimizer steps", group="ckpt")
-    eval_steps: int = flag(-1, "evaluate every this many optimizer steps (-1: end of each epoch)", group="ckpt")
-    eval_at_start: bool = flag(False, "also evaluate before the first step (the untrained baseline)", group="ckpt")
-    use_tensorboard: str = flag("", "TensorBoard log directory (empty: off)", group="ckpt")
+    # ---- logging (the checkpoint flags: CheckpointFlags)
+    logging_steps: int = flag(1, "log train metrics every this many optimizer steps", group="logging")
+    eval_steps: int = flag(-1, "evaluate every this many optimizer steps (-1: end of each epoch)", group="logging")
+    eval_at_start: bool = flag(False, "also evaluate before the first step (the untrained baseline)", group="logging")
+    use_tensorboard: str = flag("", "TensorBoard log directory (empty: off)", group="logging")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.input_template and "{}" not in self.input_template:
             raise ValueError(f"--input_template {self.input_template!r} has no {{}} for the input")
         if self.logging_steps < 1:

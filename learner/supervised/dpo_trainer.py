@@ -10,6 +10,7 @@ import torch
 from learner.algorithms.dpo_loss import dpo_loss
 from learner.runtime import engine as E
 from learner.runtime.models import forward_logits, sequence_logprobs
+from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.rm_data import collate_pairs, pair_sample
 from learner.supervised.trainer import (
     Trainer,
@@ -86,6 +87,7 @@ def run(cfg) -> None:
         max_len=cfg.max_len,
     )
     train, evals = load_samples(cfg, keys, encode)
+    check_resumable(cfg, DPOTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
     model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
@@ -104,6 +106,6 @@ def run(cfg) -> None:
         cfg.beta,
         " (IPO)" if cfg.ipo else f", label smoothing {cfg.label_smoothing}",
     )
-    trainer.fit()
+    trainer.fit(trainer_checkpointer(cfg, trainer, tok, len(train)))
     E.save_hf(engine, tok, cfg.save_path)
     log.info("saved %s", cfg.save_path)

@@ -11,6 +11,7 @@ import torch
 from learner.algorithms.rm_loss import reward_model_loss
 from learner.runtime import engine as E
 from learner.runtime.models import load_reward_model
+from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.rm_data import collate_pairs, pair_sample
 from learner.supervised.trainer import (
     Trainer,
@@ -91,6 +92,7 @@ def run(cfg) -> None:
         force_eos=True,
     )
     train, evals = load_samples(cfg, keys, encode)
+    check_resumable(cfg, RMTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     if evals is None:  # OpenRLHF: reward statistics over 1% of the training rows
         evals = train[: max(cfg.micro_train_batch_size * info.world_size, len(train) // 100)]
         log.info("no --eval_dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
@@ -106,7 +108,7 @@ def run(cfg) -> None:
         trainer.total_steps,
         trainer.accum,
     )
-    trainer.fit()
+    trainer.fit(trainer_checkpointer(cfg, trainer, tok, len(train)))
     # The statistics the saved config carries must come from the final weights.
     final = trainer.last_eval[1] if trainer.last_eval[0] == trainer.global_step else trainer.run_eval()
     E.save_hf(

@@ -10,6 +10,7 @@ import torch
 from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
 from learner.runtime import engine as E
 from learner.runtime.models import check_packable, forward_logits
+from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.sft_data import collate_packed, collate_padded, sft_sample
 from learner.supervised.trainer import (
     Trainer,
@@ -66,6 +67,7 @@ def run(cfg) -> None:
         pretrain_mode=cfg.pretrain_mode,
     )
     train, evals = load_samples(cfg, keys, encode)
+    check_resumable(cfg, SFTTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
 
     model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
@@ -82,7 +84,7 @@ def run(cfg) -> None:
         trainer.accum,
         "packed" if cfg.packing_samples else "padded",
     )
-    trainer.fit()
+    trainer.fit(trainer_checkpointer(cfg, trainer, tok, len(train)))
     E.save_hf(engine, tok, cfg.save_path)
     log.info("saved %s", cfg.save_path)
     torch.distributed.barrier()

@@ -1,5 +1,6 @@
 """What the SFT, RM and DPO trainers share: their common flags, run set-up, data
-sharding, the optimizer-step loop with logging, evaluation and resumable checkpoints.
+sharding, the optimizer-step loop with logging, evaluation and checkpoints (saved and
+resumed by ``learner.runtime.checkpoint``, the RL run's manager; parts: ``learner.supervised.checkpoint``).
 
 The loop (``Trainer.fit``) works in optimizer steps: it draws the step's ``grad_accum``
 micro-batches first (so a loss can be normalised by the step's global token count, see
@@ -28,6 +29,7 @@ import torch
 
 from learner.runtime import engine as E
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
+from learner.runtime.checkpoint import Checkpointer
 from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("rayless.trainer")
@@ -220,9 +222,6 @@ class Trainer:
         self.metrics.write(self.global_step, metrics, prefix)
         log.info("%s step %d: %s", prefix, self.global_step, " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
 
-    def ckpt_dir(self) -> Path:
-        return Path(self.cfg.ckpt_path or Path(self.cfg.save_path) / "checkpoints")
-
     def run_eval(self) -> dict[str, float]:
         if self.eval_loader is None:
             return {}
@@ -234,13 +233,22 @@ class Trainer:
         self.last_eval = (self.global_step, result)
         return result
 
-    def fit(self) -> None:
+    # ---- a checkpoint part (learner.supervised.checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        step = int(state["global_step"])
+        if not 0 <= step <= self.total_steps:
+            raise ValueError(f"optimizer step {step} is outside this run's {self.total_steps} steps")
+        self.global_step = step
+
+    def fit(self, ckpt: Checkpointer) -> None:
+        """Trains to the end, resuming from ``ckpt`` first with --load_checkpoint and saving
+        into it every --save_steps optimizer steps."""
         cfg = self.cfg
-        if cfg.load_checkpoint:
-            state = E.load_checkpoint(self.engine, self.ckpt_dir())
-            if state is not None:
-                self.global_step = int(state["global_step"])
-                log.info("resumed from %s at optimizer step %d", self.ckpt_dir(), self.global_step)
+        if cfg.load_checkpoint and ckpt.resume() is not None:
+            log.info("resumed at optimizer step %d of %d", self.global_step, self.total_steps)
         if cfg.eval_at_start and self.global_step == 0:
             self.run_eval()
         eval_every = cfg.eval_steps if cfg.eval_steps > 0 else self.steps_per_epoch
@@ -275,17 +283,7 @@ class Trainer:
                 if self.global_step % eval_every == 0:
                     self.run_eval()
                 if cfg.save_steps > 0 and self.global_step % cfg.save_steps == 0:
-                    self.save_checkpoint()
-
-    def save_checkpoint(self) -> None:
-        E.save_checkpoint(
-            self.engine,
-            self.ckpt_dir(),
-            tag=f"global_step{self.global_step}",
-            client_state={"global_step": self.global_step},
-            max_keep=self.cfg.max_ckpt_num,
-        )
-        log.info("saved DeepSpeed checkpoint global_step%d in %s", self.global_step, self.ckpt_dir())
+                    ckpt.save(self.global_step)
 
 
 def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int):

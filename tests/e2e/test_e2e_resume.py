@@ -194,6 +194,8 @@ def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(t
 def test_a_resume_with_another_batch_size_fails_fast_naming_it(tmp_path, tiny_model_dir):
     """No services needed: the check runs before the model loads."""
     from learner.rl import checkpoint as C
+    from learner.runtime import checkpoint as R
+    from learner.runtime import checkpoint_manifest
 
     prompts = _prompts(tmp_path)
     ckpt = tmp_path / "ckpt" / "step_00000003"
@@ -202,7 +204,8 @@ def test_a_resume_with_another_batch_size_fails_fast_naming_it(tmp_path, tiny_mo
     match.update(pretrain=str(tiny_model_dir), prompt_data=str(prompts), seed=0, rollout_batch_size=8,
                  n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=32,
                  advantage_estimator="group_norm", zero_stage=2, world_size=1, n_prompts=100)  # fmt: skip
-    (ckpt / "state.json").write_text(json.dumps({"format": C.FORMAT, "step": 3, "match": match}))
+    (ckpt / "state.json").write_text(json.dumps({"format": R.FORMAT, "step": 3, "match": match}))
+    checkpoint_manifest.write_for(ckpt)  # a complete checkpoint, made with other settings
     flags = [f if f != "8" else "16" for f in _learner_flags(prompts)]  # --rollout_batch_size 16
     flags = [f if f != "32" else "64" for f in flags]
     t0 = time.monotonic()

@@ -27,7 +27,8 @@ class LockstepSchedule(Schedule):
         return self.driver.gather(step)
 
     def state_dict(self) -> dict[str, Any]:
-        """Nothing of its own: step s trains ``PromptStream.batch(s)``, a function of s alone."""
+        """Nothing beyond the step: step s trains ``batch(s)`` whatever came before, so the
+        checkpoint's step is the schedule's whole position."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,14 +1,17 @@
-"""RL checkpoints (learner/rl/checkpoint.py) on a stand-in engine: what a checkpoint holds and
-gives back, atomic saves (a save killed -9 half-way leaves the previous checkpoint loadable),
-pruning to --max_ckpt_num only after a save completes, and a resume with other settings refused
-naming each field. DeepSpeed's own save/load is covered by the supervised trainers' tests and
-the e2e resume test; here the engine writes one file, so these run in a second."""
+"""RL checkpoints (learner/rl/checkpoint.py over learner/runtime/checkpoint.py) on a stand-in
+engine: what a checkpoint holds and gives back, atomic saves (a save killed -9 half-way leaves
+the previous checkpoint loadable), pruning to --max_ckpt_num only after a save completes, a
+resume with other settings refused naming each field, and damaged checkpoints (truncated
+state.json, truncated model states, a missing file) skipped for the newest good one, or refused
+when named. DeepSpeed's own save/load is covered by the supervised trainers' tests and the e2e
+resume test; here the engine writes one file, so these run in a second."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,12 +27,15 @@ from learner.controller.types import PromptItem
 from learner.rl import checkpoint as C
 from learner.rl.config import PPOConfig
 from learner.rl.prompts import PromptStream
+from learner.runtime import checkpoint as R
+from learner.runtime import checkpoint_manifest as manifest
+from learner.runtime.metrics import MetricsWriter
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 class FakeEngine:
-    """Stands in for a DeepSpeed engine: one tensor, saved as ``save_dir/tag/w.pt``."""
+    """Stands in for a DeepSpeed engine: one tensor, saved as ``save_dir/tag/mp_rank_00_model_states.pt``."""
 
     def __init__(self, value: float = 0.0, slow_s: float = 0.0) -> None:
         self.w = torch.full((3,), value)
@@ -41,11 +47,14 @@ class FakeEngine:
         if self.slow_s:
             (d / "half").write_text("half")
             time.sleep(self.slow_s)  # where a test kills the process
-        torch.save(self.w, d / "w.pt")
+        torch.save(self.w, d / MODEL_STATES)
 
     def load_checkpoint(self, load_dir: str, tag: str, **kw):
-        self.w = torch.load(Path(load_dir) / tag / "w.pt")
+        self.w = torch.load(Path(load_dir) / tag / MODEL_STATES)
         return load_dir, {}
+
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
 class FakeTrainer:
@@ -56,6 +65,12 @@ class FakeTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.steps_done = 0
 
+    def state_dict(self):  # as PolicyTrainer's
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state):
+        self.steps_done = int(state["steps_done"])
+
 
 def items(n: int = 8) -> list[PromptItem]:
     return [PromptItem(tokens=[i, i + 1]) for i in range(n)]
@@ -64,7 +79,7 @@ def items(n: int = 8) -> list[PromptItem]:
 class FakeDriver:
     def __init__(self, prompts: PromptStream, metrics: Path) -> None:
         self.prompts = prompts
-        self.sink = type("Sink", (), {"path": metrics})()
+        self.sink = MetricsWriter(metrics)
 
     def state_dict(self):
         return {"prompts": self.prompts.state_dict()}
@@ -87,9 +102,26 @@ def cfg_for(tmp_path: Path, **kw) -> PPOConfig:
     return PPOConfig(**{**args, **kw})
 
 
-def checkpointer(cfg: PPOConfig, trainer: FakeTrainer, tmp_path: Path, n_prompts: int = 8) -> C.Checkpointer:
-    driver = FakeDriver(PromptStream(items(n_prompts), cfg.rollout_batch_size), tmp_path / "metrics.jsonl")
-    return C.Checkpointer(cfg, trainer, rank=0, world_size=1, n_prompts=n_prompts, steps_per_episode=4, driver=driver)
+class FakeSchedule:
+    def __init__(self) -> None:
+        self.state: dict = {"feed": {"next_position": 0}}
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def fake_driver(cfg: PPOConfig, tmp_path: Path, n_prompts: int = 8) -> FakeDriver:
+    return FakeDriver(PromptStream(items(n_prompts), cfg.rollout_batch_size), tmp_path / "metrics.jsonl")
+
+
+def checkpointer(
+    cfg: PPOConfig, trainer: FakeTrainer, tmp_path: Path, n_prompts: int = 8, driver: FakeDriver | None = None
+) -> R.Checkpointer:
+    driver = driver or fake_driver(cfg, tmp_path, n_prompts)
+    return C.rl_checkpointer(cfg, trainer, n_prompts=n_prompts, schedule=FakeSchedule(), driver=driver)
 
 
 def test_a_checkpoint_gives_back_weights_rng_kl_and_the_step(tmp_path):
@@ -97,17 +129,19 @@ def test_a_checkpoint_gives_back_weights_rng_kl_and_the_step(tmp_path):
     trainer = FakeTrainer(cfg, value=1.5)
     trainer.kl_ctl.update(12.0, 100)  # drifted away from its initial 0.1
     torch.randperm(5, generator=trainer.generator)  # the shuffler has moved on
+    trainer.steps_done = 5
     ck = checkpointer(cfg, trainer, tmp_path)
     random.seed(7)
     torch.manual_seed(7)
     path = ck.save(6)
-    assert path == C.ckpt_dir(cfg) / "step_00000006" and C.latest(C.ckpt_dir(cfg)) == path
+    assert path == C.ckpt_dir(cfg) / "step_00000006" and R.find(C.ckpt_dir(cfg)) == path
     expected = (torch.rand(2), random.random(), torch.randperm(5, generator=trainer.generator), trainer.kl_ctl.value)
 
     fresh = FakeTrainer(cfg)  # a new process: initial weights, RNGs and KL
     torch.manual_seed(0)
     resumed = checkpointer(cfg, fresh, tmp_path).resume()
-    assert resumed.step == 6 and resumed.state["episode"] == 2 and resumed.state["policy_version"] == 6
+    assert resumed.step == 6 and resumed.state["schedule"] == {"feed": {"next_position": 0}}
+    assert fresh.steps_done == 5
     assert torch.equal(fresh.engine.w, torch.full((3,), 1.5))
     assert fresh.kl_ctl.value == pytest.approx(expected[3]) and fresh.kl_ctl.value != 0.1
     assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
@@ -117,7 +151,7 @@ def test_a_checkpoint_gives_back_weights_rng_kl_and_the_step(tmp_path):
 def test_no_checkpoint_is_a_fresh_start(tmp_path):
     cfg = cfg_for(tmp_path, load_checkpoint=True)
     assert checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume() is None
-    assert C.check_resumable(cfg, world_size=1, n_prompts=8) is None
+    assert C.check_resumable(cfg, n_prompts=8) is None
 
 
 def test_old_checkpoints_are_pruned_to_max_ckpt_num_after_the_new_one_is_complete(tmp_path):
@@ -126,15 +160,23 @@ def test_old_checkpoints_are_pruned_to_max_ckpt_num_after_the_new_one_is_complet
     for step in (2, 4, 6):
         ck.save(step)
     root = C.ckpt_dir(cfg)
-    assert [s for s, _ in C.complete(root)] == [4, 6]
+    assert [s for s, _ in R.checkpoints(root)] == [4, 6]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
 
 
-def test_metrics_after_the_resumed_step_are_dropped(tmp_path):
-    m = tmp_path / "metrics.jsonl"
-    m.write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in (0, 1, 2, 3, 4)) + '{"step": 5, "x"')
-    assert C.trim_metrics(m, 2) == 3  # steps 3, 4 and the line the kill cut
-    assert [json.loads(line)["step"] for line in m.read_text().splitlines()] == [0, 1, 2]
+def test_metrics_written_after_the_checkpoint_are_dropped_at_resume(tmp_path):
+    cfg = cfg_for(tmp_path, load_checkpoint=True)
+    driver = fake_driver(cfg, tmp_path)
+    ck, sink = checkpointer(cfg, FakeTrainer(cfg), tmp_path, driver=driver), driver.sink
+    for s in (0, 1, 2):
+        sink.write(s, {"x": s})
+    ck.save(2)
+    for s in (3, 4):
+        sink.write(s, {"x": s})  # the killed run's steps after the checkpoint
+    with sink.path.open("a") as fh:
+        fh.write('{"step": 5, "x"')  # and the line the kill cut
+    checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume()
+    assert [json.loads(line)["step"] for line in sink.path.read_text().splitlines()] == [0, 1, 2]
 
 
 @pytest.mark.parametrize(
@@ -150,20 +192,27 @@ def test_a_resume_with_other_settings_fails_naming_the_field(tmp_path, change, n
     checkpointer(cfg, FakeTrainer(cfg), tmp_path).save(2)
     other = cfg_for(tmp_path, load_checkpoint=True, **change)
     with pytest.raises(C.CheckpointMismatch, match="step_00000002") as e:
-        C.check_resumable(other, world_size=1, n_prompts=8)
+        C.check_resumable(other, n_prompts=8)
     assert named in str(e.value)
-    with pytest.raises(C.CheckpointMismatch, match="world_size: checkpoint 1, this run 2"):
-        C.check_resumable(cfg_for(tmp_path, load_checkpoint=True), world_size=2, n_prompts=8)
     with pytest.raises(C.CheckpointMismatch, match="n_prompts: checkpoint 8, this run 9"):
-        C.check_resumable(cfg_for(tmp_path, load_checkpoint=True), world_size=1, n_prompts=9)
+        C.check_resumable(cfg_for(tmp_path, load_checkpoint=True), n_prompts=9)
+    # the number of ranks (ZeRO shards, RNG files are per rank): a state.json saved by 2 ranks
+    ckpt = C.ckpt_dir(cfg) / "step_00000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    state["match"]["world_size"] = 2
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest.write_for(ckpt)
+    with pytest.raises(C.CheckpointMismatch, match="world_size: checkpoint 2, this run 1"):
+        C.check_resumable(cfg_for(tmp_path, load_checkpoint=True), n_prompts=8)
 
 
 def test_other_prompts_of_the_same_count_are_refused_by_the_stream(tmp_path):
     cfg = cfg_for(tmp_path)
     checkpointer(cfg, FakeTrainer(cfg), tmp_path).save(2)
-    ck = checkpointer(cfg, FakeTrainer(cfg), tmp_path)
-    ck.driver.prompts = PromptStream(list(reversed(items())), 2)  # --seed kept, data reordered
-    with pytest.raises(ValueError, match="prompt stream differs.*fingerprint"):
+    driver = fake_driver(cfg, tmp_path)
+    driver.prompts = PromptStream(list(reversed(items())), 2)  # --seed kept, data reordered
+    ck = checkpointer(cfg, FakeTrainer(cfg), tmp_path, driver=driver)
+    with pytest.raises(C.CheckpointMismatch, match="driver: the checkpoint's prompt stream differs.*fingerprint"):
         ck.resume()
 
 
@@ -193,10 +242,92 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
-    assert C.latest(root) == root / "step_00000002"
+    assert R.find(root) == root / "step_00000002"
     cfg = cfg_for(tmp_path, load_checkpoint=True)
     trainer = FakeTrainer(cfg)
     resumed = checkpointer(cfg, trainer, tmp_path).resume()
     assert resumed.step == 2 and torch.equal(trainer.engine.w, torch.full((3,), 2.0))
     checkpointer(cfg, FakeTrainer(cfg, value=4.0), tmp_path).save(4)  # the next save clears the debris
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+POLICY_STATES = f"policy/ds/{MODEL_STATES}"
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+DAMAGES = {
+    "truncated state.json": (lambda d: _truncate(d / "state.json"), r"state\.json has \d+ bytes, the manifest says"),
+    "truncated model states": (
+        lambda d: _truncate(d / POLICY_STATES),
+        rf"{POLICY_STATES} has \d+ bytes, the manifest says \d+",
+    ),
+    "a missing file": (lambda d: (d / "rng" / "rank_0.pt").unlink(), r"rng/rank_0\.pt is missing"),
+    "overwritten model states": (
+        lambda d: (d / POLICY_STATES).write_bytes(b"\0" * (d / POLICY_STATES).stat().st_size),
+        rf"{POLICY_STATES} fails its checksum \(crc32 [0-9a-f]{{8}}, the manifest says [0-9a-f]{{8}}\)",
+    ),
+    "no manifest": (lambda d: (d / "manifest.json").unlink(), r"no manifest\.json"),
+}
+
+
+def _two_checkpoints(tmp_path: Path) -> tuple[PPOConfig, Path]:
+    cfg = cfg_for(tmp_path, load_checkpoint=True, max_ckpt_num=3)
+    checkpointer(cfg, FakeTrainer(cfg, value=2.0), tmp_path).save(2)
+    checkpointer(cfg, FakeTrainer(cfg, value=4.0), tmp_path).save(4)
+    return cfg, C.ckpt_dir(cfg)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_good_one(tmp_path, caplog, damage):
+    """Each damage of issue 24: the run resumes from the older checkpoint, with a warning naming
+    the damaged one and the file at fault; the pre-check before the models load agrees."""
+    cfg, root = _two_checkpoints(tmp_path)
+    hurt, named = DAMAGES[damage]
+    hurt(root / "step_00000004")
+    if damage != "overwritten model states":  # sizes alone find it: the pre-check skips it too
+        assert C.check_resumable(cfg, n_prompts=8) == root / "step_00000002"
+    trainer = FakeTrainer(cfg)
+    with caplog.at_level("WARNING", logger="rayless.checkpoint"):
+        resumed = checkpointer(cfg, trainer, tmp_path).resume()
+    assert resumed.step == 2 and torch.equal(trainer.engine.w, torch.full((3,), 2.0))
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"skipping checkpoint {root / 'step_00000004'}: it is damaged (" in warning
+    assert re.search(named, warning), warning
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_an_explicitly_named_damaged_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, damage):
+    cfg, root = _two_checkpoints(tmp_path)
+    hurt, named = DAMAGES[damage]
+    hurt(root / "step_00000004")
+    cfg = cfg_for(tmp_path, load_checkpoint=True, ckpt_path=str(root / "step_00000004"))
+    with pytest.raises(R.DamagedCheckpoint) as e:
+        checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"checkpoint {root / 'step_00000004'} is damaged: ")
+    assert re.search(named, msg), msg
+
+
+def test_an_explicitly_named_good_checkpoint_is_resumed_and_later_saves_go_beside_it(tmp_path):
+    cfg, root = _two_checkpoints(tmp_path)
+    cfg = cfg_for(tmp_path, load_checkpoint=True, max_ckpt_num=3, ckpt_path=str(root / "step_00000002"))
+    assert C.check_resumable(cfg, n_prompts=8) == root / "step_00000002"
+    trainer = FakeTrainer(cfg)
+    ck = checkpointer(cfg, trainer, tmp_path)
+    assert ck.resume().step == 2 and torch.equal(trainer.engine.w, torch.full((3,), 2.0))
+    ck.save(3)
+    assert [s for s, _ in R.checkpoints(root)] == [2, 3, 4]
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    cfg, root = _two_checkpoints(tmp_path)
+    _truncate(root / "step_00000004" / POLICY_STATES)
+    (root / "step_00000002" / "rng" / "rank_0.pt").unlink()
+    with pytest.raises(R.DamagedCheckpoint, match=f"every checkpoint in {root} is damaged.*step_00000004: policy"):
+        checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume()
