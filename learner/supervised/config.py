@@ -3,7 +3,9 @@
 Names and meanings follow OpenRLHF's ``openrlhf.cli.train_*`` so scripts port by swapping
 the module; the checkpoint flags (``--save_steps``, ``--ckpt_path``, ``--max_ckpt_num``,
 ``--load_checkpoint``, ``--save_hf_ckpt``) come from
-``learner.runtime.checkpoint_config.CheckpointFlags``. No torch is imported here, so
+``learner.runtime.checkpoint_config.CheckpointFlags`` and the optimizer/DeepSpeed flags (ZeRO
+stage, bf16, offload, checkpointing, weight decay, betas, clipping, warm-up, seed) from
+``learner.runtime.flags.OptimizerFlags``, both shared with ``learner.train_ppo``. No torch is imported here, so
 ``--help`` is instant. Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
 
 Flags accepted for compatibility with an explanation rather than an effect: ``--local_rank``
@@ -15,13 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import flag
-from common.host_memory import host_malloc_flag
-from learner.runtime.accumulation import coalesce_flag
 from learner.runtime.checkpoint_config import CheckpointFlags
+from learner.runtime.flags import OptimizerFlags
 
 
 @dataclass
-class TrainerConfig(CheckpointFlags):
+class TrainerConfig(CheckpointFlags, OptimizerFlags):
     # ---- model and output
     pretrain: str = flag("", "model to start from: local HF directory or hub name", required=True, group="model")
     save_path: str = flag("./ckpt", "where the final HF-format model (and train_log.jsonl) are written", group="model")
@@ -65,24 +66,9 @@ class TrainerConfig(CheckpointFlags):
         choices=("cosine_with_min_lr", "linear", "constant_with_warmup"),
         group="optim",
     )
-    lr_warmup_ratio: float = flag(0.03, "fraction of optimizer steps of linear warmup", group="optim")
-    l2: float = flag(0.0, "weight decay (not applied to biases and norms)", group="optim")
-    adam_betas: list[float] = flag([0.9, 0.95], "Adam betas", group="optim")
-    max_norm: float = flag(1.0, "gradient clipping norm (0: off)", group="optim")
-    seed: int = flag(42, "seed of data order and initialisation", group="optim")
-
-    # ---- DeepSpeed
-    zero_stage: int = flag(2, "DeepSpeed ZeRO stage", choices=(0, 1, 2, 3), group="deepspeed")
-    bf16: bool = flag(False, "train in bf16 (fp32 master weights); fp16 is not offered", group="deepspeed")
-    adam_offload: bool = flag(
-        False, "optimizer state in CPU memory, DeepSpeedCPUAdam (needs ZeRO >= 1)", group="deepspeed"
-    )
-    gradient_checkpointing: bool = flag(False, "recompute activations in backward to save memory", group="deepspeed")
-    host_malloc: str = host_malloc_flag(group="deepspeed")
-    coalesce_grad_reduction: str = coalesce_flag(group="deepspeed")
-    flash_attn: bool = flag(
-        False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
-    )
+    # The rest of the optimizer and DeepSpeed flags: OptimizerFlags (shared with train_ppo);
+    # the supervised trainers warm the LR up by default, as OpenRLHF's do.
+    lr_warmup_ratio: float = flag(0.03, "fraction of optimizer steps of linear LR warm-up", group="optim")
     local_rank: int = flag(
         -1, "set by the deepspeed launcher; ignored (the rank comes from the env)", group="deepspeed"
     )
@@ -95,6 +81,7 @@ class TrainerConfig(CheckpointFlags):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_optimizer()
         if self.input_template and "{}" not in self.input_template:
             raise ValueError(f"--input_template {self.input_template!r} has no {{}} for the input")
         if self.logging_steps < 1:

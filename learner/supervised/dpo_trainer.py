@@ -16,7 +16,6 @@ from learner.supervised.trainer import (
     Trainer,
     load_samples,
     make_train_engine,
-    model_kwargs,
     reduce_sums,
     setup_run,
     template,
@@ -90,7 +89,7 @@ def run(cfg) -> None:
     check_resumable(cfg, DPOTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
+    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     ref = E.load_causal_lm(
         cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16, flash_attn=cfg.flash_attn

@@ -17,7 +17,6 @@ from learner.supervised.trainer import (
     Trainer,
     load_samples,
     make_train_engine,
-    model_kwargs,
     reduce_sums,
     setup_run,
     template,
@@ -98,7 +97,7 @@ def run(cfg) -> None:
         log.info("no --eval_dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = load_reward_model(cfg.pretrain, tokenizer=tok, **model_kwargs(cfg))
+    model = load_reward_model(cfg.pretrain, tokenizer=tok, **cfg.model_options())
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = RMTrainer(cfg, engine, train, collate, evals)
     log.info(

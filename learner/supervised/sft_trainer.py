@@ -16,7 +16,6 @@ from learner.supervised.trainer import (
     Trainer,
     load_samples,
     make_train_engine,
-    model_kwargs,
     reduce_sums,
     setup_run,
     template,
@@ -70,7 +69,7 @@ def run(cfg) -> None:
     check_resumable(cfg, SFTTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, **model_kwargs(cfg))
+    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
     if cfg.packing_samples:
         check_packable(model, "SFT")  # before the engine: a refusal costs no DeepSpeed start-up
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)

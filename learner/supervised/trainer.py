@@ -91,16 +91,6 @@ def load_samples(
     return train, (build_samples(eval_rows, encode, "eval") if eval_rows is not None else None)
 
 
-def model_kwargs(cfg: Any) -> dict[str, Any]:
-    """The flags a trained model is loaded with (keywords of ``learner.runtime.engine.load_pretrained``)."""
-    return dict(
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        flash_attn=cfg.flash_attn,
-    )
-
-
 def template(cfg: Any) -> str | None:
     t = getattr(cfg, "input_template", "") or None
     if t and "{}" not in t:
@@ -291,18 +281,12 @@ def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int
     per_epoch = steps_per_epoch(n_train, cfg, world)
     engine = E.make_engine(
         model,
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
+        **cfg.engine_options(),
         train_batch_size=cfg.train_batch_size,
         micro_train_batch_size=cfg.micro_train_batch_size,
         learning_rate=cfg.learning_rate,
         num_training_steps=per_epoch * cfg.max_epochs,
-        weight_decay=cfg.l2,
-        betas=tuple(cfg.adam_betas),
-        adam_offload=cfg.adam_offload,
-        grad_clip=cfg.max_norm,
         lr_scheduler=cfg.lr_scheduler,
-        lr_warmup_ratio=cfg.lr_warmup_ratio,
     )
     return engine, per_epoch
 
