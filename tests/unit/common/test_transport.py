@@ -14,6 +14,7 @@ from common.transport import (
     AsyncEndpoint,
     CallTimeout,
     Endpoint,
+    HandshakeFailed,
     PeerUnavailable,
     RemoteError,
     TransportError,
@@ -230,3 +231,13 @@ def test_safe_label_keeps_names_and_hexes_the_rest():
     assert safe_label(b"\x00\x01") == "0x0001"
     assert safe_label(b"a\nb") == "0x610a62"
     assert safe_label(bytes(100)).endswith("...") and len(safe_label(bytes(100))) == 2 + 64 + 3
+
+
+def test_no_controller_is_not_reported_as_a_failed_handshake():
+    """Nothing listens: the plain "not connected" error, no talk of keys (test_auth.py has the
+    keys that do not match)."""
+    svc = Endpoint.connect("tcp://127.0.0.1:1", name="alone")
+    with pytest.raises(PeerUnavailable, match="not connected or not reading") as err:
+        handshake(svc, "rollout", {}, timeout=0.5)
+    assert not isinstance(err.value, HandshakeFailed) and svc.handshake_failure() is None
+    svc.close(0)
