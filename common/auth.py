@@ -10,6 +10,9 @@ DEALER a CURVE client that knows the controller's public key. Traffic is encrypt
 without a key (plain ZMTP) or with a key not in ``authorized/`` is refused at the ZeroMQ
 handshake -- it never gets to send a message -- and the refusal is logged with its key.
 
+A controller bound beyond loopback without keys admits anyone who can reach its port:
+``Endpoint.bind`` warns so, once (``warn_if_open``).
+
 What CURVE does not cover: torch.distributed's rendezvous and weight-transfer stores and the
 gloo / NCCL connections are unauthenticated; keep them on a private network, bind them to its
 interface, or fence them with a firewall (docs/security.md). Keep ``*.key_secret`` readable only
@@ -30,6 +33,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from common.net import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +140,35 @@ def secure_client(sock: zmq.Socket, directory: str | os.PathLike) -> None:
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = server_public
+
+
+_warned_open: set[str] = set()
+
+
+def open_to_others(address: str) -> bool:
+    """``address`` (a bound ZeroMQ endpoint) can be reached from other hosts: TCP on anything
+    but a loopback address (``ipc://`` and ``inproc://`` stay on this host)."""
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return not is_loopback(host)
+
+
+def warn_if_open(address: str) -> bool:
+    """Warns once per address that a controller bound there without keys admits anyone who can
+    reach it, and how to add them. True if it warned (now or before)."""
+    if not open_to_others(address):
+        return False
+    if address not in _warned_open:
+        _warned_open.add(address)
+        log.warning(
+            "the controller listens on %s without keys: anyone who can reach this port can join the run as a "
+            "service (be handed prompts, send samples and scores). Make keys with `python -m common.auth keygen DIR` "
+            "and pass --auth_dir DIR to the learner and to every service, or bind 127.0.0.1 (--controller_bind "
+            "tcp://127.0.0.1:PORT) when every role runs on this host (docs/security.md)",
+            address,
+        )
+    return True
 
 
 USAGE = """usage: python -m common.auth keygen DIR

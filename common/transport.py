@@ -243,7 +243,12 @@ class Endpoint:
                 sock.close(0)  # a bad key folder must not leak the socket
                 raise
         sock.bind(address)
-        return cls(sock, _Core(name, True, max_message_bytes), sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if not auth_dir:
+            from common.auth import warn_if_open
+
+            warn_if_open(bound)
+        return cls(sock, _Core(name, True, max_message_bytes), bound)
 
     @classmethod
     def connect(

@@ -1,6 +1,7 @@
 """The transport over real sockets: delivery, calls with deadlines, bad peers, fuzzing."""
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -241,3 +242,24 @@ def test_no_controller_is_not_reported_as_a_failed_handshake():
         handshake(svc, "rollout", {}, timeout=0.5)
     assert not isinstance(err.value, HandshakeFailed) and svc.handshake_failure() is None
     svc.close(0)
+
+
+def test_a_controller_open_to_other_hosts_without_keys_warns_once(caplog, tmp_path):
+    from common.auth import keygen, warn_if_open
+
+    caplog.set_level(logging.WARNING, logger="common.auth")
+    open_ep = Endpoint.bind("tcp://0.0.0.0:0")
+    warned = [r.message for r in caplog.records if "without keys" in r.message]
+    assert len(warned) == 1 and open_ep.address in warned[0], warned
+    assert "anyone who can reach this port can join" in warned[0]
+    assert "python -m common.auth keygen DIR" in warned[0] and "--auth_dir DIR" in warned[0]
+    assert warn_if_open(open_ep.address)  # asked again (a restarted loop): not said again
+    assert len([r for r in caplog.records if "without keys" in r.message]) == 1
+    open_ep.close(0)
+
+    caplog.clear()
+    local = Endpoint.bind("tcp://127.0.0.1:0")  # one host: nobody else can reach it
+    keyed = Endpoint.bind("tcp://0.0.0.0:0", auth_dir=str(keygen(tmp_path / "keys")))
+    assert not [r for r in caplog.records if "without keys" in r.message]
+    local.close(0)
+    keyed.close(0)
