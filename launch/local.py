@@ -3,9 +3,10 @@
 Starts ``rollout_servers`` rollout services, ``reward_services`` reward services and the learner
 (``torchrun`` when ``learner_nproc > 1``), each writing its own log under ``RUN_DIR/logs/``.
 Everything listens on 127.0.0.1 only: the controller, torch.distributed's rendezvous store and
-the weight-transfer stores, gloo's connections (docs/security.md). Shows one progress line (step, reward, tokens/s, time left) read from
-the learner's ``metrics.jsonl``. Stops everything on Ctrl-C, when the learner finishes or
-dies, or when the last process of a service kind dies — naming it and pointing at its log.
+the weight-transfer stores, gloo's connections (docs/security.md). Shows one progress line
+(step, reward, tokens/s, time left) read from the learner's ``metrics.jsonl``. Stops
+everything on Ctrl-C, when the learner finishes or dies, or when the last process of a service
+kind dies — naming it and pointing at its log.
 A rollout or reward process that dies while others of its kind run is reported and the run
 goes on: the controller re-issues what it held.
 

@@ -160,7 +160,7 @@ def _host_rendezvous_store(timeout_s: float) -> None:
 
     Plain ``torchrun`` shares its agent's store (TORCHELASTIC_USE_AGENT_STORE=True already), and
     that one listens on every interface: launch.local passes torchrun options that leave the
-    store to rank 0 (``launch.local._torchrun``; docs/security.md)."""
+    store to rank 0 (``launch.local._torchrun_loopback``; docs/security.md)."""
     global _rendezvous_store
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or int(os.environ["RANK"]) != 0:
         return
