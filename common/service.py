@@ -49,6 +49,7 @@ from common.transport import (
     AsyncEndpoint,
     CallTimeout,
     Endpoint,
+    HandshakeFailed,
     PeerUnavailable,
     TransportError,
     ahandshake,
@@ -233,7 +234,10 @@ class ServiceShell:
                 f"within {self.connect_timeout_s:.0f} s: {e}"
             ) from None
         # A Welcome to this Hello may still come after the next one's: callers ignore it.
-        log.info("controller not answering yet (%s); trying again", e)
+        if isinstance(e, HandshakeFailed):  # not a controller still starting: say so at once
+            log.warning("%s; trying again", e)
+        else:
+            log.info("controller not answering yet (%s); trying again", e)
 
     # ------------------------------------------------------------------ heartbeats
     def heartbeat(self, stats: dict[str, float], policy_version: int = 0) -> Heartbeat:

@@ -39,6 +39,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from common.handshake_watch import HandshakeWatch
 from common.net import free_port as free_port  # re-exported: callers predate common.net
 from common.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Codec, Error, Hello, Message, Welcome
 from common.serialization import WireError
@@ -73,6 +74,11 @@ class CallTimeout(TransportError, TimeoutError):
 
 class PeerUnavailable(TransportError):
     """A send could not be queued: the peer is not connected, gone, or not reading."""
+
+
+class HandshakeFailed(PeerUnavailable):
+    """The connection to the controller is up, but ZeroMQ's handshake on it fails (CURVE keys
+    that do not match, keys on one side only): nothing can be sent until that changes."""
 
 
 class RemoteError(TransportError):
@@ -207,10 +213,11 @@ def _apply_options(sock: zmq.Socket, router: bool, identity: str | None, hwm: in
 class Endpoint:
     """A typed-message socket: ``bind`` (controller, ROUTER) or ``connect`` (service, DEALER)."""
 
-    def __init__(self, sock: zmq.Socket, core: _Core, address: str) -> None:
+    def __init__(self, sock: zmq.Socket, core: _Core, address: str, watch: HandshakeWatch | None = None) -> None:
         self.sock = sock
         self.core = core
         self.address = address
+        self.watch = watch  # a DEALER's handshake outcome (``handshake_failure``)
 
     @classmethod
     def bind(
@@ -236,7 +243,12 @@ class Endpoint:
                 sock.close(0)  # a bad key folder must not leak the socket
                 raise
         sock.bind(address)
-        return cls(sock, _Core(name, True, max_message_bytes), sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if not auth_dir:
+            from common.auth import warn_if_open
+
+            warn_if_open(bound)
+        return cls(sock, _Core(name, True, max_message_bytes), bound)
 
     @classmethod
     def connect(
@@ -261,10 +273,11 @@ class Endpoint:
             except Exception:
                 sock.close(0)  # a bad key folder must not leak the socket
                 raise
+        watch = HandshakeWatch(sock, f"the controller at {address}", curve=bool(auth_dir), auth_dir=auth_dir)
         sock.connect(address)
         core = _Core(name, False, max_message_bytes)
         core.remote_label = f"controller at {address}"
-        return cls(sock, core, address)
+        return cls(sock, core, address, watch)
 
     # -- properties
     @property
@@ -366,7 +379,14 @@ class Endpoint:
         finally:
             self.core.stash.extend(held)
 
+    def handshake_failure(self) -> str | None:
+        """Why the connection to the controller carries nothing, when ZeroMQ's handshake on it
+        failed (``common.handshake_watch``); None otherwise, and on the controller's side."""
+        return self.watch.failure() if self.watch is not None else None
+
     def close(self, linger_ms: int | None = None) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.sock.close(linger=DEFAULT_LINGER_MS if linger_ms is None else linger_ms)
 
 
@@ -393,6 +413,7 @@ class AsyncEndpoint:
             except Exception:
                 self.sock.close(0)  # a bad key folder must not leak the socket
                 raise
+        self.watch = HandshakeWatch(self.sock, f"the controller at {address}", curve=bool(auth_dir), auth_dir=auth_dir)
         self.sock.connect(address)
         self.address = address
         self.core = _Core(name, False, max_message_bytes)
@@ -444,7 +465,12 @@ class AsyncEndpoint:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
+    def handshake_failure(self) -> str | None:
+        """``Endpoint.handshake_failure``."""
+        return self.watch.failure()
+
     def close(self, linger_ms: int | None = None) -> None:
+        self.watch.close()
         self.sock.close(linger=DEFAULT_LINGER_MS if linger_ms is None else linger_ms)
 
 
@@ -458,17 +484,34 @@ def _check_welcome(ep_name: str, reply: Message) -> Welcome:
     return reply
 
 
+def _unwelcome(ep: Endpoint | AsyncEndpoint, e: TransportError) -> TransportError:
+    """The error for a Hello that got no Welcome: HandshakeFailed, saying why, when ZeroMQ's
+    handshake failed (no Hello could leave: not a dead controller); else ``e`` itself."""
+    why = ep.handshake_failure()
+    return HandshakeFailed(f"{ep.name}: {why}") if why else e
+
+
 def handshake(ep: Endpoint, role: str, capabilities: dict[str, Any], timeout: float) -> Welcome:
-    """Service side of the handshake: Hello -> Welcome, or a clear error within ``timeout``."""
-    reply = ep.call(Hello(role=role, name=ep.name, capabilities=capabilities), timeout=timeout)
-    return _check_welcome(ep.name, reply)
+    """Service side of the handshake: Hello -> Welcome, or a clear error within ``timeout``
+    (HandshakeFailed when the keys may not match)."""
+    try:
+        reply = ep.call(Hello(role=role, name=ep.name, capabilities=capabilities), timeout=timeout)
+    except (CallTimeout, PeerUnavailable) as e:
+        raise _unwelcome(ep, e) from None
+    welcome = _check_welcome(ep.name, reply)
+    if ep.watch is not None:
+        ep.watch.close()  # the keys are proven: nothing more to watch (common/handshake_watch.py)
+    return welcome
 
 
 async def ahandshake(ep: AsyncEndpoint, role: str, capabilities: dict[str, Any], timeout: float) -> Welcome:
     """``handshake`` for asyncio services."""
     hello = Hello(role=role, name=ep.name, capabilities=capabilities, call_id=ep.core.new_call_id())
     deadline = time.monotonic() + timeout
-    await ep.send(hello, timeout=timeout)
+    try:
+        await ep.send(hello, timeout=timeout)
+    except PeerUnavailable as e:
+        raise _unwelcome(ep, e) from None
     held: list = []
     try:
         while (left := deadline - time.monotonic()) > 0:
@@ -478,11 +521,16 @@ async def ahandshake(ep: AsyncEndpoint, role: str, capabilities: dict[str, Any],
             if msg.call_id == hello.call_id:
                 if isinstance(msg, Error):
                     raise RemoteError(ep.core.remote_label, msg)
-                return _check_welcome(ep.name, msg)
+                welcome = _check_welcome(ep.name, msg)
+                ep.watch.close()  # the keys are proven (``handshake``)
+                return welcome
             held.append((None, msg))
     finally:
         ep.core.stash.extend(held)
-    raise CallTimeout(
-        f"{ep.name}: no Welcome from {ep.core.remote_label} within {timeout:.1f} s "
-        "(is the controller running and reachable?)"
+    raise _unwelcome(
+        ep,
+        CallTimeout(
+            f"{ep.name}: no Welcome from {ep.core.remote_label} within {timeout:.1f} s "
+            "(is the controller running and reachable?)"
+        ),
     )

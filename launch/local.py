@@ -1,10 +1,12 @@
 """Every role of a run on this machine, supervised: ``python -m launch.local --config RUN.yaml``.
 
 Starts ``rollout_servers`` rollout services, ``reward_services`` reward services and the learner
-(``torchrun`` when ``learner_nproc > 1``), all bound to 127.0.0.1, each writing its own log
-under ``RUN_DIR/logs/``. Shows one progress line (step, reward, tokens/s, time left) read from
-the learner's ``metrics.jsonl``. Stops everything on Ctrl-C, when the learner finishes or
-dies, or when the last process of a service kind dies — naming it and pointing at its log.
+(``torchrun`` when ``learner_nproc > 1``), each writing its own log under ``RUN_DIR/logs/``.
+Everything listens on 127.0.0.1 only: the controller, torch.distributed's rendezvous store and
+the weight-transfer stores, gloo's connections (docs/security.md). Shows one progress line
+(step, reward, tokens/s, time left) read from the learner's ``metrics.jsonl``. Stops
+everything on Ctrl-C, when the learner finishes or dies, or when the last process of a service
+kind dies — naming it and pointing at its log.
 A rollout or reward process that dies while others of its kind run is reported and the run
 goes on: the controller re-issues what it held.
 
@@ -183,21 +185,43 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         *auth,
         *shlex.split(cfg.learner_args),
     ]
+    learner_env = dict(devices["learner"]) if devices else {}
     if cfg.learner_nproc > 1:
-        cmd = [
-            py,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={cfg.learner_nproc}",
-            "-m",
-            "learner.train_ppo",
-            *learner_flags,
-        ]
+        cmd = [py, "-m", "torch.distributed.run", *_torchrun_loopback(cfg.learner_nproc), "-m", "learner.train_ppo"]
+        cmd += learner_flags
+        learner_env.update(TORCHRUN_LOOPBACK_ENV)
     else:
         cmd = [py, "-m", "learner.train_ppo", *learner_flags]
-    roles.append(Role("learner", cmd, logs / "learner.log", kind="learner", env=devices["learner"] if devices else {}))
+    roles.append(Role("learner", cmd, logs / "learner.log", kind="learner", env=learner_env))
     return roles
+
+
+# torchrun's own stores (its rendezvous, and the one its agent shares with the ranks) listen on
+# every interface, and it has no option to bind one (torch 2.13). One host needs neither: the
+# rendezvous goes through a file (a FileStore in a fresh temporary file: no socket), the ranks
+# are told MASTER_ADDR=127.0.0.1, and rank 0 hosts their store there itself
+# (learner.runtime.engine._host_rendezvous_store) instead of sharing the agent's.
+TORCHRUN_LOOPBACK_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _torchrun_loopback(nproc: int) -> list[str]:
+    """torchrun's flags for ``nproc`` ranks on this host with nothing listening beyond loopback
+    (with TORCHRUN_LOOPBACK_ENV): what ``--standalone`` does, less its TCP rendezvous store."""
+    return [
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        "--rdzv_conf=store_type=file",
+        "--rdzv_id=launch-local",
+        "--local_addr=127.0.0.1",
+    ]
+
+
+def loopback_env() -> dict[str, str]:
+    """Every role's gloo connections (the learner ranks', vLLM's, the weight transfer's) on the
+    loopback interface: gloo listens on the address its host name resolves to, which on most
+    hosts is not loopback. What the user's environment sets wins."""
+    return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
 def _rollout_flags_from_learner(args: list[str]) -> list[str]:
@@ -353,6 +377,7 @@ class Supervisor:
             OMP_NUM_THREADS=str(self.cfg.threads_per_process),
             PYTHONUNBUFFERED="1",
             TOKENIZERS_PARALLELISM="false",
+            **loopback_env(),
         )
         learner_env = dict(env, OMP_NUM_THREADS=str(self.cfg.learner_threads or self.cfg.threads_per_process))
         self._env = {"learner": learner_env, "service": env}

@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
+from common.net import tcp_store_server
 from common.weights.base import Rendezvous, WeightSender
 from common.weights.wire import DEFAULT_RELAY_CHUNK_BYTES, DEFAULT_SEGMENT_BYTES, chunk_spans
 
@@ -69,10 +70,10 @@ class GlooGroup:
 
     @staticmethod
     def host_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> TCPStore:
-        """The learner's store, listening before any worker is told where it is (port 0: any)."""
-        return TCPStore(
-            host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        """The learner's store, listening before any worker is told where it is (port 0: any),
+        on ``host`` only when that is an IP address (``common.net.tcp_store_server``: a plain
+        TCPStore would listen on every interface)."""
+        return tcp_store_server(host, port, timeout_s=timeout_s, world_size=world_size)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
         opts = torch.distributed.BroadcastOptions()

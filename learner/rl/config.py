@@ -295,7 +295,10 @@ class ServiceFlags:
         group="services",
     )
     sync_host: str = flag(
-        "", "address rollout servers reach this rank at for weight sync (default: hostname)", group="services"
+        "",
+        "address rollout servers reach this rank at for weight sync; its stores listen there when it is an IP "
+        "(default: --controller_bind's address when it names one, else the hostname; docs/security.md)",
+        group="services",
     )
 
 

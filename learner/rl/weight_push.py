@@ -24,6 +24,7 @@ import logging
 import socket
 from typing import Any
 
+from common.net import bind_address
 from common.weights import resolve_backend
 from common.weights.publisher import PushReport, WeightPublisher
 from learner.controller.weight_fleet import FleetWeights
@@ -33,11 +34,17 @@ log = logging.getLogger(__name__)
 
 
 def _sync_host(cfg: PPOConfig) -> str:
+    """Where the rollout servers' workers reach this rank for weight sync: ``--sync_host``, else
+    the address the controller is bound to when it is one (the servers reach the controller
+    there already), else this host's name. The weight-transfer stores listen on that address
+    only when it is an IP address (``common.net.bind_address``); a host name, or a controller
+    bound to every interface (0.0.0.0, *), leaves them on every interface (docs/security.md)."""
     if cfg.sync_host:
         return cfg.sync_host
-    bind = cfg.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0]
-    if bind in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
+    bind = cfg.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    address = bind_address(bind)
+    if address:
+        return address
     return socket.gethostname()
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from common.host_memory import keep_freed_memory
-from common.net import free_port
+from common.net import bind_address, free_port, tcp_store_server
 from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
@@ -115,12 +115,18 @@ def build_ops() -> None:
     build_shm_op()
 
 
+# Rank 0's rendezvous store (``_host_rendezvous_store``): it serves the process group for as
+# long as the process lives, as the one torch.distributed would have made.
+_rendezvous_store: Any = None
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> DistInfo:
     """Join (or, alone, form) the process group; idempotent. Returns rank, world, device.
 
     ``backend`` defaults to NCCL with CUDA, else gloo (DeepSpeed's CPU accelerator would
     pick oneCCL, which is rarely installed). Without launcher env vars this is a world of
-    one on a free local port.
+    one on a free local port. Rank 0's rendezvous store listens on MASTER_ADDR only when
+    that is an IP address (``_host_rendezvous_store``).
     """
     if not dist.is_initialized():
         clear_stale_op_locks()
@@ -129,6 +135,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+        _host_rendezvous_store(timeout_s)
         accel = get_accelerator()
         if backend is None:
             backend = "nccl" if accel.device_name() == "cuda" else "gloo"
@@ -139,6 +146,30 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
             dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
         )
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), device())
+
+
+def _host_rendezvous_store(timeout_s: float) -> None:
+    """On rank 0, unless a launcher's agent hosts it: the process group's TCPStore, made here
+    listening on ``bind_address(MASTER_ADDR)`` (loopback for a one-host run). The one
+    torch.distributed makes (``env://``) listens on every interface whatever MASTER_ADDR says,
+    and answers any client. Rank 0 then joins it as a client, as every rank does when torchrun's
+    agent hosts the store: that is what TORCHELASTIC_USE_AGENT_STORE tells ``env://``.
+
+    Plain ``torchrun`` shares its agent's store (TORCHELASTIC_USE_AGENT_STORE=True already), and
+    that one listens on every interface: launch.local passes torchrun options that leave the
+    store to rank 0 (``launch.local._torchrun_loopback``; docs/security.md)."""
+    global _rendezvous_store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or int(os.environ["RANK"]) != 0:
+        return
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        _rendezvous_store = tcp_store_server(host, port, timeout_s=timeout_s)
+    except (OSError, RuntimeError) as e:
+        raise RuntimeError(
+            f"rank 0 could not host the rendezvous store at MASTER_ADDR={host} MASTER_PORT={port}: {e}"
+        ) from e
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    log.debug("rendezvous store on %s:%d", bind_address(host) or "*", port)
 
 
 def set_host_malloc(mode: str) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers.e2e_launch import addition_prompts, finish, local_cmd, metrics, start
+from helpers.listening import Watch
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +62,20 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     # With CURVE on (launch.local --auth): every role holds the run's keys; the rest of the
     # suite runs without, so both paths stay covered.
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"])
-    out = finish(proc, 600)
+    with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
+        out = finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
     assert (run / "auth" / "authorized" / "peer.key").exists()
     assert "--auth_dir" in (run / "logs" / "rollout-0.log").read_text().splitlines()[0]
+    # Nothing of the run listens beyond loopback (docs/security.md): not the controller, the
+    # learner's rendezvous store or its weight group's store (torch's own would listen on every
+    # interface), gloo, nor vLLM's sockets. The learner's ports seen include the controller's.
+    assert not [lst for lst in listening.seen if not lst.loopback], sorted(listening.seen, key=str)
+    learner_cmd = (run / "logs" / "learner.log").read_text().splitlines()[0]
+    controller_port = int(re.search(r"--controller_bind tcp://127\.0\.0\.1:(\d+)", learner_cmd).group(1))
+    learner_ports = {lst.port for lst in listening.seen if "learner.train_ppo" in lst.cmd}
+    assert controller_port in learner_ports and len(learner_ports) >= 3, sorted(listening.seen, key=str)
     # The learner's Shutdown reached every service: none had to be killed by launch.local.
     assert "did not exit within" not in out, out[-4000:]
     rows = [m for m in metrics(run) if "rollout/reward" in m]

@@ -1,6 +1,7 @@
 """The transport over real sockets: delivery, calls with deadlines, bad peers, fuzzing."""
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -14,6 +15,7 @@ from common.transport import (
     AsyncEndpoint,
     CallTimeout,
     Endpoint,
+    HandshakeFailed,
     PeerUnavailable,
     RemoteError,
     TransportError,
@@ -230,3 +232,34 @@ def test_safe_label_keeps_names_and_hexes_the_rest():
     assert safe_label(b"\x00\x01") == "0x0001"
     assert safe_label(b"a\nb") == "0x610a62"
     assert safe_label(bytes(100)).endswith("...") and len(safe_label(bytes(100))) == 2 + 64 + 3
+
+
+def test_no_controller_is_not_reported_as_a_failed_handshake():
+    """Nothing listens: the plain "not connected" error, no talk of keys (test_auth.py has the
+    keys that do not match)."""
+    svc = Endpoint.connect("tcp://127.0.0.1:1", name="alone")
+    with pytest.raises(PeerUnavailable, match="not connected or not reading") as err:
+        handshake(svc, "rollout", {}, timeout=0.5)
+    assert not isinstance(err.value, HandshakeFailed) and svc.handshake_failure() is None
+    svc.close(0)
+
+
+def test_a_controller_open_to_other_hosts_without_keys_warns_once(caplog, tmp_path):
+    from common.auth import keygen, warn_if_open
+
+    caplog.set_level(logging.WARNING, logger="common.auth")
+    open_ep = Endpoint.bind("tcp://0.0.0.0:0")
+    warned = [r.message for r in caplog.records if "without keys" in r.message]
+    assert len(warned) == 1 and open_ep.address in warned[0], warned
+    assert "anyone who can reach this port can join" in warned[0]
+    assert "python -m common.auth keygen DIR" in warned[0] and "--auth_dir DIR" in warned[0]
+    assert warn_if_open(open_ep.address)  # asked again (a restarted loop): not said again
+    assert len([r for r in caplog.records if "without keys" in r.message]) == 1
+    open_ep.close(0)
+
+    caplog.clear()
+    local = Endpoint.bind("tcp://127.0.0.1:0")  # one host: nobody else can reach it
+    keyed = Endpoint.bind("tcp://0.0.0.0:0", auth_dir=str(keygen(tmp_path / "keys")))
+    assert not [r for r in caplog.records if "without keys" in r.message]
+    local.close(0)
+    keyed.close(0)

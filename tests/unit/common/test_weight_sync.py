@@ -289,3 +289,41 @@ def test_receive_pool_reuses_a_buffer_only_once_nothing_views_it():
     pool.get(5000)
     pool.trim()  # the largest `keep` stay between pushes
     assert sorted(b.numel() for b in pool.buffers) == [1000, 5000]
+
+
+# --------------------------------------------------------------------------- where the stores listen
+
+
+def test_a_weight_groups_store_listens_only_where_the_servers_are_told_to_connect():
+    """A TCPStore of its own would listen on every interface; the learner's listens on its host
+    (here loopback) and nowhere else, and the group still forms (one server, in a thread)."""
+    import os
+
+    from helpers.listening import listeners
+
+    pub = _publisher(TinyLM(), [FakeServer("a")], timeout_s=10.0)
+    store = pub.links["a"].group.store
+    assert {lst.host for lst in listeners([os.getpid()]) if lst.port == store.port} == {"127.0.0.1"}
+    assert pub.push(1).updated == ["a"]
+    pub.close()
+
+
+@pytest.mark.parametrize(
+    ("bind", "sync_host", "expected"),
+    [
+        ("tcp://127.0.0.1:5555", "", "127.0.0.1"),  # one host: loopback
+        ("tcp://localhost:5555", "", "127.0.0.1"),
+        ("tcp://10.0.0.5:5555", "", "10.0.0.5"),  # the services reach the controller there already
+        ("tcp://0.0.0.0:5555", "", None),  # every interface: the host's name
+        ("tcp://*:5555", "", None),
+        ("tcp://0.0.0.0:5555", "10.0.0.7", "10.0.0.7"),  # --sync_host wins
+    ],
+)
+def test_sync_host_follows_the_controllers_address(bind, sync_host, expected):
+    import socket
+    from types import SimpleNamespace
+
+    from learner.rl.weight_push import _sync_host
+
+    got = _sync_host(SimpleNamespace(controller_bind=bind, sync_host=sync_host))
+    assert got == (socket.gethostname() if expected is None else expected)

@@ -25,6 +25,7 @@ class Scripted:
         self.got: list[int] = []
         self.stop = threading.Event()
         self.mute = False  # stop answering calls (but keep heartbeating)
+        self.refuse_weights = ""  # answer WeightSyncInit with this error (a server that cannot join)
         self.hold = False  # take prompts, never answer them (a server mid-generation)
         self.thread = threading.Thread(target=self.run, daemon=True)
 
@@ -62,6 +63,8 @@ class Scripted:
                 self.ep.reply(msg, P.Health(name=self.name, state="serving"))
             elif isinstance(msg, P.Pause) and not self.mute:
                 self.ep.reply(msg, P.Error(code="bad_request", message="no"))
+            elif isinstance(msg, P.WeightSyncInit) and self.refuse_weights:
+                self.ep.reply(msg, P.Error(code="internal", message=self.refuse_weights))
 
     def freeze(self) -> None:
         """Hung process: the connection stays up, nothing more is said."""
@@ -164,3 +167,34 @@ def test_a_dead_server_is_named_fast_and_its_prompts_come_back(ctl):
         client.poll(0.05)
     assert client.servers() == []
     assert [(lw.reason, len(lw.keys)) for lw in client.reap()] == [("announced a fatal error: a: engine died", 2)]
+
+
+def test_a_joiner_that_answers_its_weight_group_with_an_error_fails_at_once_with_its_message():
+    """The publisher's rendezvous would wait out its whole timeout (60 s here) for workers that
+    will never join: the server's Error reply ends it at once, quoted, and the server is
+    declared dead with it (it says Hello again to retry)."""
+    from common.weights.publisher import WeightPublisher
+    from helpers.rollout_fakes import TinyLM
+
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    pool = ServicePool(ep, peer_timeout_s=30.0)
+    client = RolloutClient(ep, pool, call_timeout_s=5.0)
+    fleet = FleetWeights(pool, WeightPublisher(TinyLM(), control=client, backend="gloo", timeout_s=60.0))
+    s = Scripted(ep.address, "refuser", 4)
+    s.refuse_weights = "this server pushes weights over nccl, the learner over gloo"
+    starter = threading.Thread(target=s.start)
+    starter.start()
+    deadline = time.monotonic() + 10
+    while not pool.peers and time.monotonic() < deadline:
+        client.poll(0.05)
+    starter.join(10)
+    t0 = time.monotonic()
+    assert fleet.sync_joiners() == []
+    assert time.monotonic() - t0 < 5  # not the 60 s rendezvous timeout
+    peer = client.peer("refuser")
+    assert not peer.alive and not peer.ready
+    [lost] = client.reap()
+    assert lost.peer is peer and "refuser answered internal: this server pushes weights over nccl" in lost.reason
+    assert fleet.publisher.servers == []
+    s.die(announce=False)
+    ep.close(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.local import LocalConfig, build_roles
+from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, build_roles
 
 
 def _roles(tmp_path, learner_args: str, **kw):
@@ -43,7 +43,8 @@ def test_on_gpus_learner_ranks_and_rollout_servers_share_the_devices(tmp_path, m
     roles = _roles(
         tmp_path, "--colocate_all_models", learner_nproc=4, rollout_servers=2, rollout_args="--tensor_parallel_size 2"
     )
-    assert roles["learner"].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    # (4 ranks under torchrun: also its loopback rendezvous, test_launch_local.py)
+    assert roles["learner"].env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7", **TORCHRUN_LOOPBACK_ENV}
     assert roles["rollout-0"].env == {"CUDA_VISIBLE_DEVICES": "4,5"}
     assert roles["rollout-1"].env == {"CUDA_VISIBLE_DEVICES": "6,7"}
     # Not colocated: every role keeps the environment it was given.

@@ -3,7 +3,7 @@
 import sys
 import time
 
-from launch.local import LocalConfig, Role, Supervisor, build_roles
+from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, Role, Supervisor, build_roles, loopback_env
 
 
 def _role(name, code, tmp_path):
@@ -84,6 +84,31 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
     # KL is on by default (init_kl_coef 0.01): the reward services serve the reference model.
     ref = roles["reward-0"].cmd
     assert ref[ref.index("--ref_pretrain") + 1] == "/m"
+
+
+def test_several_learner_ranks_rendezvous_without_torchruns_tcp_stores(tmp_path):
+    """torchrun's --standalone stores listen on every interface: the ranks rendezvous through a
+    file instead and rank 0 hosts their store on 127.0.0.1 (docs/security.md; the listening
+    sockets of real runs are checked in tests/e2e/test_e2e_grpo.py)."""
+    two = {r.name: r for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_nproc=2))}
+    cmd = two["learner"].cmd
+    assert "--standalone" not in cmd and "--rdzv_endpoint" not in " ".join(cmd)
+    for flag in ("--nnodes=1", "--rdzv_backend=c10d", "--rdzv_conf=store_type=file", "--local_addr=127.0.0.1"):
+        assert flag in cmd[: cmd.index("learner.train_ppo")], flag
+    assert two["learner"].env == TORCHRUN_LOOPBACK_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    one = {r.name: r for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m"))}
+    assert one["learner"].cmd[1:3] == ["-m", "learner.train_ppo"] and one["learner"].env == {}
+
+
+def test_every_role_talks_gloo_over_loopback_unless_the_user_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    show = "import os, time; print('GLOO', os.environ['GLOO_SOCKET_IFNAME'], flush=True); time.sleep({})"
+    roles = [_role("rollout-0", show.format(60), tmp_path), _role("learner", show.format(1), tmp_path)]
+    assert _supervise(roles, cfg) == 0
+    assert all("GLOO lo" in r.log.read_text() for r in roles), [r.log.read_text() for r in roles]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    assert loopback_env() == {"GLOO_SOCKET_IFNAME": "ib0"}
 
 
 def test_auth_gives_every_role_the_run_key_folder(tmp_path):
