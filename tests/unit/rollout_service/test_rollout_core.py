@@ -355,9 +355,9 @@ def _fatal(seen):
     return [m for m in seen if isinstance(m, P.Error) and m.code == "fatal"]
 
 
-def test_server_on_sigterm_says_last_words_and_exits_1(core, restore_signal_handlers):
+def test_server_on_sigterm_says_last_words_and_exits_143(core, restore_signal_handlers):
     rc, seen = serve_in_process(core, lambda _r, _ident: os.kill(os.getpid(), signal.SIGTERM))
-    assert rc == 1 and [m.message for m in _fatal(seen)] == ["r-shell stopping on SIGTERM"]
+    assert rc == 143 and [m.message for m in _fatal(seen)] == ["r-shell stopping on SIGTERM"]
 
 
 def test_server_with_a_dead_engine_says_so_and_exits_1(core, restore_signal_handlers):
@@ -374,7 +374,7 @@ def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers)
 def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch, restore_signal_handlers):
     """vLLM's start-up blocks the loop while it spawns the engine's processes. A SIGTERM then
     must not kill the server alone (the engine's processes would be orphaned, holding their
-    memory): it is acted on once start() returns -- the engine shut down, exit 1, no Hello."""
+    memory): it is acted on once start() returns -- the engine shut down, exit 143, no Hello."""
     import time
 
     from rollout_service import server as server_module
@@ -401,7 +401,7 @@ def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch
     monkeypatch.setattr(server_module, "RolloutCore", StartingCore)
     monkeypatch.setattr(server_module, "AsyncEndpoint", no_endpoint)
     cfg = RolloutConfig(model="m", controller="tcp://127.0.0.1:1")
-    assert run(server_module.amain(cfg)) == 1
+    assert run(server_module.amain(cfg)) == 143
     assert events == ["started", "shutdown engine"]
 
 
