@@ -13,6 +13,10 @@ responses' log-probs concatenated in input order. vLLM's log-probs are taken fro
 (its default ``logprobs_mode``), so the temperature must be 1: the config refuses anything else.
 On the tiny model in fp32 they equal transformers' to ~1e-6 (``tests/unit/reward_service/
 test_ref_vllm.py``).
+
+Memory: ``--ref_gpu_memory_utilization``, else 0.9 on GPUs and on CPU what the engine needs of
+its NUMA node, checked against vLLM-CPU's start-up rule before the engine starts, as the rollout
+server does (``common/vllm_memory.py``): a refusal is one line naming the flag.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from typing import Any
 
 import torch
 
+from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
 from common.vllm_spin import IDLE_SPIN_ENV
 
 log = logging.getLogger(__name__)
+
+GPU_MEMORY_SHARE = 0.9  # --ref_gpu_memory_utilization on GPUs when not given (CPU: common/vllm_memory.py)
+MEMORY_FLAG = "--ref_gpu_memory_utilization"
 
 
 class VLLMReferenceScorer:
@@ -33,6 +41,7 @@ class VLLMReferenceScorer:
         self.llm = llm
         self._vocab_size = vocab_size
         self.idle_spin_s: float | None = None  # what its workers' queues spin (read at load)
+        self.memory_share: float | None = None  # the share the engine was started with
 
     @classmethod
     def load(
@@ -42,14 +51,20 @@ class VLLMReferenceScorer:
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
         idle_spin_s: float | None = None,
+        who: str = "reward service",
     ) -> VLLMReferenceScorer:
-        """``idle_spin_s``: how long the workers poll after their last step (``--ref_idle_spin_s``;
-        None: ``IDLE_SPIN_ENV`` if set, else vLLM's own)."""
+        """``gpu_memory_utilization``: None for this host's default (module doc); ``idle_spin_s``:
+        how long the workers poll after their last step (``--ref_idle_spin_s``; None:
+        ``IDLE_SPIN_ENV`` if set, else vLLM's own). Raises EngineStartRefused where vLLM-CPU
+        would refuse the share (before any engine process starts, or after it did)."""
         from vllm import LLM
+
+        share = choose_share(gpu_memory_utilization, GPU_MEMORY_SHARE, model=path, flag=MEMORY_FLAG, who=who)
+        check_start(share, model=path, flag=MEMORY_FLAG, who=who)
 
         if idle_spin_s is not None:  # read by reward_service.ref_worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(idle_spin_s)
@@ -60,27 +75,39 @@ class VLLMReferenceScorer:
             # vLLM 0.32 on CPU kills the engine when a request is chunk-prefilled with
             # prompt log-probs on; a reference forward is one prefill per sequence anyway.
             kw["enable_chunked_prefill"] = False
-        llm = LLM(
-            model=path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            # Every request is a different sequence scored once: a prefix cache would only
-            # hold memory (and prompt log-probs are not served from it).
-            enable_prefix_caching=False,
-            seed=seed,
-            worker_extension_cls="reward_service.ref_worker_ext.RefWorkerExtension",
-            **kw,
-        )
+        try:
+            llm = LLM(
+                model=path,
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=share,
+                enforce_eager=enforce_eager,
+                # Every request is a different sequence scored once: a prefix cache would only
+                # hold memory (and prompt log-probs are not served from it).
+                enable_prefix_caching=False,
+                seed=seed,
+                worker_extension_cls="reward_service.ref_worker_ext.RefWorkerExtension",
+                **kw,
+            )
+        except RuntimeError as e:
+            # vLLM's worker raised in its own process; the memory check, read again, says
+            # whether it was the share (memory taken since check_start ran).
+            if "initialization failed" in str(e):
+                refused = start_refusal(share, model=path, flag=MEMORY_FLAG, who=who)
+                if refused is not None:
+                    raise EngineStartRefused(refused) from None
+            raise
         vocab = llm.llm_engine.model_config.get_vocab_size()
         scorer = cls(llm, vocab)
+        scorer.memory_share = share
         scorer.idle_spin_s = llm.collective_rpc("rayless_idle_spin_s")[0]
         log.info(
-            "reference model %s on vLLM (tp %d, %s), idle spin %s s",
+            "reference model %s on vLLM (tp %d, %s, %s %.2f), idle spin %s s",
             path,
             tensor_parallel_size,
             dtype,
+            MEMORY_FLAG,
+            share,
             scorer.idle_spin_s,
         )
         return scorer

@@ -49,6 +49,7 @@ from common.service import (
     signal_exit_code,
 )
 from common.transport import Endpoint, TransportError, default_name
+from common.vllm_memory import EngineStartRefused
 from reward_service.inputs import BadRequest
 from reward_service.scorer import Scorer
 
@@ -333,6 +334,9 @@ def serve(cfg) -> int:
             signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     try:
         scorer = Scorer.from_config(cfg)
+    except EngineStartRefused as e:  # one line naming the flag (common/vllm_memory.py)
+        log.error("%s", e)
+        return ExitCode.NO_START
     except (FuncLoadError, RewardModelError, OSError, ValueError) as e:
         log.error("reward service %s failed to start: %s", name, e)
         return ExitCode.NO_START

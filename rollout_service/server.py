@@ -16,7 +16,8 @@ a rollout server does not take) is answered with ``Error`` for that request, nam
 ids it concerns, and the server carries on. A dead engine, SIGTERM or an unexpected crash
 sends ``Error(code="fatal")`` first, so the controller re-issues this server's prompts at
 once instead of waiting for the heartbeat deadline, then the process exits (1 for a fault,
-143 for SIGTERM). The
+143 for SIGTERM). An engine that cannot start here (vLLM-CPU's memory check,
+``common/vllm_memory.py``) is one log line naming the flag and exit 2, not retried. The
 handshake, heartbeat timing, last words, signals and exit codes are the shell both services
 share (``common/service.py``, which states the exit codes); what is here is the rollout
 server's own.
@@ -38,6 +39,7 @@ import numpy as np
 from common import protocol as P
 from common.service import RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell, signal_exit_code
 from common.transport import AsyncEndpoint, TransportError, default_name
+from common.vllm_memory import EngineStartRefused
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
 
@@ -368,6 +370,10 @@ async def amain(cfg: RolloutConfig) -> int:
         loop.add_signal_handler(sig, stopped.append, sig)
     try:
         await core.start()
+    except EngineStartRefused as e:  # one line that names the flag; the same start would fail again
+        log.error("%s", e)
+        await core.shutdown()
+        return ExitCode.NO_START
     except BaseException:
         await core.shutdown()
         raise
