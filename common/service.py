@@ -19,16 +19,30 @@ service while it trains. The service then keeps its
 engine and says Hello every ``heartbeat_s`` for up to ``reconnect_timeout_s`` (logging the
 wait), and on the Welcome of the restarted controller serves again: the controller treats it
 as a joiner and pushes its weights before giving it work. Work taken before the Welcome belongs
-to the old controller and is dropped (``session``). No Welcome in time: the service exits with
-its no-Welcome code. A heartbeat that reaches a restarted controller before the loss is
+to the old controller and is dropped (``session``). No Welcome in time: the service exits 3
+(``NO_CONTROLLER``). A heartbeat that reaches a restarted controller before the loss is
 noticed ends the same way: it answers ``unknown_peer`` and the service says Hello again.
 
-Exit codes (``ExitCode``): 0 the service was stopped (Shutdown), 1 it broke and said so, 2 it
-never served (a bad flag or file). Two endings are the service's to name, and the two
-services name them differently today: a SIGTERM/SIGINT (rollout 1, so a supervisor counts the
-server as gone; reward 0, a stop it was asked for) and no Welcome from the controller
-(rollout 2, reward 1). Each passes its choice to the shell (``signal_exit``,
-``no_welcome_exit``) rather than the shell guessing.
+Exit codes: one rule for every service, here and nowhere else (``ExitCode``, ``signal_exit_code``;
+``describe_exit`` says it in words for a supervisor such as launch.local):
+
+====== ============================================================================================
+code   how the service ended
+====== ============================================================================================
+0      the controller ended it: a Shutdown, or its fatal notice (the run is over)
+1      it broke (an engine that died, scoring that keeps failing, a bug) and told the controller
+2      it never served: a bad flag or file, or an engine that cannot start on this host (one log
+       line names the flag); starting it again unchanged fails the same way
+3      no controller: no Welcome within --connect_timeout_s, or none back within
+       --reconnect_timeout_s after it went away
+128+N  stopped by signal N after saying its last words: 143 for SIGTERM, 130 for SIGINT -- the
+       code a shell, Slurm or systemd reads for a process a signal ended
+====== ============================================================================================
+
+A signal is not 0: a stop that came from outside the run is not the run finishing, and a
+supervisor that reads 0 as "done" (launch.local does) would not count the service as gone.
+Nor is it 1: nothing broke. (The code was once each service's own choice: a signalled reward
+service exited 0, a rollout server 1.)
 """
 
 from __future__ import annotations
@@ -77,9 +91,42 @@ LOST_AFTER_BEATS = 3
 
 
 class ExitCode(enum.IntEnum):
-    STOPPED = 0  # Shutdown (or, where the service says so, a signal)
+    STOPPED = 0  # the controller ended it: Shutdown, or its fatal notice
     FATAL = 1  # a fault of this service, announced to the controller first
-    NO_START = 2  # it never served: a bad flag, a missing file, no controller
+    NO_START = 2  # it never served: a bad flag or file, an engine that cannot start here
+    NO_CONTROLLER = 3  # no Welcome in time, at start or after the controller went away
+
+
+SIGNALLED = 128  # + the signal's number: the service stopped on that signal
+
+
+def signal_exit_code(signum: int) -> int:
+    """The exit code of a service stopped by signal ``signum`` (SIGTERM: 143)."""
+    return SIGNALLED + int(signum)
+
+
+def describe_exit(code: int) -> str:
+    """How a service with exit status ``code`` ended, in words (``subprocess``'s negative codes,
+    a signal the process did not handle, included): for supervisors' messages."""
+    meanings = {
+        ExitCode.STOPPED: "stopped by the controller",
+        ExitCode.FATAL: "it broke; its log says why",
+        ExitCode.NO_START: "it could not start (a flag, a file, or this host's memory: its log names which); "
+        "started again unchanged it fails the same way",
+        ExitCode.NO_CONTROLLER: "no controller answered it in time",
+    }
+    if code in meanings:
+        return meanings[code]
+    if code < 0:  # subprocess's way of saying a signal ended the process unhandled
+        signum, how = -code, "killed by"
+    elif code > SIGNALLED:
+        signum, how = code - SIGNALLED, "stopped by"
+    else:
+        return f"exit code {code}"
+    try:
+        return f"{how} {signal.Signals(signum).name}"
+    except ValueError:
+        return f"{how} signal {signum}"
 
 
 class ServiceShell:
@@ -91,18 +138,15 @@ class ServiceShell:
         *,
         heartbeat_s: float,
         connect_timeout_s: float,
-        signal_exit: ExitCode,
-        no_welcome_exit: ExitCode,
         hello_attempt_s: float = HELLO_ATTEMPT_S,
         reconnect_timeout_s: float = DEFAULT_RECONNECT_S,
     ) -> None:
         self.role, self.name, self.controller = role, name, controller
         self.heartbeat_s = heartbeat_s
         self.connect_timeout_s = connect_timeout_s
-        self.signal_exit = signal_exit
-        self.no_welcome_exit = no_welcome_exit
         self.hello_attempt_s = hello_attempt_s
         self.stop_signal: str | None = None  # the last words a signal asked for, until said
+        self.stop_signum: int | None = None  # the signal that asked for them
         self._said_last_words = False
         self._beats = 0
         self._next_beat = 0.0  # monotonic time the next heartbeat is due: the first, at once
@@ -167,9 +211,18 @@ class ServiceShell:
     def lost(self) -> bool:
         return self.lost_since is not None
 
+    @property
+    def signal_exit(self) -> int:
+        """The exit code after the signal caught by ``catch_signals`` (128 + its number)."""
+        if self.stop_signum is None:
+            raise RuntimeError(f"{self.name}: no signal was caught")
+        return signal_exit_code(self.stop_signum)
+
+    no_controller_exit = ExitCode.NO_CONTROLLER  # no Welcome at start, or none back in time
+
     def reconnect_expired(self) -> bool:
         """True once the controller has been gone longer than ``reconnect_timeout_s``: the
-        caller exits with ``no_welcome_exit``."""
+        caller exits with ``no_controller_exit``."""
         if self.lost_since is None or time.monotonic() - self.lost_since < self.reconnect_timeout_s:
             return False
         log.error(
@@ -300,6 +353,7 @@ class ServiceShell:
         Outside the main thread (in-process tests) Python allows no handler: nothing changes."""
 
         def record(signum: int) -> str:
+            self.stop_signum = int(signum)
             self.stop_signal = f"{self.name} stopping on {signal.Signals(signum).name}"
             return self.stop_signal
 

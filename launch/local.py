@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import flag, log_config, parse
+from common.service import describe_exit
 from common.transport import free_port
 from common.vllm_spin import IDLE_SPIN_ENV
 
@@ -104,7 +105,7 @@ class Role:
     log: Path
     proc: subprocess.Popen | None = None
     kind: str = ""  # "rollout" | "reward" | "learner"
-    finished: bool = False  # exited 0 (e.g. a service told to shut down): not a death
+    finished: bool = False  # exited: 0 (the controller shut it down) is not a death, any other code is
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # on top of its kind's environment
 
 
@@ -448,8 +449,13 @@ class Supervisor:
                 r.finished = True
                 # A service's death is survivable while others of its kind serve: the
                 # controller re-issues what it held. The last one of a kind ends the run.
+                # Any code but 0 is a death, a signal from outside the run included (the
+                # services' exit codes: common/service.py).
                 left = [o for o in self.roles if o.kind == r.kind and o.proc.poll() is None]
-                print(f"\n{r.name} died (exit code {code}); see its log: {r.log}\n{_tail(r.log)}", file=sys.stderr)
+                print(
+                    f"\n{r.name} died (exit code {code}): {describe_exit(code)}; see its log: {r.log}\n{_tail(r.log)}",
+                    file=sys.stderr,
+                )
                 if not left:
                     print(f"no {r.kind} process is left: stopping the run", file=sys.stderr)
                     return 1

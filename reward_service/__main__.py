@@ -2,9 +2,9 @@
 
 Parses the config before importing torch or transformers, so ``--help`` is instant; logs
 the resolved config as JSON; then loads the models / reward functions and serves
-(``reward_service/server.py``). Exit codes (``common.service.ExitCode``): 0 stopped (Shutdown,
-signal, the controller's fatal notice), 1 fatal fault or no Welcome from the controller, 2 could
-not start (the log names the file or flag at fault).
+(``reward_service/server.py``). Exit codes, the rule both services share (``common/service.py``):
+0 stopped by the controller (Shutdown, its fatal notice), 1 a fatal fault, 2 could not start
+(the log names the file or flag at fault), 3 no controller, 128 + N stopped by signal N.
 """
 
 import logging

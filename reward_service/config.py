@@ -79,8 +79,11 @@ class RewardConfig:
     ref_max_model_len: int = flag(
         0, "--ref_backend vllm: longest prompt + response scored (0: the model's own limit)", group="reference model"
     )
-    ref_gpu_memory_utilization: float = flag(
-        0.9, "--ref_backend vllm: share of each GPU vLLM may take", group="reference model"
+    ref_gpu_memory_utilization: float | None = flag(
+        None,
+        "--ref_backend vllm: share of each GPU vLLM may take. Default: 0.9 on GPUs; on CPU what the engine "
+        "needs of its NUMA node, as rollout_service --gpu_memory_utilization (docs/reward.md)",
+        group="reference model",
     )
     ref_enforce_eager: bool = flag(
         False,
@@ -192,6 +195,9 @@ class RewardConfig:
                 raise ValueError(f"--ref_idle_spin_s must be >= 0, got {self.ref_idle_spin_s}")
             if self.ref_tensor_parallel_size < 1:
                 raise ValueError(f"--ref_tensor_parallel_size must be >= 1, got {self.ref_tensor_parallel_size}")
+            u = self.ref_gpu_memory_utilization
+            if u is not None and not 0 < u <= 1:
+                raise ValueError(f"--ref_gpu_memory_utilization must be in (0, 1], got {u}")
         if self.ref_idle_spin_s is not None and self.ref_backend != "vllm":
             raise ValueError(
                 "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers: add --ref_backend vllm"

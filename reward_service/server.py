@@ -24,8 +24,9 @@ Messages in (controller -> service):
 Fatal faults -- ``FATAL_AFTER`` internal errors in a row (a broken device stays broken),
 an unexpected exception in this loop, SIGTERM / SIGINT -- send ``Error(code="fatal")`` so the
 controller re-issues this service's work at once instead of waiting for the heartbeat
-deadline, then exit (1 for a fault, 0 for a signal). The handshake, heartbeat timing, last
-words, signals and exit codes are the shell both services share (``common/service.py``).
+deadline, then exit (1 for a fault, 128 + the signal's number for a signal: 143 for SIGTERM).
+The handshake, heartbeat timing, last words, signals and exit codes are the shell both
+services share (``common/service.py``, which states the exit codes).
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ import time
 import zmq
 
 from common.protocol import Ack, Error, Hello, Message, ScoreRequest, Shutdown, Welcome
-from common.service import DEFAULT_RECONNECT_S, RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
+from common.service import (
+    DEFAULT_RECONNECT_S,
+    RECONNECT_SEND_S,
+    STOP_SIGNALS,
+    ExitCode,
+    ServiceShell,
+    signal_exit_code,
+)
 from common.transport import Endpoint, TransportError, default_name
+from common.vllm_memory import EngineStartRefused
 from reward_service.inputs import BadRequest
 from reward_service.scorer import Scorer
 
@@ -74,9 +83,6 @@ class RewardServer:
             controller,
             heartbeat_s=heartbeat_s,
             connect_timeout_s=connect_timeout_s,
-            # Zero: a signal is a stop someone asked for; the controller re-issues the work.
-            signal_exit=ExitCode.STOPPED,
-            no_welcome_exit=ExitCode.FATAL,
             reconnect_timeout_s=reconnect_timeout_s,
         )
         self.max_pending = max_pending
@@ -164,7 +170,7 @@ class RewardServer:
                 welcome = self.shell.say_hello(ep, self.capabilities())
             except TransportError as e:  # never registered: nobody to announce anything to
                 log.error("could not register with the controller: %s", e)
-                return self.shell.no_welcome_exit
+                return self.shell.no_controller_exit
             log.info("%s registered with the controller at %s as %s", self.name, self.controller, welcome.peer_id)
             worker.start()
             return self._loop(ep, wake)
@@ -211,7 +217,7 @@ class RewardServer:
                 return ExitCode.STOPPED
             if self.shell.lost:
                 if self.shell.reconnect_expired():
-                    return self.shell.no_welcome_exit
+                    return self.shell.no_controller_exit
                 hello = self.shell.reconnect_hello(self.capabilities(), ep.core.new_call_id())
                 if hello is not None and not self._send(ep, hello, timeout=RECONNECT_SEND_S):
                     self.shell.hello_unsent()
@@ -322,19 +328,22 @@ def serve(cfg) -> int:
     # Building the scorer starts processes (reward-function workers, a vLLM reference engine).
     # A SIGTERM/SIGINT meanwhile must not kill this process alone and leave them behind: it is
     # noted, and the scorer closed once built.
-    stopped: list[str] = []
+    stopped: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
-            signal.signal(sig, lambda signum, _frame: stopped.append(signal.Signals(signum).name))
+            signal.signal(sig, lambda signum, _frame: stopped.append(signum))
     try:
         scorer = Scorer.from_config(cfg)
+    except EngineStartRefused as e:  # one line naming the flag (common/vllm_memory.py)
+        log.error("%s", e)
+        return ExitCode.NO_START
     except (FuncLoadError, RewardModelError, OSError, ValueError) as e:
         log.error("reward service %s failed to start: %s", name, e)
         return ExitCode.NO_START
     if stopped:
-        log.warning("%s: %s while starting; closing what was started", name, stopped[0])
+        log.warning("%s: %s while starting; closing what was started", name, signal.Signals(stopped[0]).name)
         scorer.close()
-        return ExitCode.STOPPED  # as a signal while serving (RewardServer's signal_exit)
+        return signal_exit_code(stopped[0])  # as a signal while serving
     log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
     return RewardServer(
         scorer,

@@ -16,10 +16,12 @@ class RolloutConfig:
     # -- engine
     model: str = flag("", "HF model directory or hub name to serve", required=True, group="engine")
     tensor_parallel_size: int = flag(1, "vLLM tensor-parallel size (workers inside this server)", group="engine")
-    gpu_memory_utilization: float = flag(
-        0.85,
-        "fraction of accelerator memory vLLM may use (on CPU: of host "
-        "memory; the KV cache size then comes from VLLM_CPU_KVCACHE_SPACE)",
+    gpu_memory_utilization: float | None = flag(
+        None,
+        "share of the accelerator's memory vLLM may use. Default: 0.85 on a GPU; on CPU, where it is a share "
+        "of the NUMA node's memory that vLLM wants free at start-up (unless VLLM_CPU_KVCACHE_SPACE sets the "
+        "KV cache), what the engine needs: weights + KV cache (VLLM_CPU_KVCACHE_SPACE, else 1 GiB) + 1 GiB "
+        "(docs/rollout.md)",
         group="engine",
     )
     max_model_len: int = flag(4096, "longest prompt + response in tokens", group="engine")
@@ -61,7 +63,8 @@ class RolloutConfig:
     )
     engine_start_attempts: int = flag(
         3,
-        "start the vLLM engine up to this many times (vLLM 0.32 can fail to start on an overloaded host)",
+        "start the vLLM engine up to this many times (vLLM 0.32 can fail to start on an overloaded host; "
+        "a refusal for memory is not retried)",
         group="engine",
     )
     # -- weights
@@ -101,6 +104,8 @@ class RolloutConfig:
             raise ValueError(f"--max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"--heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.idle_spin_s is not None and self.idle_spin_s < 0:
             raise ValueError(f"--idle_spin_s must be >= 0, got {self.idle_spin_s}")
         self.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.dtype, self.dtype)

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import protocol as P
+from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
 from common.vllm_spin import IDLE_SPIN_ENV
 from common.weights import resolve_backend
 from rollout_service.config import RolloutConfig
@@ -58,6 +59,8 @@ from rollout_service.config import RolloutConfig
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort")
+GPU_MEMORY_SHARE = 0.85  # --gpu_memory_utilization on a GPU when not given (CPU: common/vllm_memory.py)
+MEMORY_FLAG = "--gpu_memory_utilization"
 
 
 _NO_SLEEP_ON_CPU = "vLLM has no sleep mode on CPU (there is no device memory to free)"
@@ -131,6 +134,7 @@ class RolloutCore:
         self.workers = cfg.tensor_parallel_size  # vLLM worker processes = ranks in a weight group
         self.engine_dtype = ""
         self.worker_idle_spin_s: float | None = None  # what the workers' queues spin (reported at start)
+        self.memory_share: float | None = cfg.gpu_memory_utilization  # None until resolve_memory_share()
         self._holds: set[str] = set()  # reasons the gate is closed: pause, update, sleep, update_failed
         self._changed = asyncio.Condition()  # gate or version changed
         self._update_lock = asyncio.Lock()  # one weight-update step at a time
@@ -165,7 +169,7 @@ class RolloutCore:
             max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs,
             enforce_eager=c.enforce_eager,
-            gpu_memory_utilization=c.gpu_memory_utilization,
+            gpu_memory_utilization=self.resolve_memory_share(),
             enable_prefix_caching=c.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
             worker_extension_cls="rollout_service.worker_ext.RolloutWorkerExtension",
@@ -191,6 +195,8 @@ class RolloutCore:
 
         if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
+        # vLLM-CPU's memory check, before any of its processes exist: a refusal is one line.
+        check_start(self.resolve_memory_share(), model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
         for attempt in range(1, self.cfg.engine_start_attempts + 1):
             try:
                 self.llm = AsyncLLM.from_engine_args(self.engine_args())
@@ -198,7 +204,14 @@ class RolloutCore:
             except RuntimeError as e:
                 # vLLM 0.32's EngineCore asserts if its input thread is not ready within 10 s,
                 # which happens on an overloaded host (seen on a busy 2-core CI box): retry.
-                if "initialization failed" not in str(e) or attempt == self.cfg.engine_start_attempts:
+                # Not when its worker refused for memory (that error is in its own process; the
+                # check is read again here): the same start would be refused the same way.
+                if "initialization failed" not in str(e):
+                    raise
+                refused = start_refusal(self.memory_share, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
+                if refused is not None:
+                    raise EngineStartRefused(refused) from None
+                if attempt == self.cfg.engine_start_attempts:
                     raise
                 log.warning(
                     "vLLM engine failed to start (attempt %d of %d): %s; retrying",
@@ -223,6 +236,18 @@ class RolloutCore:
             self.worker_idle_spin_s,
         )
 
+    def resolve_memory_share(self) -> float:
+        """--gpu_memory_utilization, else this host's default (``common.vllm_memory``), once."""
+        if self.memory_share is None:
+            self.memory_share = choose_share(
+                None, GPU_MEMORY_SHARE, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who
+            )
+        return self.memory_share
+
+    @property
+    def _who(self) -> str:
+        return self.cfg.name or "rollout server"
+
     async def shutdown(self) -> None:
         if self.llm is not None:
             llm, self.llm = self.llm, None
@@ -240,7 +265,7 @@ class RolloutCore:
             "weight_transfer_backend": self.backend,
             "idle_spin_s": self.worker_idle_spin_s,
             "sleep": self.sleep_supported(),
-            "gpu_memory_utilization": self.cfg.gpu_memory_utilization,
+            "gpu_memory_utilization": self.memory_share,
             "policy_version": self.version,
             "platform": "cuda" if torch.cuda.is_available() else "cpu",
         }

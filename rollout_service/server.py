@@ -15,9 +15,12 @@ Errors: a bad request (a prompt outside the vocabulary, a weight step out of ord
 a rollout server does not take) is answered with ``Error`` for that request, naming the prompt
 ids it concerns, and the server carries on. A dead engine, SIGTERM or an unexpected crash
 sends ``Error(code="fatal")`` first, so the controller re-issues this server's prompts at
-once instead of waiting for the heartbeat deadline, then the process exits 1. The handshake,
-heartbeat timing, last words, signals and exit codes are the shell both services share
-(``common/service.py``); what is here is the rollout server's own.
+once instead of waiting for the heartbeat deadline, then the process exits (1 for a fault,
+143 for SIGTERM). An engine that cannot start here (vLLM-CPU's memory check,
+``common/vllm_memory.py``) is one log line naming the flag and exit 2, not retried. The
+handshake, heartbeat timing, last words, signals and exit codes are the shell both services
+share (``common/service.py``, which states the exit codes); what is here is the rollout
+server's own.
 
 The controller's policy version from Welcome is a floor: no prompt is started on weights
 older than it, so a server that joins mid-run serves nothing until the learner has pushed it
@@ -34,8 +37,9 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from common import protocol as P
-from common.service import RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
+from common.service import RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell, signal_exit_code
 from common.transport import AsyncEndpoint, TransportError, default_name
+from common.vllm_memory import EngineStartRefused
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
 
@@ -78,9 +82,6 @@ class RolloutServer:
             cfg.controller,
             heartbeat_s=cfg.heartbeat_s,
             connect_timeout_s=cfg.connect_timeout_s,
-            # Non-zero: a supervisor (launch.local) counts a signalled server as gone.
-            signal_exit=ExitCode.FATAL,
-            no_welcome_exit=ExitCode.NO_START,
             reconnect_timeout_s=cfg.reconnect_timeout_s,
         )
         self._stop = asyncio.Event()
@@ -212,7 +213,7 @@ class RolloutServer:
         welcomes us (the receive loop sees the Welcome), keeping the engine; give up after
         --reconnect_timeout_s."""
         if self.shell.reconnect_expired():
-            self._exit_code = self.shell.no_welcome_exit
+            self._exit_code = self.shell.no_controller_exit
             self._stop.set()
             return
         if not self._weights_dropped:  # once per loss: free the engine of the gone learner's push
@@ -358,7 +359,7 @@ class RolloutServer:
 
 
 async def amain(cfg: RolloutConfig) -> int:
-    name = cfg.name or default_name("rollout")
+    name = cfg.name = cfg.name or default_name("rollout")
     core = RolloutCore(cfg)
     t0 = time.monotonic()
     # vLLM's start-up blocks this loop for seconds while it spawns the engine's processes. A
@@ -366,18 +367,22 @@ async def amain(cfg: RolloutConfig) -> int:
     # it (holding their memory, a GPU's too). It is noted, and acted on once start() returns.
     loop, stopped = asyncio.get_running_loop(), []
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stopped.append, sig.name)
+        loop.add_signal_handler(sig, stopped.append, sig)
     try:
         await core.start()
+    except EngineStartRefused as e:  # one line that names the flag; the same start would fail again
+        log.error("%s", e)
+        await core.shutdown()
+        return ExitCode.NO_START
     except BaseException:
         await core.shutdown()
         raise
     for _ in range(3):  # a few turns of the loop: a signal that came during start() reaches `stopped`
         await asyncio.sleep(0)
     if stopped:
-        log.warning("%s: %s during engine start-up; stopping the engine", name, stopped[0])
+        log.warning("%s: %s during engine start-up; stopping the engine", name, stopped[0].name)
         await core.shutdown()
-        return ExitCode.FATAL  # as a signal while serving (RolloutServer's signal_exit)
+        return signal_exit_code(stopped[0])  # as a signal while serving
     log.info("%s: engine ready in %.1f s", name, time.monotonic() - t0)
     ep = AsyncEndpoint(cfg.controller, name=name, auth_dir=cfg.auth_dir or None)
     server = RolloutServer(cfg, core, ep)
@@ -385,7 +390,7 @@ async def amain(cfg: RolloutConfig) -> int:
         return await server.serve()
     except TransportError as e:  # no Welcome: the only send whose failure is not just logged
         log.error("%s", e)
-        return server.shell.no_welcome_exit
+        return server.shell.no_controller_exit
     finally:
         c = core.counters
         log.info(

@@ -61,9 +61,7 @@ class Server:
             "8",
             "--heartbeat_s",
             "0.5",
-            "--gpu_memory_utilization",
-            "0.05",
-            *extra,
+            *extra,  # no --gpu_memory_utilization: the server's own default, as launchers start it
         ]
         self._log = open(self.log_path, "w")
         self.killed = False
@@ -73,7 +71,8 @@ class Server:
             cwd=REPO,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV, **(env or {})},
+            # A None in ``env`` unsets that variable (e.g. VLLM_CPU_KVCACHE_SPACE: vLLM then checks the share).
+            env={k: v for k, v in {**os.environ, **ENV, **(env or {})}.items() if v is not None},
             start_new_session=True,
         )
 

@@ -1,7 +1,7 @@
 """The service shell (common/service.py) over real sockets, with the test as the controller:
 last words within their deadline and only once, Hello said again until welcomed, a missing
-controller named, signals turned into last words, heartbeat numbering and timing. Each
-server's use of it (signal -> exit code) is tested beside the server."""
+controller named, signals turned into last words and their exit code, the exit-code rule in
+words, heartbeat numbering and timing. Each server's use of it is tested beside the server."""
 
 from __future__ import annotations
 
@@ -16,15 +16,13 @@ from pathlib import Path
 import pytest
 
 from common import protocol as P
-from common.service import FATAL_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell
+from common.service import FATAL_SEND_S, STOP_SIGNALS, ExitCode, ServiceShell, describe_exit, signal_exit_code
 from common.transport import AsyncEndpoint, Endpoint, TransportError, free_port
 from helpers.fake_controller import IdleScorer
 
 
 def shell(controller: str, **kw) -> ServiceShell:
-    args = dict(
-        heartbeat_s=0.2, connect_timeout_s=10.0, signal_exit=ExitCode.STOPPED, no_welcome_exit=ExitCode.NO_START
-    )
+    args = dict(heartbeat_s=0.2, connect_timeout_s=10.0)
     return ServiceShell("reward", "svc", controller, **{**args, **kw})
 
 
@@ -170,6 +168,7 @@ def test_a_signal_is_recorded_for_the_serving_loop(sig, restore_signal_handlers)
     while sh.stop_signal is None and time.monotonic() < deadline:
         time.sleep(0.01)  # Python runs the handler between bytecodes of the main thread
     assert sh.stop_signal == f"svc stopping on {signal.Signals(sig).name}"
+    assert sh.signal_exit == 128 + sig == {signal.SIGTERM: 143, signal.SIGINT: 130}[sig]
 
 
 def test_a_signal_runs_the_callback_on_the_event_loop():
@@ -215,7 +214,25 @@ def test_heartbeats_are_numbered_and_due_every_period():
 
 def test_exit_codes_keep_their_numbers():
     # launch.local, Slurm and the docs read these numbers.
-    assert (ExitCode.STOPPED, ExitCode.FATAL, ExitCode.NO_START) == (0, 1, 2)
+    assert (ExitCode.STOPPED, ExitCode.FATAL, ExitCode.NO_START, ExitCode.NO_CONTROLLER) == (0, 1, 2, 3)
+    assert signal_exit_code(signal.SIGTERM) == 143 and signal_exit_code(signal.SIGINT) == 130  # as a shell reads them
+
+
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (0, "stopped by the controller"),
+        (1, "it broke; its log says why"),
+        (2, "it could not start"),
+        (3, "no controller answered it in time"),
+        (143, "stopped by SIGTERM"),  # the service's own exit after its last words
+        (130, "stopped by SIGINT"),
+        (-9, "killed by SIGKILL"),  # subprocess: ended by a signal it did not handle
+        (7, "exit code 7"),
+    ],
+)
+def test_exit_codes_read_in_words(code, words):
+    assert describe_exit(code).startswith(words)
 
 
 def test_the_shell_imports_no_role_package():
@@ -332,6 +349,6 @@ def test_a_reward_service_gives_up_after_its_reconnect_timeout():
         assert first.recv(timeout=5) is not None  # welcomed (closing at once could drop the Welcome)
         first.close(0)
         t.join(15)
-        assert not t.is_alive() and result["rc"] == srv.shell.no_welcome_exit
+        assert not t.is_alive() and result["rc"] == ExitCode.NO_CONTROLLER
     finally:
         t.join(10)

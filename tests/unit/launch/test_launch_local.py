@@ -185,3 +185,17 @@ def test_a_learner_failing_past_its_restarts_ends_the_run(tmp_path):
         _role("learner", "import sys; sys.exit(3)", tmp_path),
     ]
     assert _supervise(roles, cfg) == 3
+
+
+def test_a_service_stopped_by_a_signal_is_gone_not_finished(tmp_path, capsys):
+    """Exit codes are the services' one rule (common/service.py): 0 only when the controller
+    ended it. A reward service stopped from outside the run exits 143 after its last words; the
+    launcher counts it as gone, says how it ended, and, the last of its kind, stops the run."""
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [
+        _role("reward-0", "import sys, time; time.sleep(0.3); sys.exit(143)", tmp_path),
+        _role("learner", "import time; time.sleep(120)", tmp_path),
+    ]
+    assert _supervise(roles, cfg) == 1
+    err = capsys.readouterr().err
+    assert "reward-0 died (exit code 143): stopped by SIGTERM" in err and "no reward process is left" in err

@@ -28,7 +28,7 @@ def test_every_flag_keeps_its_default():
         "ref_idle_spin_s": None,
         "ref_tensor_parallel_size": 1,
         "ref_max_model_len": 0,
-        "ref_gpu_memory_utilization": 0.9,
+        "ref_gpu_memory_utilization": None,  # 0.9 on GPUs; on CPU what the engine needs (common/vllm_memory.py)
         "ref_enforce_eager": False,
         "reward_pretrain": None,
         "value_head_prefix": "auto",

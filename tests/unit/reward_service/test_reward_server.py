@@ -12,7 +12,7 @@ import time
 import pytest
 
 from common import protocol as P
-from common.service import STOP_SIGNALS
+from common.service import STOP_SIGNALS, ExitCode
 from common.transport import Endpoint, free_port
 from helpers.fake_controller import IdleScorer, welcome_then
 from reward_service.server import RewardServer
@@ -26,7 +26,7 @@ def router():
 
 
 @pytest.mark.parametrize("sig", STOP_SIGNALS)
-def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handlers):
+def test_a_signal_says_last_words_and_exits_128_plus_its_number(router, sig, restore_signal_handlers):
     seen: list[P.Message] = []
     t = welcome_then(router, lambda _r, _ident: os.kill(os.getpid(), sig), seen)
     srv = RewardServer(IdleScorer(), controller=router.address, name="rw-sig", heartbeat_s=0.2)
@@ -35,13 +35,13 @@ def test_a_signal_says_last_words_and_exits_0(router, sig, restore_signal_handle
     finally:
         t.join(20)
     fatal = [m for m in seen if isinstance(m, P.Error)]
-    assert rc == 0 and len(fatal) == 1
+    assert rc == 128 + sig and len(fatal) == 1  # not 0: a supervisor must count it as gone
     assert fatal[0].code == "fatal" and fatal[0].message == f"rw-sig stopping on {signal.Signals(sig).name}"
 
 
-def test_a_signal_while_the_scorer_starts_closes_it_and_exits_0(monkeypatch, restore_signal_handlers):
+def test_a_signal_while_the_scorer_starts_closes_it_and_exits_143(monkeypatch, restore_signal_handlers):
     """Building the scorer starts processes (reward-function workers, a vLLM reference engine):
-    a SIGTERM meanwhile is acted on once it is built -- closed, exit 0, no Hello."""
+    a SIGTERM meanwhile is acted on once it is built -- closed, exit 143 as while serving, no Hello."""
     from reward_service import server as server_module
     from reward_service.config import parse_config
 
@@ -63,7 +63,7 @@ def test_a_signal_while_the_scorer_starts_closes_it_and_exits_0(monkeypatch, res
     monkeypatch.setattr(server_module.Scorer, "from_config", staticmethod(from_config))
     monkeypatch.setattr(server_module, "RewardServer", no_server)
     cfg = parse_config(["--controller", "tcp://127.0.0.1:1", "--reward_func", "f.py"])
-    assert server_module.serve(cfg) == 0
+    assert server_module.serve(cfg) == 143
     assert events == ["built", "closed"]
 
 
@@ -89,7 +89,7 @@ def test_a_welcome_to_an_earlier_hello_is_ignored(router):
         t.join(10)
 
 
-def test_no_welcome_exits_1_naming_the_controller(caplog):
+def test_no_welcome_exits_3_naming_the_controller(caplog):
     address = f"tcp://127.0.0.1:{free_port()}"
     srv = RewardServer(IdleScorer(), controller=address, name="rw-alone", connect_timeout_s=1.0)
     result: dict = {}
@@ -97,7 +97,7 @@ def test_no_welcome_exits_1_naming_the_controller(caplog):
     t0 = time.monotonic()
     t.start()
     t.join(10)
-    assert result["rc"] == 1 and time.monotonic() - t0 < 5
+    assert result["rc"] == ExitCode.NO_CONTROLLER == 3 and time.monotonic() - t0 < 5
     assert f"no Welcome from the controller at {address} within 1 s" in caplog.text
 
 

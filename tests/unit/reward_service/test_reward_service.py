@@ -205,7 +205,7 @@ def test_sigterm_sends_fatal_notice_before_exiting(ctrl):
     proc.send_signal(signal.SIGTERM)
     err = ctrl.recv_until(lambda m: isinstance(m, P.Error) and m.code == "fatal", timeout=20)
     assert "rw-term stopping on SIGTERM" in err.message
-    assert proc.wait(30) == 0
+    assert proc.wait(30) == 143  # 128 + SIGTERM: stopped from outside the run (common/service.py)
 
 
 @pytest.mark.parametrize(

@@ -321,6 +321,57 @@ def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
     assert on.enable_chunked_prefill is True
 
 
+def _failing_starts(monkeypatch, refused: str | None) -> list[int]:
+    """vLLM's AsyncLLM made to fail every start as a worker's exception does from its own
+    process ("Engine core initialization failed"), and the memory check read after a failure
+    made to answer ``refused``. Returns the list the attempts are counted in."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rollout_service import core as core_module
+
+    attempts: list[int] = []
+
+    def from_engine_args(args, **kw):
+        attempts.append(1)
+        raise RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(from_engine_args))
+    monkeypatch.setattr(core_module, "check_start", lambda *a, **k: None)  # the check before passed
+    monkeypatch.setattr(core_module, "start_refusal", lambda *a, **k: refused)
+    return attempts
+
+
+def test_an_engine_refused_for_memory_is_not_started_again(tiny_model_dir, monkeypatch):
+    """vLLM-CPU's memory refusal comes from its worker's process; read again, the check says so:
+    one EngineStartRefused with that line, after one attempt, not three retries of a traceback."""
+    from common.vllm_memory import EngineStartRefused
+
+    attempts = _failing_starts(
+        monkeypatch, refused="r0: vLLM-CPU will not start: ... pass --gpu_memory_utilization 0.5"
+    )
+    cfg = RolloutConfig(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", gpu_memory_utilization=0.85)
+    with pytest.raises(EngineStartRefused, match="pass --gpu_memory_utilization 0.5"):
+        run(RolloutCore(cfg).start())
+    assert len(attempts) == 1
+
+
+def test_a_start_failure_that_memory_does_not_explain_is_retried(tiny_model_dir, monkeypatch):
+    attempts = _failing_starts(monkeypatch, refused=None)  # e.g. vLLM 0.32's input-thread assert on a busy host
+    cfg = RolloutConfig(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", engine_start_attempts=2)
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        run(RolloutCore(cfg).start())
+    assert len(attempts) == 2
+
+
+def test_an_explicit_share_wins_and_is_announced(tiny_model_dir):
+    cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
+    core = RolloutCore(RolloutConfig(**cfg, gpu_memory_utilization=0.3))
+    assert core.engine_args().gpu_memory_utilization == 0.3 and core.capabilities()["gpu_memory_utilization"] == 0.3
+    chosen = RolloutCore(RolloutConfig(**cfg))  # on CPU: weights + KV + runtime of this node, far below 0.85
+    share = chosen.engine_args().gpu_memory_utilization
+    assert 0 < share < 0.85 and chosen.capabilities()["gpu_memory_utilization"] == share
+
+
 # ---------------------------------------------------------------------------- the server's shell
 # RolloutServer in-process on the stand-in engine, the test as the controller: how the server
 # wears common/service.py's shell (last words, signal -> exit code, Shutdown -> Ack).
@@ -355,9 +406,9 @@ def _fatal(seen):
     return [m for m in seen if isinstance(m, P.Error) and m.code == "fatal"]
 
 
-def test_server_on_sigterm_says_last_words_and_exits_1(core, restore_signal_handlers):
+def test_server_on_sigterm_says_last_words_and_exits_143(core, restore_signal_handlers):
     rc, seen = serve_in_process(core, lambda _r, _ident: os.kill(os.getpid(), signal.SIGTERM))
-    assert rc == 1 and [m.message for m in _fatal(seen)] == ["r-shell stopping on SIGTERM"]
+    assert rc == 143 and [m.message for m in _fatal(seen)] == ["r-shell stopping on SIGTERM"]
 
 
 def test_server_with_a_dead_engine_says_so_and_exits_1(core, restore_signal_handlers):
@@ -374,7 +425,7 @@ def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers)
 def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch, restore_signal_handlers):
     """vLLM's start-up blocks the loop while it spawns the engine's processes. A SIGTERM then
     must not kill the server alone (the engine's processes would be orphaned, holding their
-    memory): it is acted on once start() returns -- the engine shut down, exit 1, no Hello."""
+    memory): it is acted on once start() returns -- the engine shut down, exit 143, no Hello."""
     import time
 
     from rollout_service import server as server_module
@@ -401,7 +452,7 @@ def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch
     monkeypatch.setattr(server_module, "RolloutCore", StartingCore)
     monkeypatch.setattr(server_module, "AsyncEndpoint", no_endpoint)
     cfg = RolloutConfig(model="m", controller="tcp://127.0.0.1:1")
-    assert run(server_module.amain(cfg)) == 1
+    assert run(server_module.amain(cfg)) == 143
     assert events == ["started", "shutdown engine"]
 
 

@@ -5,10 +5,16 @@ Engines are expensive to start on a busy 2-core box (30-140 s each), so one modu
 three servers serves every test, in file order: ``ra`` and ``rb`` join at once; ``rc`` is started
 alongside them but pointed at an address the controller only binds late in the run, so it joins
 *after* weight updates, holding the initial checkpoint, as a server started mid-run does.
+
+``rb`` runs as a user's server does without ``VLLM_CPU_KVCACHE_SPACE``: its default memory share
+is checked by vLLM-CPU at start-up (and sizes its KV cache), and it starts while a ballast process
+holds enough of the node's free memory that vLLM's GPU-style 0.85 could not (common/vllm_memory.py).
 """
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
 import sys
 import time
@@ -19,7 +25,8 @@ import torch
 from common import protocol as P
 from common.tiny import ENDOFTEXT_ID, IM_END_ID
 from common.transport import RemoteError, free_port
-from helpers.rollout_harness import REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
+from common.vllm_memory import GIB, KV_SPACE_ENV, node_memory, refusal
+from helpers.rollout_harness import ENV, REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +54,69 @@ def test_help_answers_fast_without_importing_torch():
     assert out.stdout.strip() == "[]", out.stderr
 
 
+def test_a_share_vllm_would_refuse_fails_at_once_in_one_line(tiny_model_dir):
+    """A share of 1 without VLLM_CPU_KVCACHE_SPACE asks for the whole node to be free, never
+    true on a running host: the server exits 2 before any vLLM process starts, with one error
+    line naming the flag (and a share that would start, or what to free) -- no retries, no
+    traceback. (Before the servers start: a test that runs this long while the stack is up
+    would leave the controller unread past its peer timeout.)"""
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_service", "--model", str(tiny_model_dir), "--controller", "tcp://127.0.0.1:1"]
+        + ["--name", "r-full", "--gpu_memory_utilization", "1.0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={k: v for k, v in {**os.environ, **ENV}.items() if k != KV_SPACE_ENV},
+    )
+    log = out.stdout + out.stderr
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert out.returncode == 2, log[-3000:]
+    assert len(errors) == 1, log[-3000:]
+    assert "r-full: vLLM-CPU will not start: --gpu_memory_utilization 1 asks for" in errors[0]
+    assert "free memory on node" in errors[0]
+    assert "Traceback" not in log and "retrying" not in log and "(EngineCore" not in log
+
+
+GPU_SHARE = 0.85  # the rollout server's GPU default, the share every CPU server was started with before
+BALLAST_MARGIN = 1 * GIB  # the ballast leaves this much less free than 0.85 asks for
+BALLAST_MAX = 8 * GIB  # more than this would crowd a shared host: the pressure test is skipped instead
+BALLAST = (
+    "import sys\n"
+    "held = b'\\x01' * int(sys.argv[1])  # every page written: memory the node must really provide\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.read()  # until the test closes this pipe (or dies)\n"
+)
+
+
+def hold_memory() -> tuple[subprocess.Popen | None, dict | None]:
+    """A ballast process holding enough of the node's free memory (vLLM's own reading) that
+    vLLM-CPU would refuse a share of 0.85, with the reading under it; (None, None) when that
+    would take more than BALLAST_MAX. Nothing is held when the node is already that full."""
+    mem = node_memory()
+    hold = max(0, mem.available - (math.ceil(GPU_SHARE * mem.total) - BALLAST_MARGIN))
+    if hold > BALLAST_MAX:
+        return None, None
+    proc = None
+    if hold:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BALLAST, str(hold)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline().strip() == "held", "the ballast process failed"
+    under = node_memory()
+    return proc, {
+        "held": hold,
+        "mem": under,
+        "refused": refusal(GPU_SHARE, under, flag="--gpu_memory_utilization", who="rb"),
+    }
+
+
+def release(ballast: subprocess.Popen | None) -> None:
+    if ballast is not None:
+        ballast.stdin.close()
+        ballast.wait(30)
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
@@ -54,17 +124,34 @@ def stack(tiny_model_dir, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ctrl = Controller(model, peer_timeout_s=6.0, weight_timeout_s=60.0)
     logs = tmp_path_factory.mktemp("rollout-logs")
+    ballast = None
     try:
         ctrl.late_port = free_port()
+        ballast, ctrl.pressure = hold_memory()
         ctrl.start("ra", logs, "--idle_spin_s", "0.05")
-        ctrl.start("rb", logs)
+        ctrl.start("rb", logs, env={KV_SPACE_ENV: None})  # unset: vLLM checks the share
         ctrl.servers.append(
             Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200")
         )
         ctrl.wait_joined(["ra", "rb"], timeout=600)
+        release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
         yield ctrl
     finally:
+        release(ballast)
         ctrl.close()
+
+
+def test_the_default_share_starts_where_vllms_gpu_default_would_be_refused(stack):
+    """rb started (and serves every test below) while vLLM's own reading of the node refused 0.85
+    -- the share every CPU server asked for before, which made a second server or a page cache
+    from earlier runs fatal; rb asked for what its engine needs instead, and announced it."""
+    if stack.pressure is None:
+        pytest.skip(f"the node has so much free memory that refusing 0.85 takes over {BALLAST_MAX // GIB} GiB")
+    mem = stack.pressure["mem"]
+    assert stack.pressure["refused"] is not None, mem  # the precondition, on vLLM's numbers
+    share = stack.client.peer("rb").capabilities["gpu_memory_utilization"]
+    assert 0 < share < GPU_SHARE and refusal(share, mem, flag="--gpu_memory_utilization", who="rb") is None
+    assert "rb: vLLM-CPU will not start" not in stack.servers[1].log_tail(10**6)
 
 
 def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180, seeds=()):
