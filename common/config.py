@@ -27,6 +27,16 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class ConfigError(ValueError):
+    """Flags that do not parse or validate, for a caller that parses another program's flags
+    (``parse(..., raise_errors=True)``) and words the error itself; the message names the flag."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(message)
+
+
 def flag(
     default: Any = dataclasses.MISSING,
     help: str = "",
@@ -55,10 +65,11 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def build_parser(cls: type, description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def build_parser(
+    cls: type, description: str = "", prog: str | None = None, *, raise_errors: bool = False
+) -> argparse.ArgumentParser:
+    parser_class = _RaisingParser if raise_errors else argparse.ArgumentParser
+    parser = parser_class(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it")
     groups: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
@@ -94,8 +105,17 @@ def build_parser(cls: type, description: str = "", prog: str | None = None) -> a
     return parser
 
 
-def parse(cls: type[T], argv: Sequence[str] | None = None, description: str = "", prog: str | None = None) -> T:
-    parser = build_parser(cls, description, prog)
+def parse(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    description: str = "",
+    prog: str | None = None,
+    *,
+    raise_errors: bool = False,
+) -> T:
+    """``cls`` from ``argv``. A bad flag prints the usage and exits 2, as argparse does; with
+    ``raise_errors`` it raises ConfigError instead (nothing printed)."""
+    parser = build_parser(cls, description, prog, raise_errors=raise_errors)
     ns = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
     path = ns.pop("config", None)

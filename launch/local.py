@@ -26,11 +26,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.config import flag, log_config, parse
+from common.config import ConfigError, flag, log_config, parse
 from common.service import describe_exit
 from common.transport import free_port
 from common.vllm_spin import IDLE_SPIN_ENV
+
+if TYPE_CHECKING:
+    from learner.rl.config import PPOConfig
+    from rollout_service.config import RolloutConfig
 
 PHASES_IDLE_SPIN_S = 0.05  # the rollout workers' idle spin under --cpu_cores phases (docs/performance.md)
 
@@ -109,6 +114,16 @@ class Role:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # on top of its kind's environment
 
 
+def learner_config(cfg: LocalConfig) -> PPOConfig:
+    """The learner's flags (``--learner_args``, after the launcher's ``--pretrain``) parsed as
+    ``learner.train_ppo`` will parse them: the services' flags are derived from it, so a
+    ``--flag=value``, a ``--no-flag``, a ``--config`` file or a default reads as the learner reads
+    it. Raises ConfigError naming a flag the learner would refuse, before anything starts."""
+    from learner.rl.config import PPOConfig
+
+    return parse(PPOConfig, ["--pretrain", cfg.pretrain, *shlex.split(cfg.learner_args)], raise_errors=True)
+
+
 def build_roles(cfg: LocalConfig) -> list[Role]:
     run = Path(cfg.run_dir)
     logs = run / "logs"
@@ -116,9 +131,9 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     controller = f"tcp://127.0.0.1:{port}"
     py = sys.executable
     auth = ["--auth_dir", str(run / "auth")] if cfg.auth else []  # before the user's args: theirs win
-    learner_args = shlex.split(cfg.learner_args)
-    engine_extra = _rollout_flags_from_learner(learner_args)
-    devices = _colocated_devices(cfg, learner_args, shlex.split(cfg.rollout_args))
+    learner = learner_config(cfg)
+    engine_extra = _rollout_flags_from_learner(learner)
+    devices = _colocated_devices(cfg, learner)
     roles: list[Role] = []
     for i in range(cfg.rollout_servers):
         roles.append(
@@ -145,7 +160,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                 env=devices["rollout"][i] if devices else {},
             )
         )
-    reward_extra = _reward_flags_from_learner(shlex.split(cfg.learner_args), cfg.pretrain)
+    reward_extra = _reward_flags_from_learner(learner)
     for i in range(cfg.reward_services):
         roles.append(
             Role(
@@ -225,22 +240,18 @@ def loopback_env() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
-def _rollout_flags_from_learner(args: list[str]) -> list[str]:
+def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
     """OpenRLHF's trainer configures the vLLM engines it creates; here each rollout_service is
     started with its engine flags, so the learner's are passed on (the user's --rollout_args,
     after them, win). The sleep mode only with --colocate_all_models, as OpenRLHF."""
-
-    def value(name: str) -> str | None:
-        return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
-
     out = []
-    if value("--vllm_gpu_memory_utilization"):
-        out += ["--gpu_memory_utilization", value("--vllm_gpu_memory_utilization")]
-    if value("--vllm_tensor_parallel_size"):
-        out += ["--tensor_parallel_size", value("--vllm_tensor_parallel_size")]
-    if "--enforce_eager" in args:
+    if learner.vllm_gpu_memory_utilization is not None:
+        out += ["--gpu_memory_utilization", str(learner.vllm_gpu_memory_utilization)]
+    if learner.vllm_tensor_parallel_size:
+        out += ["--tensor_parallel_size", str(learner.vllm_tensor_parallel_size)]
+    if learner.enforce_eager:
         out.append("--enforce_eager")
-    if "--colocate_all_models" in args and "--vllm_enable_sleep" in args:
+    if learner.colocate_all_models and learner.vllm_enable_sleep:
         out.append("--enable_sleep")
     return out
 
@@ -263,20 +274,26 @@ def visible_gpus() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
-def _colocated_devices(cfg: LocalConfig, learner_args: list[str], rollout_args: list[str]) -> dict | None:
+def _rollout_config(cfg: LocalConfig, learner: PPOConfig) -> RolloutConfig:
+    """A rollout server's flags as it will parse them: the launcher's, the learner's engine
+    flags, then the user's --rollout_args (which win)."""
+    from rollout_service.config import RolloutConfig
+
+    argv = ["--model", cfg.pretrain, "--controller", "tcp://127.0.0.1:0", *_rollout_flags_from_learner(learner)]
+    return parse(RolloutConfig, [*argv, *shlex.split(cfg.rollout_args)], raise_errors=True)
+
+
+def _colocated_devices(cfg: LocalConfig, learner: PPOConfig) -> dict | None:
     """--colocate_all_models on a GPU host: the learner ranks and the rollout servers on the same
     GPUs. The learner sees them all (rank r takes GPU r); rollout server i takes the next
     --tensor_parallel_size of them, so its engine shares those GPUs with the learner ranks
     there. None without colocation or GPUs (CPU: nothing to place)."""
-    if "--colocate_all_models" not in learner_args:
+    if not learner.colocate_all_models:
         return None
     gpus = visible_gpus()
     if not gpus:
         return None
-    tp = 1
-    for args, name in ((learner_args, "--vllm_tensor_parallel_size"), (rollout_args, "--tensor_parallel_size")):
-        if name in args and args.index(name) + 1 < len(args):
-            tp = int(args[args.index(name) + 1])
+    tp = _rollout_config(cfg, learner).tensor_parallel_size
     need = max(cfg.learner_nproc, cfg.rollout_servers * tp)
     if need > len(gpus):
         raise ValueError(
@@ -298,25 +315,19 @@ def _colocated_devices(cfg: LocalConfig, learner_args: list[str], rollout_args: 
     }
 
 
-def _reward_flags_from_learner(args: list[str], pretrain: str) -> list[str]:
+def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
     """OpenRLHF puts reward/reference model flags on the trainer; here a reward service serves
     them, so the learner's flags are passed on to it (one place to say it, as users expect)."""
-
-    def value(name: str) -> str | None:
-        return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
-
     out = []
-    if value("--reward_pretrain"):
-        out += ["--reward_pretrain", value("--reward_pretrain")]
-    if value("--remote_rm_url"):
-        out += ["--remote_rm_url", value("--remote_rm_url")]
-    kl = "--use_kl_loss" in args or float(value("--init_kl_coef") or 0.01) > 0  # train_ppo's default is 0.01
-    if value("--ref_pretrain") or kl:
-        out += ["--ref_pretrain", value("--ref_pretrain") or pretrain]
-    if "--normalize_reward" in args and value("--reward_pretrain"):  # a reward model's scores only
+    if learner.reward_pretrain:
+        out += ["--reward_pretrain", learner.reward_pretrain]
+    if learner.remote_rm_url:
+        out += ["--remote_rm_url", learner.remote_rm_url]
+    if learner.ref_pretrain or learner.kl_needed:
+        # reference log-probs at the sampling temperature
+        out += ["--ref_pretrain", learner.ref_pretrain or learner.pretrain, "--temperature", str(learner.temperature)]
+    if learner.normalize_reward and learner.reward_pretrain:  # a reward model's scores only
         out.append("--normalize_reward")
-    if value("--temperature") and "--ref_pretrain" in out:
-        out += ["--temperature", value("--temperature")]  # reference log-probs at the sampling temperature
     return out
 
 
@@ -331,7 +342,7 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
     slower here (docs/performance.md), so it is left to the user's environment."""
     mode = cfg.cpu_cores
     if mode == "auto":
-        mode = "phases" if _cpu_vllm() and "--async_train" not in shlex.split(cfg.learner_args) else "split"
+        mode = "phases" if _cpu_vllm() and not learner_config(cfg).async_train else "split"
     if mode != "phases":
         return {}
     n = len(os.sched_getaffinity(0))
@@ -531,6 +542,8 @@ def _tail(path: Path, n: int = 15) -> str:
 def run(cfg: LocalConfig) -> int:
     try:
         roles = build_roles(cfg)
+    except ConfigError as e:  # a flag the learner or a rollout server would refuse: said before anything starts
+        raise SystemExit(f"launch.local: --learner_args / --rollout_args: {e}") from None
     except ValueError as e:
         raise SystemExit(f"launch.local: {e}") from None
     keys = Path(cfg.run_dir) / "auth"

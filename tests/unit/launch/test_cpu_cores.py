@@ -6,7 +6,7 @@ import launch.local as L
 
 
 def _cfg(**kw):
-    return L.LocalConfig(pretrain="x", **kw)
+    return L.LocalConfig(pretrain="x", **{"learner_args": "--prompt_data p", **kw})
 
 
 def test_phases_give_each_role_every_core(monkeypatch):
@@ -29,7 +29,7 @@ def test_auto_is_phases_for_lockstep_on_cpu_vllm_only(monkeypatch):
     monkeypatch.setattr(L, "_cpu_vllm", lambda: True)
     assert L.phase_env(_cfg()) == {}  # the default is split
     assert L.phase_env(_cfg(cpu_cores="auto"))["service"]
-    assert L.phase_env(_cfg(cpu_cores="auto", learner_args="--async_train --max_staleness 1")) == {}
+    assert L.phase_env(_cfg(cpu_cores="auto", learner_args="--prompt_data p --async_train --max_staleness 1")) == {}
     assert L.phase_env(_cfg(cpu_cores="split")) == {}
     monkeypatch.setattr(L, "_cpu_vllm", lambda: False)  # a GPU build: each role has its own devices
     assert L.phase_env(_cfg(cpu_cores="auto")) == {}

@@ -9,7 +9,7 @@ from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, build_roles
 
 
 def _roles(tmp_path, learner_args: str, **kw):
-    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=learner_args, **kw)
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=f"--prompt_data p {learner_args}", **kw)
     return {r.name: r for r in build_roles(cfg)}
 
 

@@ -3,7 +3,12 @@
 import sys
 import time
 
+import pytest
+
+from common.config import ConfigError
 from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, Role, Supervisor, build_roles, loopback_env
+
+DATA = "--prompt_data p"  # the one flag the learner requires beside --pretrain
 
 
 def _role(name, code, tmp_path):
@@ -73,7 +78,7 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
         learner_nproc=2,
         port=5999,
         reward_args="--reward_func f.py",
-        learner_args="--max_steps 3",
+        learner_args=f"{DATA} --max_steps 3",
     )
     roles = {r.name: r for r in build_roles(cfg)}
     assert set(roles) == {"rollout-0", "rollout-1", "reward-0", "learner"}
@@ -90,13 +95,16 @@ def test_several_learner_ranks_rendezvous_without_torchruns_tcp_stores(tmp_path)
     """torchrun's --standalone stores listen on every interface: the ranks rendezvous through a
     file instead and rank 0 hosts their store on 127.0.0.1 (docs/security.md; the listening
     sockets of real runs are checked in tests/e2e/test_e2e_grpo.py)."""
-    two = {r.name: r for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_nproc=2))}
+    two = {
+        r.name: r
+        for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=DATA, learner_nproc=2))
+    }
     cmd = two["learner"].cmd
     assert "--standalone" not in cmd and "--rdzv_endpoint" not in " ".join(cmd)
     for flag in ("--nnodes=1", "--rdzv_backend=c10d", "--rdzv_conf=store_type=file", "--local_addr=127.0.0.1"):
         assert flag in cmd[: cmd.index("learner.train_ppo")], flag
     assert two["learner"].env == TORCHRUN_LOOPBACK_ENV == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    one = {r.name: r for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m"))}
+    one = {r.name: r for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=DATA))}
     assert one["learner"].cmd[1:3] == ["-m", "learner.train_ppo"] and one["learner"].env == {}
 
 
@@ -112,21 +120,53 @@ def test_every_role_talks_gloo_over_loopback_unless_the_user_says_otherwise(tmp_
 
 
 def test_auth_gives_every_role_the_run_key_folder(tmp_path):
-    roles = build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", auth=True))
+    roles = build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=DATA, auth=True))
     for role in roles:
         assert role.cmd[role.cmd.index("--auth_dir") + 1] == str(tmp_path / "auth"), role.name
-    assert not any("--auth_dir" in r.cmd for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m")))
+    assert not any(
+        "--auth_dir" in r.cmd for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=DATA))
+    )
 
 
 def test_learner_reward_flags_reach_the_reward_services(tmp_path):
     cfg = LocalConfig(
         run_dir=str(tmp_path),
         pretrain="/m",
-        learner_args="--reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7",
+        learner_args=f"{DATA} --reward_pretrain /rm --normalize_reward --init_kl_coef 0 --temperature 0.7",
     )
     cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
     assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
     assert "--ref_pretrain" not in cmd and "--temperature" not in cmd
+
+
+def _reward_cmd(tmp_path, learner_args: str) -> list[str]:
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=learner_args)
+    return {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
+
+
+def test_the_services_flags_come_from_the_learners_parsed_flags(tmp_path):
+    """What the learner will read, however it was written: the defaults (KL on at 0.01: a
+    reference model, the policy's), --flag=value, --no-flag, and a --config file."""
+    cmd = _reward_cmd(tmp_path, DATA)
+    assert cmd[cmd.index("--ref_pretrain") + 1] == "/m" and cmd[cmd.index("--temperature") + 1] == "1.0"
+    cmd = _reward_cmd(tmp_path, f"{DATA} --init_kl_coef=0 --reward_pretrain=/rm --normalize_reward")
+    assert "--ref_pretrain" not in cmd and cmd[cmd.index("--reward_pretrain") + 1] == "/rm"
+    assert "--normalize_reward" in cmd
+    cmd = _reward_cmd(tmp_path, f"{DATA} --reward_pretrain /rm --normalize_reward --no-normalize_reward")
+    assert "--normalize_reward" not in cmd
+    config = tmp_path / "learner.yaml"
+    config.write_text("prompt_data: p\ninit_kl_coef: 0.05\nref_pretrain: /ref\ntemperature: 0.7\n")
+    cmd = _reward_cmd(tmp_path, f"--config {config}")
+    assert cmd[cmd.index("--ref_pretrain") + 1] == "/ref" and cmd[cmd.index("--temperature") + 1] == "0.7"
+
+
+def test_a_learner_flag_the_learner_would_refuse_fails_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="--prompt_data"):
+        build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m"))
+    with pytest.raises(ConfigError, match="--n_samples_per_prompt must be >= 1"):
+        build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=f"{DATA} --n_samples_per_prompt 0"))
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no_such_flag"):
+        build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=f"{DATA} --no_such_flag"))
 
 
 def test_learner_threads_apply_to_the_learner_only(tmp_path):
