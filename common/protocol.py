@@ -24,7 +24,7 @@ import msgspec
 
 from common.serialization import TensorEncoder, WireError, make_ext_hook
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: typed Hello.capabilities and Ack.info
 
 # Default ceiling for one message (all frames). Experience batches are a few MB; weights do
 # not travel over ZMQ (they go over torch.distributed), so anything near this is a bug.
@@ -62,17 +62,47 @@ def _check_len(name: str, seq: Any, n: int, what: str) -> None:
 # --------------------------------------------------------------------------- handshake
 
 
+class Capabilities(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="kind"):
+    """What a service announces in its Hello; one struct per role (the ``kind`` tag)."""
+
+    # How many work items (prompts for a rollout server, requests for a reward service) the
+    # controller may keep in flight at this peer.
+    capacity: int = 1
+
+
+class RolloutCapabilities(Capabilities, tag="rollout"):
+    model: str = ""
+    tp: int = 1  # tensor-parallel size
+    workers: int = 1  # vLLM workers: the ranks this server adds to a weight-transfer group
+    dtype: str = ""  # the engine's dtype ("float32", "bfloat16"): weights are sent in it
+    weight_transfer_backend: str = ""  # "gloo" | "nccl"
+    idle_spin_s: float | None = None  # the workers' idle spin after a generation (None: vLLM's own)
+    sleep: bool = False  # vLLM sleep mode available (--enable_sleep on a GPU)
+    gpu_memory_utilization: float | None = None  # the share of memory the engine was started with
+    policy_version: int = 0  # the weights it holds (a server that outlived its learner may be ahead)
+    platform: str = "cpu"  # "cpu" | "cuda"
+
+
+class RewardCapabilities(Capabilities, tag="reward"):
+    max_pending: int = 0  # requests queued beyond capacity before the service answers busy
+    sources: list[str] = []  # "ref", "rm", "func:<file>", "remote", ...: what it scores with
+    ref_logprobs: bool = False
+    rewards: bool = False
+    ref_idle_spin_s: float | None = None  # a vLLM reference engine's idle spin (--ref_backend vllm)
+    ref_gpu_memory_utilization: float | None = None  # the share that engine was started with
+
+
+ServiceCapabilities = RolloutCapabilities | RewardCapabilities
+
+
 @register
 class Hello(Message):
     # any service -> controller, first message on a connection.
     TAG: ClassVar[int] = 1
-    role: str  # "rollout" | "reward" | ...
+    role: str  # "rollout" | "reward"; its capabilities are the struct of the same kind
     name: str  # human-readable, unique per process (host:pid by default); used in errors
     protocol_version: int = PROTOCOL_VERSION
-    # What the service can do, e.g. {"capacity": 64, "model": "...", "tp": 1}. "capacity" is
-    # how many work items (prompts for a rollout server, requests for a reward service) the
-    # controller may keep in flight at this peer.
-    capabilities: dict[str, Any] = {}
+    capabilities: ServiceCapabilities | None = None  # None: a peer announcing nothing (capacity 1)
 
 
 @register
@@ -258,11 +288,32 @@ class Shutdown(Message):
     reason: str = ""
 
 
+class AckInfo(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """What an Ack reports beside success, one struct per call that reports something."""
+
+
+class WorkersJoined(AckInfo, tag="workers_joined"):
+    workers: int  # reply to WeightSyncInit: the vLLM workers that joined the group
+
+
+class WeightsLoaded(AckInfo, tag="weights_loaded"):
+    seconds: float  # reply to WeightUpdate: receiving and loading took this long
+
+
+class UpdateFinished(AckInfo, tag="update_finished"):
+    policy_version: int  # reply to WeightUpdateFinish: the version the server now samples with
+    prefix_cache_reset: bool
+
+
+class ShutdownAccepted(AckInfo, tag="shutdown"):
+    unanswered: int  # reply to Shutdown: work in flight (prompts, score requests) that will not be answered
+
+
 @register
 class Ack(Message):
-    # reply to a call that returns nothing but success.
+    # reply to a call that succeeded; `info` says what it did where the call reports something.
     TAG: ClassVar[int] = 23
-    info: dict[str, Any] = {}
+    info: WorkersJoined | WeightsLoaded | UpdateFinished | ShutdownAccepted | None = None
 
 
 def version_error(hello: Hello) -> Error | None:
@@ -273,6 +324,9 @@ def version_error(hello: Hello) -> Error | None:
             message=f"{hello.name} speaks protocol {hello.protocol_version}, controller speaks "
             f"{PROTOCOL_VERSION}: run the same rayless version on every node",
         )
+    kind = type(hello.capabilities).__struct_config__.tag if hello.capabilities is not None else None
+    if kind is not None and kind != hello.role:
+        return Error(code="bad_request", message=f"{hello.name} says it is a {hello.role} with {kind} capabilities")
     return None
 
 
@@ -372,7 +426,7 @@ class WeightSyncInit(Message):
     # controller (learner rank 0) -> rollout server. Join a weight-transfer group with the
     # learner: the learner is rank 0 and hosts the TCPStore named in init_info; this server's
     # vLLM workers take ranks 1..k. Replaces any group the server already had. Reply:
-    # Ack(info={"workers": k}) once every rank has joined.
+    # Ack(info=WorkersJoined(workers=k)) once every rank has joined.
     TAG: ClassVar[int] = 30
     backend: str  # "gloo" (CPU) | "nccl" (GPU); must equal the server's --weight_transfer_backend
     # vLLM's init_info for that backend: master_address, master_port, world_size, rank_offset,
@@ -392,7 +446,7 @@ class WeightUpdateStart(Message):
 @register
 class WeightUpdate(Message):
     # controller -> rollout server. Receive the weights described here over the group, in this
-    # order, then load them (vLLM update_weights). Reply: Ack(info={"seconds": s}) once loaded.
+    # order, then load them (vLLM update_weights). Reply: Ack(info=WeightsLoaded(...)) once loaded.
     TAG: ClassVar[int] = 32
     names: list[str]  # checkpoint (HF) parameter names (tied ones: see aliases)
     dtype_names: list[str]  # torch dtype names ("float32", "bfloat16"), the engine's dtype
@@ -414,7 +468,7 @@ class WeightUpdate(Message):
 class WeightUpdateFinish(Message):
     # controller -> rollout server. Close the update (vLLM finish_weight_update), reset the
     # prefix cache, set the server's policy version, resume generation. Samples started
-    # before keep their old version. Reply: Ack(info={"policy_version": v}).
+    # before keep their old version. Reply: Ack(info=UpdateFinished(...)).
     TAG: ClassVar[int] = 33
     policy_version: int
 

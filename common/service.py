@@ -54,11 +54,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
-from common.protocol import Error, Heartbeat, Hello, Welcome
+from common.protocol import Error, Heartbeat, Hello, ServiceCapabilities, Welcome
 from common.transport import (
     AsyncEndpoint,
     CallTimeout,
@@ -160,7 +159,7 @@ class ServiceShell:
         self.session = 0
 
     # ------------------------------------------------------------------ forgotten by the controller
-    def hello_again(self, capabilities: dict[str, Any], call_id: int) -> Hello | None:
+    def hello_again(self, capabilities: ServiceCapabilities, call_id: int) -> Hello | None:
         """The controller answered ``unknown_peer``: it declared this service dead (silent past
         its deadline on an overloaded host, or a failed weight push) and gave its work back.
         Returns the Hello to send (the caller sends it with ``call_id`` from its endpoint), or
@@ -233,7 +232,7 @@ class ServiceShell:
         )
         return True
 
-    def reconnect_hello(self, capabilities: dict[str, Any], call_id: int) -> Hello | None:
+    def reconnect_hello(self, capabilities: ServiceCapabilities, call_id: int) -> Hello | None:
         """While lost: the Hello to try now (send it with ``call_id`` and a RECONNECT_SEND_S
         timeout; a send that fails is ``hello_unsent``), or None while a sent one may still be
         answered (``heartbeat_s``, at least RECONNECT_SEND_S). Logs the wait now and then."""
@@ -258,7 +257,7 @@ class ServiceShell:
         self._rehello = 0
 
     # ------------------------------------------------------------------ handshake
-    def say_hello(self, ep: Endpoint, capabilities: dict[str, Any]) -> Welcome:
+    def say_hello(self, ep: Endpoint, capabilities: ServiceCapabilities) -> Welcome:
         """Hello until Welcome, for up to ``connect_timeout_s``; then TransportError naming the controller."""
         deadline = time.monotonic() + self.connect_timeout_s
         while True:
@@ -267,7 +266,7 @@ class ServiceShell:
             except (PeerUnavailable, CallTimeout) as e:
                 self._hello_failed(deadline, e)
 
-    async def asay_hello(self, ep: AsyncEndpoint, capabilities: dict[str, Any]) -> Welcome:
+    async def asay_hello(self, ep: AsyncEndpoint, capabilities: ServiceCapabilities) -> Welcome:
         """``say_hello`` for asyncio services."""
         deadline = time.monotonic() + self.connect_timeout_s
         while True:

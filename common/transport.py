@@ -41,7 +41,16 @@ import zmq.asyncio
 
 from common.handshake_watch import HandshakeWatch
 from common.net import free_port as free_port  # re-exported: callers predate common.net
-from common.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Codec, Error, Hello, Message, Welcome
+from common.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Codec,
+    Error,
+    Hello,
+    Message,
+    ServiceCapabilities,
+    Welcome,
+)
 from common.serialization import WireError
 
 log = logging.getLogger(__name__)
@@ -491,7 +500,7 @@ def _unwelcome(ep: Endpoint | AsyncEndpoint, e: TransportError) -> TransportErro
     return HandshakeFailed(f"{ep.name}: {why}") if why else e
 
 
-def handshake(ep: Endpoint, role: str, capabilities: dict[str, Any], timeout: float) -> Welcome:
+def handshake(ep: Endpoint, role: str, capabilities: ServiceCapabilities | None, timeout: float) -> Welcome:
     """Service side of the handshake: Hello -> Welcome, or a clear error within ``timeout``
     (HandshakeFailed when the keys may not match)."""
     try:
@@ -504,7 +513,7 @@ def handshake(ep: Endpoint, role: str, capabilities: dict[str, Any], timeout: fl
     return welcome
 
 
-async def ahandshake(ep: AsyncEndpoint, role: str, capabilities: dict[str, Any], timeout: float) -> Welcome:
+async def ahandshake(ep: AsyncEndpoint, role: str, capabilities: ServiceCapabilities | None, timeout: float) -> Welcome:
     """``handshake`` for asyncio services."""
     hello = Hello(role=role, name=ep.name, capabilities=capabilities, call_id=ep.core.new_call_id())
     deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from common.protocol import ScoredBatch, ScoreRequest
+from common.protocol import RewardCapabilities, ScoredBatch, ScoreRequest
 from reward_service.config import RewardConfig
 from reward_service.inputs import BadRequest, ScoringInput, from_request, with_text
 from reward_service.ref_model import ReferenceScorer
@@ -234,16 +234,19 @@ class Scorer:
             raise
         return cls(ref=ref, sources=sources, tokenizer=tokenizer, name=cfg.name or "reward")
 
-    def capabilities(self) -> dict:
-        """What the Hello announces: which sources this service computes."""
-        caps = {
-            "sources": (["ref"] if self.ref else []) + [s.name for s in self.sources],
-            "ref_logprobs": self.ref is not None,
-            "rewards": bool(self.sources),
-        }
-        if hasattr(self.ref, "idle_spin_s"):  # a vLLM reference: what its workers spin after scoring
-            caps["ref_idle_spin_s"] = self.ref.idle_spin_s
-            caps["ref_gpu_memory_utilization"] = self.ref.memory_share
+    def capabilities(self) -> RewardCapabilities:
+        """What the Hello announces: which sources this service computes (the server adds its
+        capacity)."""
+        from reward_service.ref_vllm import VLLMReferenceScorer  # light: vLLM itself loads with the engine
+
+        caps = RewardCapabilities(
+            sources=(["ref"] if self.ref else []) + [s.name for s in self.sources],
+            ref_logprobs=self.ref is not None,
+            rewards=bool(self.sources),
+        )
+        if isinstance(self.ref, VLLMReferenceScorer):  # what its workers spin after scoring, the share it took
+            caps.ref_idle_spin_s = self.ref.idle_spin_s
+            caps.ref_gpu_memory_utilization = self.ref.memory_share
         return caps
 
     def score(self, req: ScoreRequest) -> ScoredBatch:

@@ -37,9 +37,20 @@ import signal
 import threading
 import time
 
+import msgspec
 import zmq
 
-from common.protocol import Ack, Error, Hello, Message, ScoreRequest, Shutdown, Welcome
+from common.protocol import (
+    Ack,
+    Error,
+    Hello,
+    Message,
+    RewardCapabilities,
+    ScoreRequest,
+    Shutdown,
+    ShutdownAccepted,
+    Welcome,
+)
 from common.service import (
     DEFAULT_RECONNECT_S,
     RECONNECT_SEND_S,
@@ -186,8 +197,8 @@ class RewardServer:
             ep.close()
             wake.close(0)
 
-    def capabilities(self) -> dict:
-        return {**self.scorer.capabilities(), "capacity": self.capacity, "max_pending": self.max_pending}
+    def capabilities(self) -> RewardCapabilities:
+        return msgspec.structs.replace(self.scorer.capabilities(), capacity=self.capacity, max_pending=self.max_pending)
 
     def _loop(self, ep: Endpoint, wake: zmq.Socket) -> int:
         poller = zmq.Poller()
@@ -213,7 +224,7 @@ class RewardServer:
                 if self._busy:
                     log.warning("shutting down with %d request(s) unanswered after %.0f s", self._busy, DRAIN_S)
                 if shutdown_call is not None and shutdown_call.call_id:
-                    self._send(ep, Ack(info={"unanswered": self._busy}, call_id=shutdown_call.call_id))
+                    self._send(ep, Ack(info=ShutdownAccepted(unanswered=self._busy), call_id=shutdown_call.call_id))
                 return ExitCode.STOPPED
             if self.shell.lost:
                 if self.shell.reconnect_expired():
@@ -344,7 +355,7 @@ def serve(cfg) -> int:
         log.warning("%s: %s while starting; closing what was started", name, signal.Signals(stopped[0]).name)
         scorer.close()
         return signal_exit_code(stopped[0])  # as a signal while serving
-    log.info("%s scoring with %s", name, scorer.capabilities()["sources"])
+    log.info("%s scoring with %s", name, scorer.capabilities().sources)
     return RewardServer(
         scorer,
         controller=cfg.controller,

@@ -253,22 +253,22 @@ class RolloutCore:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> P.RolloutCapabilities:
         import torch
 
-        return {
-            "capacity": self.cfg.max_num_seqs,
-            "model": self.cfg.model,
-            "tp": self.cfg.tensor_parallel_size,
-            "workers": self.workers,
-            "dtype": self.engine_dtype,
-            "weight_transfer_backend": self.backend,
-            "idle_spin_s": self.worker_idle_spin_s,
-            "sleep": self.sleep_supported(),
-            "gpu_memory_utilization": self.memory_share,
-            "policy_version": self.version,
-            "platform": "cuda" if torch.cuda.is_available() else "cpu",
-        }
+        return P.RolloutCapabilities(
+            capacity=self.cfg.max_num_seqs,
+            model=self.cfg.model,
+            tp=self.cfg.tensor_parallel_size,
+            workers=self.workers,
+            dtype=self.engine_dtype or "",
+            weight_transfer_backend=self.backend,
+            idle_spin_s=self.worker_idle_spin_s,
+            sleep=self.sleep_supported(),
+            gpu_memory_utilization=self.memory_share,
+            policy_version=self.version,
+            platform="cuda" if torch.cuda.is_available() else "cpu",
+        )
 
     # ------------------------------------------------------------------ generation
     def _vllm_params(self, sp: P.SamplingParams, prompt_id: int, seed: int | None = None):

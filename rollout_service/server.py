@@ -313,18 +313,19 @@ class RolloutServer:
 
     async def _on_sync_init(self, m: P.WeightSyncInit) -> P.Message:
         workers = await self.core.init_weight_transfer(m.backend, m.init_info, m.timeout_s)
-        return P.Ack(info={"workers": workers})
+        return P.Ack(info=P.WorkersJoined(workers=workers))
 
     async def _on_update_start(self, m: P.WeightUpdateStart) -> P.Message:
         await self.core.start_weight_update(m.policy_version)
         return P.Ack()
 
     async def _on_update(self, m: P.WeightUpdate) -> P.Message:
-        return P.Ack(info={"seconds": await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases)})
+        seconds = await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases)
+        return P.Ack(info=P.WeightsLoaded(seconds=seconds))
 
     async def _on_update_finish(self, m: P.WeightUpdateFinish) -> P.Message:
         reset = await self.core.finish_weight_update(m.policy_version)
-        return P.Ack(info={"policy_version": self.core.version, "prefix_cache_reset": reset})
+        return P.Ack(info=P.UpdateFinished(policy_version=self.core.version, prefix_cache_reset=bool(reset)))
 
     async def _on_sync_close(self, m: P.WeightSyncClose) -> P.Message:
         await self.core.close_weight_transfer()
@@ -355,7 +356,7 @@ class RolloutServer:
         log.info("shutdown requested by the controller: %s", m.reason or "(no reason given)")
         # Answer first, then stop: in-flight prompts are dropped (the controller asked).
         asyncio.get_running_loop().call_soon(self._stop.set)
-        return P.Ack(info={"dropped_prompts": self.core.in_flight})
+        return P.Ack(info=P.ShutdownAccepted(unanswered=self.core.in_flight))
 
 
 async def amain(cfg: RolloutConfig) -> int:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import Error, Heartbeat, Hello, Message, Welcome, version_error
+from common.protocol import Error, Heartbeat, Hello, Message, ServiceCapabilities, Welcome, version_error
 from common.transport import Endpoint, PeerUnavailable, safe_label
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Peer:
     identity: bytes
     name: str
     role: str
-    capabilities: dict[str, Any]
+    capabilities: ServiceCapabilities | None  # what its Hello announced (None: nothing)
     last_seen: float
     ready: bool = False
     alive: bool = True
@@ -52,7 +52,7 @@ class Peer:
 
     @property
     def capacity(self) -> int:
-        return max(1, int(self.capabilities.get("capacity", 1)))
+        return max(1, self.capabilities.capacity) if self.capabilities is not None else 1
 
     @property
     def load(self) -> float:
@@ -159,7 +159,7 @@ class ServicePool:
             identity=identity,
             name=hello.name,
             role=hello.role,
-            capabilities=dict(hello.capabilities),
+            capabilities=hello.capabilities,
             last_seen=self.clock(),
             ready=hello.role not in self.needs_preparation,
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 
+from common.protocol import RolloutCapabilities
 from common.weights.publisher import PushReport, WeightPublisher, WeightSyncError
 from learner.controller.pool import ServicePool
 
@@ -53,9 +54,9 @@ class FleetWeights:
             try:
                 if self.publisher is not None:
                     caps = peer.capabilities
-                    self.publisher.connect(
-                        peer.name, workers=int(caps.get("workers", caps.get("tp", 1))), dtype=caps.get("dtype") or None
-                    )
+                    if not isinstance(caps, RolloutCapabilities):
+                        raise WeightSyncError("connect", {peer.name: "its Hello announced no rollout capabilities"})
+                    self.publisher.connect(peer.name, workers=caps.workers, dtype=caps.dtype or None)
                     if push and self.pool.pushed:
                         version = self.pool.policy_version
                         self.publisher.push(version, [peer.name])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from common.protocol import SamplingParams
+from common.protocol import RewardCapabilities, SamplingParams
 from learner.rl.config import PPOConfig
 
 log = logging.getLogger("learner")
@@ -144,7 +144,9 @@ def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_ste
 def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     """The learner's flags promise sources (KL needs reference log-probs, --reward_pretrain a
     reward model); fail at start-up, naming the services, if none of them provides one."""
-    sources = {p.name: set(p.capabilities.get("sources", [])) for p in peers}
+    sources = {
+        p.name: set(p.capabilities.sources if isinstance(p.capabilities, RewardCapabilities) else []) for p in peers
+    }
     want = []
     if cfg.kl_needed:
         want.append(

@@ -28,7 +28,7 @@ class FakeRollout(threading.Thread):
         self.pending: dict[int, tuple[float, int, int]] = {}  # pid -> (due, n, version)
 
     def run(self) -> None:
-        handshake(self.ep, "rollout", {"capacity": self.capacity}, timeout=5)
+        handshake(self.ep, "rollout", P.RolloutCapabilities(capacity=self.capacity), timeout=5)
         last_hb = 0.0
         while not self.stop.is_set():
             now = time.monotonic()
@@ -88,7 +88,7 @@ class FakeReward(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
-        handshake(self.ep, "reward", {"capacity": 8}, timeout=5)
+        handshake(self.ep, "reward", P.RewardCapabilities(capacity=8), timeout=5)
         last_hb = 0.0
         while not self.stop.is_set():
             if time.monotonic() - last_hb > 0.2:

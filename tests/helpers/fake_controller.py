@@ -47,7 +47,7 @@ class IdleScorer:
         raise AssertionError("not asked to score")
 
     def capabilities(self):
-        return {"sources": ["func:idle.py"]}
+        return P.RewardCapabilities(sources=["func:idle.py"])
 
     def stats(self):
         return {}

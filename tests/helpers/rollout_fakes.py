@@ -83,7 +83,7 @@ class FakeServer:
     def _handle(self, msg):
         if isinstance(msg, P.WeightSyncInit):
             self.engine.init_transfer_engine(self.engine.parse_init_info(msg.init_info))
-            return P.Ack(info={"workers": 1})
+            return P.Ack(info=P.WorkersJoined(workers=1))
         if isinstance(msg, P.WeightUpdateStart):
             return P.Ack()
         if isinstance(msg, P.WeightUpdate):
@@ -98,7 +98,7 @@ class FakeServer:
             return P.Ack()
         if isinstance(msg, P.WeightUpdateFinish):
             self.version = msg.policy_version
-            return P.Ack(info={"policy_version": msg.policy_version})
+            return P.Ack(info=P.UpdateFinished(policy_version=msg.policy_version, prefix_cache_reset=True))
         if isinstance(msg, P.WeightSyncClose):
             self.engine.shutdown()
             return P.Ack()

@@ -169,25 +169,24 @@ class EngineMemory:
                 continue
             self._checked.add(name)
             peer = self.rollout.peer(name)
-            caps = dict(getattr(peer, "capabilities", {}) or {})
-            platform = caps.get("platform", "")
+            caps = peer.capabilities if peer is not None else None
+            if not isinstance(caps, P.RolloutCapabilities):
+                continue  # gone, or announced nothing: nothing to check
             if self.share is not None:
-                if platform == "cpu":
+                if caps.platform == "cpu":
                     self.notes(
                         "vllm_gpu_memory_utilization",
                         f"{name} runs vLLM on CPU: no device memory is shared with the learner there (vLLM "
                         "reads the share as one of host memory, checked at engine start, and sizes its KV "
                         "cache from VLLM_CPU_KVCACHE_SPACE)",
                     )
-                elif (
-                    "gpu_memory_utilization" in caps and abs(float(caps["gpu_memory_utilization"]) - self.share) > 1e-6
-                ):
+                elif caps.gpu_memory_utilization is not None and abs(caps.gpu_memory_utilization - self.share) > 1e-6:
                     # vLLM sizes its memory once, at engine start: the learner cannot change it.
                     log.warning(
                         "%s was started with --gpu_memory_utilization %s, the learner expects "
                         "--vllm_gpu_memory_utilization %s: restart it with %s (launch.local passes it on)",
                         name,
-                        caps["gpu_memory_utilization"],
+                        caps.gpu_memory_utilization,
                         self.share,
                         self.share,
                     )

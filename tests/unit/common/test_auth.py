@@ -18,7 +18,7 @@ import zmq.auth
 from common import auth
 from common import protocol as P
 from common.auth import keygen, main
-from common.service import ExitCode, ServiceShell
+from common.service import ServiceShell
 from common.transport import AsyncEndpoint, Endpoint, HandshakeFailed, TransportError, ahandshake, handshake
 
 
@@ -47,7 +47,7 @@ def test_keyed_service_joins_keyless_and_wrong_key_are_refused_and_logged(secure
     caplog.set_level(logging.WARNING, logger="common.auth")
     keyless = Endpoint.connect(ctrl.address, name="keyless")
     with pytest.raises(HandshakeFailed, match="the controller requires CURVE keys: give this service --auth_dir"):
-        handshake(keyless, "rollout", {}, timeout=1.5)
+        handshake(keyless, "rollout", None, timeout=1.5)
     keyless.close(0)
 
     intruder_keys = keygen(tmp_path / "other")  # a valid pair, just not this run's
@@ -57,13 +57,13 @@ def test_keyed_service_joins_keyless_and_wrong_key_are_refused_and_logged(secure
     with pytest.raises(
         HandshakeFailed, match=r"CURVE handshake .* failed: it refused this service's key \(ZAP status 400\)"
     ):
-        handshake(intruder, "rollout", {}, timeout=1.5)
+        handshake(intruder, "rollout", None, timeout=1.5)
     intruder.close(0)
     wrong_key = zmq.auth.load_certificate(str(intruder_keys / "peer.key"))[0].decode()
     assert f"CURVE key {wrong_key} is not in the run's authorized keys" in caplog.text
 
     member = Endpoint.connect(ctrl.address, name="member", auth_dir=str(keys))
-    assert handshake(member, "rollout", {}, timeout=10).peer_id == "member"  # the run goes on
+    assert handshake(member, "rollout", None, timeout=10).peer_id == "member"  # the run goes on
     assert member.handshake_failure() is None and member.watch.closed  # proven keys: no more events
     member.close(0)
 
@@ -76,7 +76,7 @@ def test_a_service_holding_another_runs_keys_is_told_the_keys_may_not_match(secu
     other = keygen(tmp_path / "other")
     svc = Endpoint.connect(ctrl.address, name="stranger", auth_dir=str(other))
     with pytest.raises(HandshakeFailed) as err:
-        handshake(svc, "rollout", {}, timeout=1.5)
+        handshake(svc, "rollout", None, timeout=1.5)
     text = str(err.value)
     assert f"the CURVE handshake with the controller at {ctrl.address} failed" in text
     assert f"the keys may not match -- the controller.key in this service's --auth_dir {other}" in text
@@ -93,14 +93,12 @@ def test_a_service_holding_another_runs_keys_is_told_the_keys_may_not_match(secu
         ctrl.address,
         heartbeat_s=1.0,
         connect_timeout_s=2.0,
-        signal_exit=ExitCode.FATAL,
-        no_welcome_exit=ExitCode.NO_START,
         hello_attempt_s=1.0,
     )
     with pytest.raises(
         TransportError, match=r"no Welcome .* within 2 s: stranger-2: the CURVE handshake .* keys may not"
     ):
-        shell.say_hello(svc, {})
+        shell.say_hello(svc, None)
     assert "controller not answering yet" not in caplog.text
     assert any(r.levelno == logging.WARNING and "CURVE handshake" in r.message for r in caplog.records)
     svc.close(0)
@@ -108,7 +106,7 @@ def test_a_service_holding_another_runs_keys_is_told_the_keys_may_not_match(secu
     async def asyncio_service() -> str:
         ep = AsyncEndpoint(ctrl.address, name="stranger-3", auth_dir=str(other))
         try:
-            await ahandshake(ep, "reward", {}, timeout=1.5)
+            await ahandshake(ep, "reward", None, timeout=1.5)
         except HandshakeFailed as e:
             return str(e)
         finally:
@@ -123,7 +121,7 @@ def test_a_keyed_service_at_a_keyless_controller_is_told_so(tmp_path):
     ctrl = Endpoint.bind("tcp://127.0.0.1:0")
     svc = Endpoint.connect(ctrl.address, name="keyed", auth_dir=str(keys))
     with pytest.raises(HandshakeFailed, match="holds CURVE keys .* and the controller runs without"):
-        handshake(svc, "rollout", {}, timeout=1.5)
+        handshake(svc, "rollout", None, timeout=1.5)
     svc.close(0)
     ctrl.close(0)
 

@@ -106,9 +106,9 @@ def test_hello_is_said_again_until_welcomed(router):
     ep = Endpoint.connect(router.address, name="svc")
     t = answer_second_hello(router, seen)
     try:
-        welcome = sh.say_hello(ep, {"capacity": 4})
+        welcome = sh.say_hello(ep, P.RewardCapabilities(capacity=4))
         assert welcome.policy_version == 7 and len(seen) == 2
-        assert seen[0].call_id != seen[1].call_id and seen[1].capabilities == {"capacity": 4}
+        assert seen[0].call_id != seen[1].call_id and seen[1].capabilities == P.RewardCapabilities(capacity=4)
         assert seen[1].role == "reward" and seen[1].name == "svc"
     finally:
         t.join(10)
@@ -122,7 +122,7 @@ def test_async_hello_is_said_again_until_welcomed(router):
     async def main() -> P.Welcome:
         ep = AsyncEndpoint(router.address, name="svc")
         try:
-            return await sh.asay_hello(ep, {})
+            return await sh.asay_hello(ep, None)
         finally:
             ep.close(0)
 
@@ -140,7 +140,7 @@ def test_no_welcome_names_the_controller_within_the_connect_timeout(flavour):
         if flavour == "sync":
             ep = Endpoint.connect(sh.controller, name="svc")
             try:
-                sh.say_hello(ep, {})
+                sh.say_hello(ep, None)
             finally:
                 ep.close(0)
         else:
@@ -148,7 +148,7 @@ def test_no_welcome_names_the_controller_within_the_connect_timeout(flavour):
             async def main() -> None:
                 ep = AsyncEndpoint(sh.controller, name="svc")
                 try:
-                    await sh.asay_hello(ep, {})
+                    await sh.asay_hello(ep, None)
                 finally:
                     ep.close(0)
 
@@ -255,11 +255,16 @@ def test_a_lost_controller_gets_a_hello_per_period_until_welcomed_in_a_new_sessi
     sh.controller_lost("could not send Heartbeat")
     sh.controller_lost("could not send SampleBatch")  # still the same loss
     assert sh.lost
-    first = sh.reconnect_hello({"capacity": 4}, call_id=11)
-    assert (first.role, first.name, first.capabilities, first.call_id) == ("reward", "svc", {"capacity": 4}, 11)
-    assert sh.reconnect_hello({}, call_id=12) is None  # the first may still be answered
+    first = sh.reconnect_hello(P.RewardCapabilities(capacity=4), call_id=11)
+    assert (first.role, first.name, first.capabilities, first.call_id) == (
+        "reward",
+        "svc",
+        P.RewardCapabilities(capacity=4),
+        11,
+    )
+    assert sh.reconnect_hello(None, call_id=12) is None  # the first may still be answered
     sh.hello_unsent()  # it never left: the next may go at once
-    again = sh.reconnect_hello({}, call_id=13)
+    again = sh.reconnect_hello(None, call_id=13)
     assert again.call_id == 13
     assert not sh.welcomed_again(P.Welcome(peer_id="svc", call_id=11))  # answers a Hello that never left
     assert sh.lost

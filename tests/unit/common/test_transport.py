@@ -44,7 +44,7 @@ def test_handshake_and_batches_both_ways(ctrl):
     svc = Endpoint.connect(ctrl.address, name="rollout-a")
     t = threading.Thread(target=serve_hello, args=(ctrl,))
     t.start()
-    welcome = handshake(svc, "rollout", {"max_num_seqs": 8}, timeout=5)
+    welcome = handshake(svc, "rollout", P.RolloutCapabilities(capacity=8), timeout=5)
     t.join()
     assert welcome.policy_version == 3 and welcome.peer_id == "rollout-a"
 
@@ -150,7 +150,7 @@ def test_fuzz_malformed_frames_endpoint_survives(ctrl):
     svc = Endpoint.connect(ctrl.address, name="after-fuzz")
     t = threading.Thread(target=serve_hello, args=(ctrl,), kwargs={"timeout": 10})
     t.start()
-    assert handshake(svc, "rollout", {}, timeout=10).peer_id == "after-fuzz"
+    assert handshake(svc, "rollout", None, timeout=10).peer_id == "after-fuzz"
     t.join()
     raw.close(0)
     svc.close(0)
@@ -176,7 +176,7 @@ def test_async_endpoint_handshake_and_timeout(ctrl):
         svc = AsyncEndpoint(ctrl.address, name="async-svc")
         t = threading.Thread(target=serve_hello, args=(ctrl,))
         t.start()
-        w = await ahandshake(svc, "rollout", {}, timeout=5)
+        w = await ahandshake(svc, "rollout", None, timeout=5)
         t.join()
         assert w.peer_id == "async-svc"
         ctrl.send(P.PromptBatch(prompt_ids=[3], token_ids=[[1]]), to=b"async-svc")
@@ -187,7 +187,7 @@ def test_async_endpoint_handshake_and_timeout(ctrl):
 
         lonely = AsyncEndpoint("tcp://127.0.0.1:1", name="lonely")
         with pytest.raises((CallTimeout, TransportError), match="lonely"):
-            await ahandshake(lonely, "rollout", {}, timeout=0.5)
+            await ahandshake(lonely, "rollout", None, timeout=0.5)
         lonely.close(0)
 
     asyncio.run(main())
@@ -239,7 +239,7 @@ def test_no_controller_is_not_reported_as_a_failed_handshake():
     keys that do not match)."""
     svc = Endpoint.connect("tcp://127.0.0.1:1", name="alone")
     with pytest.raises(PeerUnavailable, match="not connected or not reading") as err:
-        handshake(svc, "rollout", {}, timeout=0.5)
+        handshake(svc, "rollout", None, timeout=0.5)
     assert not isinstance(err.value, HandshakeFailed) and svc.handshake_failure() is None
     svc.close(0)
 

@@ -53,7 +53,8 @@ def scored_batch():
 EXAMPLES: dict[type, P.Message] = {
     type(m): m
     for m in [
-        P.Hello(role="rollout", name="r0", capabilities={"max_num_seqs": 64, "model": "x"}),
+        P.Hello(role="rollout", name="r0", capabilities=P.RolloutCapabilities(capacity=64, model="x", workers=2)),
+        P.Hello(role="reward", name="w0", capabilities=P.RewardCapabilities(sources=["ref", "func:f.py"])),
         P.Welcome(peer_id="r0", policy_version=5, config={"sync": {"port": 1234}}),
         P.PromptBatch(
             prompt_ids=[1, 2],
@@ -65,7 +66,8 @@ EXAMPLES: dict[type, P.Message] = {
         P.Heartbeat(name="r0", seq=3, policy_version=1, stats={"in_flight": 2.0}),
         P.Error(code="bad_request", message="nope", prompt_ids=[1]),
         P.Shutdown(reason="done"),
-        P.Ack(info={"version": 3}),
+        P.Ack(info=P.UpdateFinished(policy_version=3, prefix_cache_reset=True)),
+        P.Ack(info=P.WorkersJoined(workers=2)),
         P.WeightSyncInit(
             backend="gloo", init_info={"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}, timeout_s=5.0
         ),
@@ -229,7 +231,7 @@ def test_codec_rejects_inconsistent_batches_naming_the_field():
 def test_codec_rejects_oversized():
     small = P.Codec(max_message_bytes=1000)
     with pytest.raises(WireError, match="exceeds the limit"):
-        small.decode(codec.encode(P.Ack(info={"blob": "x" * 2000})))
+        small.decode(codec.encode(P.Error(code="internal", message="x" * 2000)))
 
 
 def test_sampling_params_validated():

@@ -33,7 +33,8 @@ class FakeService(threading.Thread):
         self.shutdown_reason: str | None = None
 
     def run(self):
-        handshake(self.ep, self.role, {"capacity": self.capacity}, timeout=5)
+        caps = P.RolloutCapabilities if self.role == "rollout" else P.RewardCapabilities
+        handshake(self.ep, self.role, caps(capacity=self.capacity), timeout=5)
         last_hb = 0.0
         while not self.stop.is_set():
             if time.monotonic() - last_hb > 0.2 and not self.hold:

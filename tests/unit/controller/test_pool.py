@@ -36,7 +36,15 @@ def join(ctrl, pool, svcs, name, role="rollout", capacity=2, version=P.PROTOCOL_
     def run():
         try:
             out["w"] = svc.call(
-                P.Hello(role=role, name=name, protocol_version=version, capabilities={"capacity": capacity}), timeout=5
+                P.Hello(
+                    role=role,
+                    name=name,
+                    protocol_version=version,
+                    capabilities=P.RolloutCapabilities(capacity=capacity)
+                    if role == "rollout"
+                    else P.RewardCapabilities(capacity=capacity),
+                ),
+                timeout=5,
             )
         except Exception as e:  # noqa: BLE001 - surfaced below
             out["e"] = e

@@ -45,7 +45,9 @@ def fake():
         svc = Endpoint.connect(ctrl.address, name=name)
         svcs.append(svc)
         t = threading.Thread(
-            target=lambda: svc.call(P.Hello(role="reward", name=name, capabilities={"capacity": 4}), timeout=5)
+            target=lambda: svc.call(
+                P.Hello(role="reward", name=name, capabilities=P.RewardCapabilities(capacity=4)), timeout=5
+            )
         )
         t.start()
         ident, msg = ctrl.recv(timeout=5)

@@ -31,7 +31,10 @@ class Scripted:
 
     def start(self) -> Scripted:
         self.ep.call(
-            P.Hello(role="rollout", name=self.name, capabilities={"capacity": self.capacity, "workers": 1}), timeout=10
+            P.Hello(
+                role="rollout", name=self.name, capabilities=P.RolloutCapabilities(capacity=self.capacity, workers=1)
+            ),
+            timeout=10,
         )
         self.thread.start()
         return self

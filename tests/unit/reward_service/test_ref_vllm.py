@@ -36,9 +36,9 @@ def test_vllm_reference_logprobs_equal_transformers_and_the_service_exits_0(tiny
             timeout=300,
         )
         caps = hello.capabilities
-        assert caps["sources"] == ["ref"] and caps["ref_logprobs"]
-        assert caps["ref_idle_spin_s"] == 0.05  # --ref_idle_spin_s reached the engine's worker (vLLM's own: 1 s)
-        assert 0 < caps["ref_gpu_memory_utilization"] < 0.9  # on CPU what the engine needs, not the GPU default
+        assert caps.sources == ["ref"] and caps.ref_logprobs
+        assert caps.ref_idle_spin_s == 0.05  # --ref_idle_spin_s reached the engine's worker (vLLM's own: 1 s)
+        assert 0 < caps.ref_gpu_memory_utilization < 0.9  # on CPU what the engine needs, not the GPU default
 
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 200, (n,), generator=g) for n in (5, 17, 1, 9)]

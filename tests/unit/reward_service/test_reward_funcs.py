@@ -195,7 +195,7 @@ def test_remote_http_rewards_then_server_killed(no_proxy):
         )
         scorer = Scorer.from_config(cfg)
         rr = scorer.sources[0].impl
-        assert scorer.capabilities()["sources"] == ["remote"]
+        assert scorer.capabilities().sources == ["remote"]
         req = request(["ab", "abcd", "x"], ["cd", "", "yz"])
         out = scorer.score(req)
         assert out.rewards.tolist() == pytest.approx([0.04, 0.04, 0.03]) and out.failed == [None] * 3

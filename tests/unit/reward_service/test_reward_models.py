@@ -150,7 +150,7 @@ def test_scorer_combines_ref_and_rm_columnar(tiny_model_dir, rm_dir, policy):
     assert (out.ref_logprobs - want_lp).abs().max() < 1e-5
     assert torch.allclose(out.rewards, rm.rewards([torch.cat(s) for s in seqs]), atol=1e-5, rtol=0)
     assert out.failed == [None] * len(seqs) and out.prompt_ids == sb.prompt_ids
-    assert scorer.capabilities()["sources"] == ["ref", "rm"]
+    assert scorer.capabilities().sources == ["ref", "rm"]
     no_prompts = SampleBatch(prompt_ids=[0], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([5]))
     with pytest.raises(BadRequest, match="prompt_token_ids"):
         scorer.score(ScoreRequest(samples=no_prompts))

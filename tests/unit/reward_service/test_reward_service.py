@@ -91,7 +91,7 @@ def test_help_answers_without_importing_torch():
 def test_handshake_announces_sources(service):
     _, hello = service
     assert hello.role == "reward"
-    assert hello.capabilities["sources"] == ["func:math_exact_match.py", "func:reward_faulty.py"]
+    assert hello.capabilities.sources == ["func:math_exact_match.py", "func:reward_faulty.py"]
 
 
 def test_scores_token_batches_over_zmq(ctrl, service, tok):
@@ -238,7 +238,7 @@ def test_model_errors_answer_internal_then_turn_fatal():
             raise RuntimeError("CUDA error: device-side assert")
 
         def capabilities(self):
-            return {"sources": ["rm"]}
+            return P.RewardCapabilities(sources=["rm"])
 
         def stats(self):
             return {}

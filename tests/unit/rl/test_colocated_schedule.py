@@ -43,7 +43,11 @@ class Recorder:
         self.calls: list[tuple] = []
         self.answer = answer or (lambda server, msg: P.Ack())
         self.optimizer = SimpleNamespace(offload_states=True)
-        self.peers = {"rollout-0": SimpleNamespace(capabilities={"platform": "cuda", "gpu_memory_utilization": 0.5})}
+        self.peers = {
+            "rollout-0": SimpleNamespace(
+                capabilities=P.RolloutCapabilities(platform="cuda", gpu_memory_utilization=0.5)
+            )
+        }
 
     # trainer / weight push / driver
     def step(self, rollout, *, on_policy=False):
@@ -187,7 +191,7 @@ def test_on_cpu_each_flag_says_once_that_it_cannot_act_and_the_step_is_lockstep(
         [_rollout(2, G, version=0), _rollout(2, G, version=1)],
         answer=lambda server, msg: P.Error(code="not_supported", message=why),
     )
-    rec.peers["rollout-0"].capabilities = {"platform": "cpu", "gpu_memory_utilization": 0.85}
+    rec.peers["rollout-0"].capabilities = P.RolloutCapabilities(platform="cpu", gpu_memory_utilization=0.85)
     with caplog.at_level(logging.WARNING, logger="learner"):
         sched = _schedule(rec, device="cpu", vllm_gpu_memory_utilization=0.5)
         sched.start(0)

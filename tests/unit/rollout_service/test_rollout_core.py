@@ -366,10 +366,10 @@ def test_a_start_failure_that_memory_does_not_explain_is_retried(tiny_model_dir,
 def test_an_explicit_share_wins_and_is_announced(tiny_model_dir):
     cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
     core = RolloutCore(RolloutConfig(**cfg, gpu_memory_utilization=0.3))
-    assert core.engine_args().gpu_memory_utilization == 0.3 and core.capabilities()["gpu_memory_utilization"] == 0.3
+    assert core.engine_args().gpu_memory_utilization == 0.3 and core.capabilities().gpu_memory_utilization == 0.3
     chosen = RolloutCore(RolloutConfig(**cfg))  # on CPU: weights + KV + runtime of this node, far below 0.85
     share = chosen.engine_args().gpu_memory_utilization
-    assert 0 < share < 0.85 and chosen.capabilities()["gpu_memory_utilization"] == share
+    assert 0 < share < 0.85 and chosen.capabilities().gpu_memory_utilization == share
 
 
 # ---------------------------------------------------------------------------- the server's shell
@@ -419,7 +419,7 @@ def test_server_with_a_dead_engine_says_so_and_exits_1(core, restore_signal_hand
 def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers):
     rc, seen = serve_in_process(core, lambda r, ident: r.send(P.Shutdown(reason="done", call_id=5), to=ident))
     acks = [m for m in seen if isinstance(m, P.Ack)]
-    assert rc == 0 and acks[0].call_id == 5 and acks[0].info == {"dropped_prompts": 0} and not _fatal(seen)
+    assert rc == 0 and acks[0].call_id == 5 and acks[0].info == P.ShutdownAccepted(unanswered=0) and not _fatal(seen)
 
 
 def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch, restore_signal_handlers):

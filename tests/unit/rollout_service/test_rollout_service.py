@@ -149,7 +149,7 @@ def test_the_default_share_starts_where_vllms_gpu_default_would_be_refused(stack
         pytest.skip(f"the node has so much free memory that refusing 0.85 takes over {BALLAST_MAX // GIB} GiB")
     mem = stack.pressure["mem"]
     assert stack.pressure["refused"] is not None, mem  # the precondition, on vLLM's numbers
-    share = stack.client.peer("rb").capabilities["gpu_memory_utilization"]
+    share = stack.client.peer("rb").capabilities.gpu_memory_utilization
     assert 0 < share < GPU_SHARE and refusal(share, mem, flag="--gpu_memory_utilization", who="rb") is None
     assert "rb: vLLM-CPU will not start" not in stack.servers[1].log_tail(10**6)
 
@@ -196,7 +196,7 @@ def test_parity_with_transformers_after_two_successive_updates(stack):
         health = stack.client.call(name, P.GetHealth())
         assert health.policy_version == 2 and health.state == "serving"
         # ra's worker made its queues with the idle spin asked for (--idle_spin_s), rb's with vLLM's own
-        assert stack.client.peer(name).capabilities["idle_spin_s"] == {"ra": 0.05, "rb": 1.0}[name]
+        assert stack.client.peer(name).capabilities.idle_spin_s == {"ra": 0.05, "rb": 1.0}[name]
 
 
 def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
