@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import signal
@@ -25,9 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import flag, log_config, parse
+from common.config import flag, parse
 from common.transport import free_port
 from common.vllm_spin import IDLE_SPIN_ENV
+from learner.runtime.tracking import redact_argv
 
 PHASES_IDLE_SPIN_S = 0.05  # the rollout workers' idle spin under --cpu_cores phases (docs/performance.md)
 
@@ -364,7 +366,7 @@ class Supervisor:
     def _start(self, r: Role, mode: str) -> None:
         r.log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(r.log, mode)
-        fh.write("$ " + shlex.join(r.cmd) + "\n")
+        fh.write("$ " + shlex.join(redact_argv(r.cmd)) + "\n")  # a --use_wandb key stays out of the log
         fh.flush()
         # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
         # e.g. vLLM's engine core) as a whole.
@@ -509,7 +511,7 @@ def run(cfg: LocalConfig) -> int:
         keygen(keys)
     sup = Supervisor(roles, cfg)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(public_config(cfg), indent=1))
     sup.start()
     try:
         return sup.watch()
@@ -520,9 +522,16 @@ def run(cfg: LocalConfig) -> int:
         sup.stop()
 
 
+def public_config(cfg: LocalConfig) -> dict:
+    """The config as it may be written down: a wandb key in --learner_args is redacted."""
+    out = dataclasses.asdict(cfg)
+    out["learner_args"] = shlex.join(redact_argv(shlex.split(cfg.learner_args)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(LocalConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.local")
-    log_config(cfg)
+    logging.getLogger("launch").info("config LocalConfig %s", json.dumps(public_config(cfg), sort_keys=True))
     return run(cfg)
 
 

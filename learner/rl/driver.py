@@ -81,11 +81,13 @@ class Driver:
         return StepBatch.of(res, rollout, filter_stats=stats)
 
     def state_dict(self) -> dict[str, Any]:
-        """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only."""
-        return {"prompts": self.prompts.state_dict()}
+        """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only. The
+        metrics writer's part is the tracked run's id, so that a resumed run continues it."""
+        return {"prompts": self.prompts.state_dict(), "metrics": self.sink.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
+        self.sink.load_state_dict(state.get("metrics", {}))
 
     def skipped(self, step: int, batch: StepBatch) -> None:
         log.warning("step %d: too few scored samples to train (%d); skipping", step, len(batch.rollout))

@@ -1,8 +1,9 @@
 """Flags shared by ``learner.train_sft``, ``learner.train_rm`` and ``learner.train_dpo``.
 
 Names and meanings follow OpenRLHF's ``openrlhf.cli.train_*`` so scripts port by swapping
-the module. Only ``common.config`` and ``common.host_memory`` are imported here (no torch), so
-``--help`` is instant. Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
+the module. Nothing imported here loads torch, so ``--help`` is instant. Each trainer subclasses
+``TrainerConfig``, adds its own flags and overrides defaults. The Weights & Biases flags are the
+section every trainer shares with ``train_ppo`` (``learner.runtime.tracking.WandbFlags``).
 
 Flags accepted for compatibility with an explanation rather than an effect: ``--local_rank``
 (the ``deepspeed`` launcher passes it; the rank is read from the environment).
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 from common.config import flag
 from common.host_memory import host_malloc_flag
 from learner.runtime.accumulation import coalesce_flag
+from learner.runtime.tracking import WandbFlags
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(WandbFlags):
     # ---- model and output
     pretrain: str = flag("", "model to start from: local HF directory or hub name", required=True, group="model")
     save_path: str = flag("./ckpt", "where the final HF-format model (and train_log.jsonl) are written", group="model")
@@ -97,6 +99,7 @@ class TrainerConfig:
     use_tensorboard: str = flag("", "TensorBoard log directory (empty: off)", group="ckpt")
 
     def __post_init__(self) -> None:
+        self.check_wandb()
         if self.input_template and "{}" not in self.input_template:
             raise ValueError(f"--input_template {self.input_template!r} has no {{}} for the input")
         if self.logging_steps < 1:

@@ -9,7 +9,9 @@ sees a disjoint shard of each epoch's seeded permutation (``DistributedSampler``
 
 Logged metrics go to the log, to ``{save_path}/train_log.jsonl`` (one JSON object per
 logging or eval step, rank 0, written by ``learner.runtime.metrics.MetricsWriter`` as RL's
-metrics are) and, with ``--use_tensorboard DIR``, to TensorBoard under ``DIR/<sft|rm|dpo>``.
+metrics are), with ``--use_tensorboard DIR`` to TensorBoard under ``DIR/<sft|rm|dpo>``, and with
+``--use_wandb`` to Weights & Biases (a resumed run continues its wandb run: the id is in the
+checkpoint's client state).
 
 Import this module only after the config is parsed: it imports torch and DeepSpeed. The
 config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
@@ -198,8 +200,12 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
         self.metrics: MetricsWriter | None = None  # rank 0 only
         if E.is_rank0():
+            from learner.runtime.wandb_sink import wandb_sink
+
             tb_dir = Path(cfg.use_tensorboard) / self.name if cfg.use_tensorboard else None
-            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir)
+            # wandb's run is finished by its exit hook when the process ends (after the final save).
+            wandb = wandb_sink(cfg, trainer=f"train_{self.name}", folder=cfg.save_path)
+            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir, wandb=wandb)
         self.global_step = 0
         self.last_eval: tuple = (-1, {})  # (step, metrics) of the latest evaluation
 
@@ -240,6 +246,8 @@ class Trainer:
             state = E.load_checkpoint(self.engine, self.ckpt_dir())
             if state is not None:
                 self.global_step = int(state["global_step"])
+                if self.metrics is not None:  # the same wandb run goes on
+                    self.metrics.load_state_dict(state.get("metrics", {}))
                 log.info("resumed from %s at optimizer step %d", self.ckpt_dir(), self.global_step)
         if cfg.eval_at_start and self.global_step == 0:
             self.run_eval()
@@ -282,7 +290,11 @@ class Trainer:
             self.engine,
             self.ckpt_dir(),
             tag=f"global_step{self.global_step}",
-            client_state={"global_step": self.global_step},
+            # rank 0's client state is the one saved: the wandb run id is there
+            client_state={
+                "global_step": self.global_step,
+                "metrics": self.metrics.state_dict() if self.metrics else {},
+            },
             max_keep=self.cfg.max_ckpt_num,
         )
         log.info("saved DeepSpeed checkpoint global_step%d in %s", self.global_step, self.ckpt_dir())

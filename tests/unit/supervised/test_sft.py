@@ -12,6 +12,7 @@ import time
 import pytest
 
 from helpers.procs import ROOT, read_log, run_module, worker_env
+from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
 
 def test_help_is_fast_and_imports_no_torch():
@@ -72,13 +73,20 @@ def sft_args(model, data, save_path, *extra):
 
 
 @pytest.mark.slow
-def test_sft_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
+def test_sft_learns_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """Both runs also log to wandb (offline): the run's history holds every record of
+    train_log.jsonl, and the resumed run continues the wandb run its checkpoint names."""
     from learner.supervised.synthetic_data import write_all
 
+    for k, v in offline_env(tmp_path / "wandb_home").items():
+        monkeypatch.setenv(k, v)  # the trainers' processes inherit it (worker_env)
     data = tmp_path / "data"
     write_all(data, n_train=128, n_eval=64)
     full = tmp_path / "full"
-    run_module("learner.train_sft", sft_args(tiny_model_dir, data, full, "--eval_at_start", "--save_steps", "8"))
+    run_module(
+        "learner.train_sft",
+        sft_args(tiny_model_dir, data, full, "--eval_at_start", "--save_steps", "8", "--use_wandb", "True"),
+    )
     log = read_log(full)
     evals = [r for r in log if "eval/loss" in r]
     before, after = evals[0]["eval/loss"], evals[-1]["eval/loss"]
@@ -92,9 +100,15 @@ def test_sft_learns_and_resumes_exactly(tiny_model_dir, tmp_path):
     (ckpt / "latest").write_text("global_step8")
     resumed = tmp_path / "resumed"
     out = run_module(
-        "learner.train_sft", sft_args(tiny_model_dir, data, resumed, "--load_checkpoint", "--ckpt_path", str(ckpt))
+        "learner.train_sft",
+        sft_args(tiny_model_dir, data, resumed, "--load_checkpoint", "--ckpt_path", str(ckpt), "--use_wandb", "True"),
     )
     assert "resumed from" in out and "at optimizer step 8" in out
+    (full_run,), (resumed_run,) = offline_runs(full), offline_runs(resumed)
+    full_recs = records(full_run)
+    assert missing_from_history(log, history(full_recs)) == []
+    assert run_info(full_recs)["project"] == "rayless_train_sft"
+    assert run_info(records(resumed_run))["run_id"] == run_info(full_recs)["run_id"]
     first = {r["step"]: r["train/loss"] for r in log if "train/loss" in r}
     second = {r["step"]: r["train/loss"] for r in read_log(resumed) if "train/loss" in r}
     assert sorted(second) == list(range(9, 17))
