@@ -9,13 +9,15 @@ Layout of ``--ckpt_path`` (default ``SAVE_PATH/checkpoints``)::
         critic/ds/          the same for the critic (--advantage_estimator gae)
         rng/rank_<r>.pt     torch (CPU, CUDA), python and numpy RNG states and the trainer's
                             mini-batch shuffling generator, per rank
-        hf/                 the policy in HF format (--save_hf_ckpt)
+        hf/                 the policy in HF format (--save_hf_ckpt; with --disable_ds_ckpt the only
+                            weights: no policy/ds, critic/ds, and --load_checkpoint refuses it)
     .step_00000014.partial  a save in progress, or one killed half-way: never loaded; the next
                             save removes it
 
 Atomic: every rank writes into the ``.partial`` directory (a shared filesystem, as DeepSpeed's
 own checkpoints assume), rank 0 writes ``state.json`` last and renames the directory into place
-(``common.atomic_dir.commit_dir``), and only then removes checkpoints beyond ``--max_ckpt_num``.
+(``common.atomic_dir.commit_dir``), and only then removes checkpoints beyond ``--max_ckpt_num``
+(the best-evaluated one stays too, ``--best_metric_key``: ``learner.runtime.checkpoint_policy``).
 A kill -9 at any point leaves the previous checkpoint as it was and the newest complete one is
 what ``latest`` finds.
 
@@ -57,6 +59,8 @@ import torch
 
 from common.atomic_dir import commit_dir
 from learner.rl.config import PPOConfig
+from learner.rl.evaluation import scores_in
+from learner.runtime.checkpoint_policy import DEEPSPEED_STATES, not_resumable, retained
 
 log = logging.getLogger("learner")
 
@@ -136,10 +140,16 @@ def check_resumable(cfg: PPOConfig, *, world_size: int, n_prompts: int) -> Path 
     checked against this run's settings before anything slow is built. Raises CheckpointMismatch."""
     path = latest(ckpt_dir(cfg)) if cfg.load_checkpoint else None
     if path is not None:
-        check_match(
-            read_state(path).get("match", {}), match_fields(cfg, world_size=world_size, n_prompts=n_prompts), path
-        )
+        state = read_state(path)
+        _check_loadable(state, path)
+        check_match(state.get("match", {}), match_fields(cfg, world_size=world_size, n_prompts=n_prompts), path)
     return path
+
+
+def _check_loadable(state: dict[str, Any], path: Path) -> None:
+    why = not_resumable(state)
+    if why:
+        raise CheckpointMismatch(f"cannot resume from {path}: {why}")
 
 
 # --------------------------------------------------------------------------- RNG
@@ -250,6 +260,7 @@ class Checkpointer:
             "kl_ctl": self.trainer.kl_ctl.state_dict(),
             "trainer_steps_done": int(getattr(self.trainer, "steps_done", 0)),
             "match": self.match,
+            DEEPSPEED_STATES: not self.cfg.disable_ds_ckpt,
         }
         for key, obj in (("driver", self.driver), ("schedule", self.schedule)):
             if obj is not None and hasattr(obj, "state_dict"):
@@ -267,8 +278,9 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # a save of this step killed earlier
             partial.mkdir()
         E.barrier()
-        for name, eng in self._engines().items():
-            E.save_checkpoint(eng, partial / name, tag=DS_TAG)  # collective
+        if not self.cfg.disable_ds_ckpt:  # else the HF policy below is the checkpoint's only weights
+            for name, eng in self._engines().items():
+                E.save_checkpoint(eng, partial / name, tag=DS_TAG)  # collective
         rng = {**rng_state(), "trainer_generator": self.trainer.generator.get_state()}
         (partial / "rng").mkdir(exist_ok=True)
         torch.save(rng, partial / "rng" / f"rank_{self.rank}.pt")
@@ -276,19 +288,28 @@ class Checkpointer:
             E.save_hf(self.trainer.engine, self.tokenizer, partial / "hf")  # collective
         E.barrier()  # every rank's shards are down before the directory becomes a checkpoint
         if self.rank == 0:
-            _write_json_durably(partial / STATE_FILE, self._run_state(step))
+            state = self._run_state(step)
+            _write_json_durably(partial / STATE_FILE, state)
             commit_dir(partial, final)
-            self._prune(keep=final)
+            self._prune(keep=final, scores=scores_in(state))
             log.info("saved checkpoint %s", final)
         E.barrier()
         return final
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Path, scores: dict[int, float]) -> None:
+        """Keeps the newest --max_ckpt_num and the best-evaluated checkpoint (``retained``;
+        ``scores``: the evaluations' by step, as the new checkpoint's state holds them)."""
         found = complete(self.root)
-        for _, old in found[: max(0, len(found) - self.cfg.max_ckpt_num)]:
-            if old != keep:
+        kept = retained([s for s, _ in found], max_num=self.cfg.max_ckpt_num, scores=scores)
+        for step, old in found:
+            if step not in kept and old != keep:
                 shutil.rmtree(old, ignore_errors=True)
                 log.info("removed old checkpoint %s (--max_ckpt_num %d)", old, self.cfg.max_ckpt_num)
+        older = sorted(kept)[: -self.cfg.max_ckpt_num]
+        if older:
+            log.info(
+                "kept checkpoint step %d besides the newest: best evaluation so far (%.4g)", older[0], scores[older[0]]
+            )
         for d in self.root.glob(".step_*.partial"):  # left by a save killed half-way
             shutil.rmtree(d, ignore_errors=True)
 
@@ -303,6 +324,7 @@ class Checkpointer:
                 log.info("--load_checkpoint: no checkpoint in %s; starting afresh", self.root)
             return None
         state = read_state(path)
+        _check_loadable(state, path)
         check_match(state.get("match", {}), self.match, path)
         for name, eng in self._engines().items():
             E.load_checkpoint(eng, path / name, tag=DS_TAG)
