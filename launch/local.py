@@ -346,6 +346,7 @@ class Supervisor:
         self._metrics_pos = 0
         self._shown = -1
         self.last: dict = {}
+        self._eval: tuple[int, float] | None = None  # (step, eval/accuracy) of the latest evaluation
         self.restarts = 0
         self._env: dict[str, dict[str, str]] = {}
 
@@ -461,9 +462,12 @@ class Supervisor:
                 if line.endswith("\n"):
                     self._metrics_pos += len(line.encode())
                     try:
-                        self.last.update(json.loads(line))
+                        rec = json.loads(line)
                     except json.JSONDecodeError:
-                        pass
+                        continue
+                    self.last.update(rec)
+                    if "eval/accuracy" in rec:  # the latest evaluation, and the step it measured
+                        self._eval = (rec["step"], rec["eval/accuracy"])
         if self.cfg.quiet or "step" not in self.last or (self.last["step"] == self._shown and not final):
             return
         self._shown = self.last["step"]
@@ -474,8 +478,8 @@ class Supervisor:
             f"tokens/s {m.get('perf/rollout_tokens_per_s', 0):.0f}  "
             f"left {_fmt_s(m.get('time/eta_s', 0))}  re-issued {int(m.get('ledger/reissued', 0))}"
         )
-        if "eval/accuracy" in m:
-            line += f"  eval acc (start) {m['eval/accuracy']:.2f}"
+        if self._eval is not None:
+            line += f"  eval acc {self._eval[1]:.2f} (step {self._eval[0]})"
         print("\r" + line.ljust(100), end="\n" if final else "", flush=True)
 
 

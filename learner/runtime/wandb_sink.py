@@ -15,7 +15,8 @@ line up in every chart, and the supervised trainers' ``train/*`` and ``eval/*`` 
   is said once, as a warning, and the sink stops; the run goes on with its other sinks.
 - A resumed run logs the steps after its checkpoint again; wandb keeps the killed run's points
   for them too (TensorBoard hides those, ``MetricsWriter.resume_after``; wandb's rewind needs
-  its server).
+  its server). Offline, wandb writes its run file in blocks: a learner killed -9 with its
+  process group loses the records of the last block (metrics.jsonl and TensorBoard have them).
 
 ``WANDB_MODE=offline`` runs it without a network (the tests do); ``WANDB_DIR`` moves its folder
 (default: beside the metrics file).
@@ -104,9 +105,10 @@ class WandbSink:
         except Exception as e:  # noqa: BLE001 - any failure of an optional sink: say it once, go on
             self._fail("could not start", e, key)
             return False
+        continued = self.run_id is not None  # offline, wandb itself cannot tell (run.resumed is False)
         self.run, self.run_id = run, run.id
         where = getattr(run, "url", None) or f"offline, in {folder}"
-        log.info("wandb: run %s %s (%s)", run.id, "resumed" if run.resumed else "started", where)
+        log.info("wandb: run %s %s (%s)", run.id, "continued" if continued else "started", where)
         return True
 
     def log(self, record: Mapping[str, Any]) -> None:

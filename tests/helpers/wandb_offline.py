@@ -10,6 +10,7 @@ stored, not what the code meant to send.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,14 @@ def run_info(recs: list[dict]) -> dict:
     return next(r["run"] for r in recs if r.get("type") == "run")
 
 
+def same(logged: object, stored: object) -> bool:
+    """A value as metrics.jsonl has it against the same value as wandb stored it (its JSON
+    writes NaN and infinities as the strings "NaN", "Infinity", "-Infinity")."""
+    if isinstance(logged, float) and not math.isfinite(logged):
+        return stored == ("NaN" if math.isnan(logged) else "Infinity" if logged > 0 else "-Infinity")
+    return logged == stored
+
+
 def missing_from_history(metrics: list[dict], rows: list[dict]) -> list[tuple[int, str]]:
     """(step, key) of every value in the metrics.jsonl records that no history row holds at
     that step with that value (the time stamp included: the record is logged whole)."""
@@ -61,6 +70,6 @@ def missing_from_history(metrics: list[dict], rows: list[dict]) -> list[tuple[in
         for key, value in rec.items():
             if key == "step":
                 continue
-            if not any(r.get("step") == rec["step"] and r.get(key) == value for r in rows):
+            if not any(r.get("step") == rec["step"] and same(value, r.get(key)) for r in rows):
                 missing.append((rec["step"], key))
     return missing

@@ -98,7 +98,7 @@ class Turns:
         """After the first push."""
 
     def finish(self) -> None:
-        """After the last step, before the final evaluation."""
+        """After the last step (and its evaluation and checkpoint)."""
 
     @contextlib.contextmanager
     def states_resident(self) -> Iterator[None]:
@@ -168,7 +168,7 @@ class Schedule(abc.ABC):
         self.turns.started()
 
     def finish(self) -> None:
-        """After the last step, before the final evaluation."""
+        """After the last step (and its evaluation and checkpoint)."""
         self.turns.finish()
 
     def states_resident(self) -> contextlib.AbstractContextManager[None]:
