@@ -152,13 +152,13 @@ class Driver:
         res = (collect or self.controller.collect)(ev.items, sampling=ev.sampling, timeout_s=self.timeout_s)
         metrics = ev.measure(res)
         metrics["eval/time_s"] = time.time() - t0
-        try:
-            self.history.record(step, metrics)
-        except ValueError as e:  # a --best_metric_key naming no metric: the user's to fix
-            raise RunError(str(e)) from None
         self.sink.write(step, metrics)
         if self.cfg.log_samples_steps and self.decode is not None:
             self.sink.write_samples(step, ev.samples(res, self.decode, SAMPLES_PER_LOG))
+        try:
+            self.history.record(step, metrics)
+        except ValueError as e:  # a --best_metric_key naming no metric: the user's to fix (the metrics are written)
+            raise RunError(str(e)) from None
         log.info(
             "eval at step %d: accuracy %.3f (pass@1 over %d prompt(s) x %d), reward %.3f, %.1fs",
             step,
