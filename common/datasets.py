@@ -43,6 +43,8 @@ __all__ = [
     "render_response",
     "end_with_eos",
     "PromptRow",
+    "DEFAULT_DATASOURCE",
+    "datasource_names",
     "prompt_rows",
     "load_prompts",
 ]
@@ -321,6 +323,21 @@ class PromptRow:
     label: Any
     source: str
     row: int
+    datasource: str = ""  # the data source its evaluation metrics are reported under (``datasource_key``)
+
+
+DEFAULT_DATASOURCE = "default"  # OpenRLHF's name for rows without a data source
+
+
+def datasource_names(ds, key: str | None, sources: Sequence[str]) -> list[str]:
+    """Each row's data source: its ``key`` column when it has a value; else the name of the
+    file it came from when there are several, else ``"default"`` (as OpenRLHF)."""
+    values = ds[key] if key and key in ds.column_names else [None] * len(ds)
+    several = len(set(sources)) > 1
+    return [
+        str(v) if v not in (None, "") else (Path(src).stem if several else DEFAULT_DATASOURCE)
+        for v, src in zip(values, sources)
+    ]
 
 
 def prompt_rows(
@@ -334,13 +351,16 @@ def prompt_rows(
     prompt_max_len: int | None = None,
     skip_bad_rows: bool = False,
     skipped: SkipCounter | None = None,
+    datasource_key: str | None = None,
 ) -> list[PromptRow]:
     """Render and tokenize prompts (from ``load_mixed``); over-long ones raise or are skipped.
 
     Token ids are what the chat template or template renders, without extra special tokens
-    (the template already has them), so they are exactly what the rollout engine gets.
+    (the template already has them), so they are exactly what the rollout engine gets. Each
+    row's ``datasource`` is named by ``datasource_names``.
     """
     sources = ds[SOURCE_COL] if SOURCE_COL in ds.column_names else ["<dataset>"] * len(ds)
+    datasources = datasource_names(ds, datasource_key, sources)
     rows_idx = ds[ROW_COL] if ROW_COL in ds.column_names else list(range(len(ds)))
     labels = ds[label_key] if label_key else [None] * len(ds)
     texts = [
@@ -349,7 +369,7 @@ def prompt_rows(
     ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out: list[PromptRow] = []
-    for text, tok, label, src, r in zip(texts, ids, labels, sources, rows_idx):
+    for text, tok, label, src, r, dsrc in zip(texts, ids, labels, sources, rows_idx, datasources):
         if prompt_max_len and len(tok) > prompt_max_len:
             where = f"{src}, row {r}, key {input_key!r}"
             if not skip_bad_rows:
@@ -360,7 +380,7 @@ def prompt_rows(
             if skipped is not None:
                 skipped.add("over --prompt_max_len", where)
             continue
-        out.append(PromptRow(text, list(tok), label, src, int(r)))
+        out.append(PromptRow(text, list(tok), label, src, int(r), dsrc))
     return out
 
 
@@ -378,6 +398,7 @@ def load_prompts(
     input_template: str | None = None,
     prompt_max_len: int | None = None,
     skip_bad_rows: bool = False,
+    datasource_key: str | None = None,
 ) -> tuple[list[PromptRow], SkipCounter]:
     """``load_mixed`` + ``prompt_rows`` in one call (the PPO controller's prompt data).
 
@@ -405,6 +426,7 @@ def load_prompts(
         prompt_max_len=prompt_max_len,
         skip_bad_rows=skip_bad_rows,
         skipped=skipped,
+        datasource_key=datasource_key,
     )
     if not rows:
         raise DataError(f"{prompt_data}: no usable prompts ({skipped.report('prompts')})")

@@ -8,7 +8,9 @@
 4. GRPO with ``launch.local``: rollout server (vLLM), reward service (the task's exact-match
    ``reward_func``), DeepSpeed learner — real processes, real sockets, real weight pushes;
 5. prints reward at start vs end and held-out accuracy before vs after, and writes
-   ``reward_curve.png``, TensorBoard logs and the final HF model under the run folder.
+   ``reward_curve.png`` (the training reward and, beside it, the held-out accuracy of the
+   evaluations every ``eval_steps`` steps), TensorBoard logs and the final HF model under the
+   run folder.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ PRESETS = {
         sft_epochs=2,
         sft_lr=3e-3,
         grpo_steps=300,
+        eval_steps=25,
         lr=5e-4,
         n=8,
         prompts=16,
@@ -68,6 +71,7 @@ PRESETS = {
         sft_epochs=0,
         sft_lr=0.0,
         grpo_steps=30,
+        eval_steps=5,
         lr=2e-6,
         n=8,
         prompts=8,
@@ -217,8 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     learner_args = [
         "--prompt_data",
         str(data / "train.jsonl"),
-        "--eval_data",
+        "--eval_dataset",
         str(data / "eval.jsonl"),
+        # Greedy answers, one per held-out prompt: the accuracy the README reports, every N steps.
+        "--eval_steps",
+        str(preset["eval_steps"]),
+        "--eval_temperature",
+        "0",
+        "--eval_n_samples_per_prompt",
+        "1",
         "--input_key",
         "input",
         "--label_key",
@@ -298,13 +309,14 @@ def main(argv: list[str] | None = None) -> int:
 def report(grpo: Path, seconds: float) -> None:
     rows = [json.loads(line) for line in open(grpo / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/reward" in r]
-    before = next((r["eval/accuracy"] for r in rows if "eval/accuracy" in r), float("nan"))
-    after = next((r["eval/accuracy_final"] for r in rows if "eval/accuracy_final" in r), float("nan"))
+    evals = [r for r in rows if "eval/accuracy" in r]  # step 0, every --eval_steps, the last step
+    before = evals[0]["eval/accuracy"] if evals else float("nan")
+    after = evals[-1]["eval/accuracy"] if len(evals) > 1 else float("nan")
     k = max(1, min(5, len(steps) // 4))
     r0 = sum(r["rollout/reward"] for r in steps[:k]) / k
     r1 = sum(r["rollout/reward"] for r in steps[-k:]) / k
     png = grpo / "reward_curve.png"
-    _plot(steps, png)
+    _plot(steps, evals, png)
     print("\n" + "-" * 52)
     print(f"{'':28}{'start':>10}{'end':>10}")
     print(f"{'train reward (mean of ' + str(k) + ' steps)':28}{r0:>10.3f}{r1:>10.3f}")
@@ -315,17 +327,27 @@ def report(grpo: Path, seconds: float) -> None:
     print(f"reward curve: {png}\nTensorBoard: {grpo / 'tensorboard'}\nmodel: {grpo / 'model'}")
 
 
-def _plot(steps: list[dict], png: Path) -> None:
+def _plot(steps: list[dict], evals: list[dict], png: Path) -> None:
+    """The training reward per step and, on the same axis (both are exact-match rates), the
+    held-out accuracy of each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in steps], [r["rollout/reward"] for r in steps], marker=".")
+    ax.plot([r["step"] for r in steps], [r["rollout/reward"] for r in steps], marker=".", label="train reward")
+    if evals:
+        ax.plot(
+            [r["step"] for r in evals],
+            [r["eval/accuracy"] for r in evals],
+            marker="o",
+            label="held-out accuracy (greedy)",
+        )
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward (exact match)")
-    ax.set_title("rayless demo: reward during GRPO")
+    ax.set_ylabel("exact match")
+    ax.set_title("rayless demo: reward and evaluation during GRPO")
+    ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 import signal
@@ -28,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config import ConfigError, flag, log_config, parse
+from common.config import ConfigError, flag, parse
 from common.service import describe_exit
 from common.transport import free_port
 from common.vllm_spin import IDLE_SPIN_ENV
+from learner.runtime.tracking import redact_argv
 
 if TYPE_CHECKING:
     from learner.rl.config import PPOConfig
@@ -380,6 +382,7 @@ class Supervisor:
         self._metrics_pos = 0
         self._shown = -1
         self.last: dict = {}
+        self._eval: tuple[int, float] | None = None  # (step, eval/accuracy) of the latest evaluation
         self.restarts = 0
         self._env: dict[str, dict[str, str]] = {}
 
@@ -401,7 +404,7 @@ class Supervisor:
     def _start(self, r: Role, mode: str) -> None:
         r.log.parent.mkdir(parents=True, exist_ok=True)
         fh = open(r.log, mode)
-        fh.write("$ " + shlex.join(r.cmd) + "\n")
+        fh.write("$ " + shlex.join(redact_argv(r.cmd)) + "\n")  # a --use_wandb key stays out of the log
         fh.flush()
         # Own process group: Ctrl-C goes to us, and we stop each role (and its children,
         # e.g. vLLM's engine core) as a whole.
@@ -501,9 +504,12 @@ class Supervisor:
                 if line.endswith("\n"):
                     self._metrics_pos += len(line.encode())
                     try:
-                        self.last.update(json.loads(line))
+                        rec = json.loads(line)
                     except json.JSONDecodeError:
-                        pass
+                        continue
+                    self.last.update(rec)
+                    if "eval/accuracy" in rec:  # the latest evaluation, and the step it measured
+                        self._eval = (rec["step"], rec["eval/accuracy"])
         if self.cfg.quiet or "step" not in self.last or (self.last["step"] == self._shown and not final):
             return
         self._shown = self.last["step"]
@@ -514,8 +520,8 @@ class Supervisor:
             f"tokens/s {m.get('perf/rollout_tokens_per_s', 0):.0f}  "
             f"left {_fmt_s(m.get('time/eta_s', 0))}  re-issued {int(m.get('ledger/reissued', 0))}"
         )
-        if "eval/accuracy" in m:
-            line += f"  eval acc (start) {m['eval/accuracy']:.2f}"
+        if self._eval is not None:
+            line += f"  eval acc {self._eval[1]:.2f} (step {self._eval[0]})"
         print("\r" + line.ljust(100), end="\n" if final else "", flush=True)
 
 
@@ -553,7 +559,7 @@ def run(cfg: LocalConfig) -> int:
         keygen(keys)
     sup = Supervisor(roles, cfg)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(public_config(cfg), indent=1))
     sup.start()
     try:
         return sup.watch()
@@ -564,9 +570,16 @@ def run(cfg: LocalConfig) -> int:
         sup.stop()
 
 
+def public_config(cfg: LocalConfig) -> dict:
+    """The config as it may be written down: a wandb key in --learner_args is redacted."""
+    out = dataclasses.asdict(cfg)
+    out["learner_args"] = shlex.join(redact_argv(shlex.split(cfg.learner_args)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(LocalConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.local")
-    log_config(cfg)
+    logging.getLogger("launch").info("config LocalConfig %s", json.dumps(public_config(cfg), sort_keys=True))
     return run(cfg)
 
 

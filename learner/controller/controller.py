@@ -300,9 +300,12 @@ class Controller:
                     f"(e.g. {holders}); rollout servers alive: {[p.name for p in self.pool.alive('rollout')]}, "
                     f"reward services alive: {[p.name for p in self.pool.alive('reward')]}"
                 )
-        return self._to_rollout([done[i] for i in ids], sampling.n)
+        return self.to_rollout([done[i] for i in ids], sampling.n)
 
-    def _to_rollout(self, entries: list[Entry], group_size: int) -> CollectResult:
+    def to_rollout(self, entries: list[Entry], group_size: int) -> CollectResult:
+        """Done entries as a ``CollectResult``: complete groups in the entries' order; a group whose
+        scoring failed is counted and left out. (``collect`` ends with it; a caller that pumps
+        itself, the async feed, uses it too.)"""
         samples: list[ScoredSample] = []
         failed_groups, reasons = 0, []
         kept = []

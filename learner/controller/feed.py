@@ -24,6 +24,13 @@ Accounting, by admission (a prompt re-queued after an abort is admitted again)::
 
     admitted == trained + dropped_stale + dropped_failed + dropped_filtered + aborted + in_flight
 
+Evaluation prompts (``add_eval`` / ``take_eval``) travel through the same controller, between the
+training prompts, with their own sampling, and are tagged by prompt id: they never become a
+ready group (so never reach ``take_batch``), do not count in admission (``room``) nor in the
+accounting above, and are not aborted as stale. They are accounted apart::
+
+    eval_counters["admitted"] == eval_counters["returned"] + eval_counters["aborted"] + eval in flight or done
+
 Checkpoints. The feed numbers the prompts it draws by their *position* in the run's prompt
 stream (the schedule says where its iterator starts: ``first_position``). ``state_dict()`` records
 the next position and the positions still pending (ready groups, prompts in flight, aborted
@@ -46,9 +53,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from common.protocol import SamplingParams
 from learner.controller.controller import Controller, scored_samples
-from learner.controller.ledger import State
-from learner.controller.types import PromptItem, ScoredSample
+from learner.controller.ledger import Entry, State
+from learner.controller.types import CollectResult, PromptItem, ScoredSample
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +119,10 @@ class OffPolicyFeed:
             "dropped_filtered": 0,
             "aborted": 0,
         }
+        # Evaluation prompts (module docstring): by prompt id, while generating and once done.
+        self.eval_in_flight: dict[int, PromptItem] = {}
+        self.eval_done: dict[int, Entry] = {}
+        self.eval_counters = {"admitted": 0, "returned": 0, "aborted": 0}
         self.rollout_idle_s = 0.0  # time with no prompt generating anywhere
         # The most groups ever admitted and not yet trained or dropped (ready + in flight): the
         # back-pressure check. Admission keeps it <= (K + 1) x B; a slow learner must not raise it.
@@ -135,10 +147,17 @@ class OffPolicyFeed:
         return max(0, n)
 
     def check_accounting(self) -> None:
+        """The accounting of the module docstring, of training prompts and, apart, of evaluation's."""
         c = self.counters
         ended = c["trained"] + c["dropped_stale"] + c["dropped_failed"] + c["dropped_filtered"] + c["aborted"]
         if c["admitted"] != ended + self.outstanding():
             raise AssertionError(f"feed accounting broken: {c}, outstanding {self.outstanding()}")
+        e = self.eval_counters
+        if e["admitted"] != e["returned"] + e["aborted"] + len(self.eval_in_flight) + len(self.eval_done):
+            raise AssertionError(
+                f"feed evaluation accounting broken: {e}, {len(self.eval_in_flight)} in flight, "
+                f"{len(self.eval_done)} done"
+            )
 
     # ------------------------------------------------------------------ the loop
     def admit(self) -> int:
@@ -169,9 +188,12 @@ class OffPolicyFeed:
         self.admit()
         self.controller.pump(timeout)
         for e in self.controller.take_done():
+            if self.eval_in_flight.pop(e.prompt_id, None) is not None:
+                self.eval_done[e.prompt_id] = e  # an evaluation's: kept for take_eval, never trained on
+                continue
             item = self.in_flight.pop(e.prompt_id, None)
             if item is None:
-                continue  # not the feed's (an evaluation prompt)
+                continue  # no longer the feed's (aborted: a late answer)
             pos = self._position.pop(e.prompt_id)
             if any(r for r in (e.scores.failed or [])):
                 self.counters["dropped_failed"] += 1
@@ -237,6 +259,38 @@ class OffPolicyFeed:
         log.info("aborted %d group(s) still generating under versions below v%d; re-queued", len(doomed), floor)
         return len(doomed)
 
+    # ------------------------------------------------------------------ evaluation
+    def add_eval(self, items: list[PromptItem], sampling: SamplingParams) -> list[int]:
+        """Hands evaluation prompts to the controller, sampled with ``sampling``, outside the
+        staleness budget; returns their prompt ids (for ``take_eval``)."""
+        ids = self.controller.add_prompts(items, sampling)
+        self.eval_in_flight.update(zip(ids, items))
+        self.eval_counters["admitted"] += len(ids)
+        return ids
+
+    def take_eval(self, ids: list[int], group_size: int) -> CollectResult | None:
+        """The evaluation ``ids`` once every one is generated and scored (in their order, groups
+        whose scoring failed counted and left out), else None."""
+        if any(pid not in self.eval_done for pid in ids):
+            return None
+        entries = [self.eval_done.pop(pid) for pid in ids]
+        self.eval_counters["returned"] += len(entries)
+        return self.controller.to_rollout(entries, group_size)
+
+    def eval_waiting(self, ids: list[int]) -> int:
+        """How many of the evaluation ``ids`` are not done yet."""
+        return sum(pid not in self.eval_done for pid in ids)
+
+    def abort_eval(self, reason: str) -> int:
+        """Takes every evaluation prompt out (its evaluation failed or the run ends)."""
+        pids = list(self.eval_in_flight) + list(self.eval_done)
+        if self.eval_in_flight:
+            self.controller.abort(list(self.eval_in_flight), reason)
+        self.eval_in_flight.clear()
+        self.eval_done.clear()
+        self.eval_counters["aborted"] += len(pids)
+        return len(pids)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The feed's place in the prompt stream and its counters (JSON-able; see the module
@@ -285,6 +339,7 @@ class OffPolicyFeed:
         and, with ready groups, reported as left over. Returns the final counters."""
         if self.in_flight:
             self.controller.abort(list(self.in_flight), "training finished")
+        self.abort_eval("training finished")
         out = dict(
             self.counters,
             in_flight_at_end=len(self.in_flight),

@@ -27,6 +27,8 @@ class PromptItem:
     # engine's generator). Set by ``PromptStream`` under --seed_sampling, from the prompt's place
     # in the run, so a resumed run draws the samples the uninterrupted one drew.
     seed: int | None = None
+    # Evaluation prompts: the data source their metrics are reported under (never sent anywhere).
+    source: str = ""
 
 
 @dataclass

@@ -32,7 +32,8 @@ def setup_logging(rank: int) -> None:
 
 
 def sampling_params(cfg: PPOConfig, tokenizer: Any) -> tuple[SamplingParams, SamplingParams]:
-    """(training sampling, greedy evaluation sampling)."""
+    """(training sampling, evaluation sampling): evaluation draws --eval_n_samples_per_prompt at
+    --eval_temperature (0: greedy), and is otherwise sampled as training is."""
     stop = sorted(i for i in {tokenizer.eos_token_id} if i is not None)
     sampling = SamplingParams(
         n=cfg.n_samples_per_prompt,
@@ -43,8 +44,16 @@ def sampling_params(cfg: PPOConfig, tokenizer: Any) -> tuple[SamplingParams, Sam
         stop_token_ids=stop,
         seed=None,
     )
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.generate_max_len, stop_token_ids=stop)
-    return sampling, greedy
+    evaluation = SamplingParams(
+        n=cfg.eval_n_samples_per_prompt,
+        temperature=cfg.eval_temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.generate_max_len,
+        stop_token_ids=stop,
+        seed=None,
+    )
+    return sampling, evaluation
 
 
 @dataclass
@@ -70,11 +79,16 @@ def build_rank0(
     from learner.controller.rollout_client import RolloutClient
     from learner.controller.weight_fleet import FleetWeights
     from learner.rl.driver import Driver
+    from learner.rl.evaluation import Evaluator
     from learner.rl.metrics import metrics_writer
     from learner.rl.prompts import PromptStream
     from learner.rl.weight_push import WeightPush, make_publisher, rank0_syncs_joiners
 
-    sampling, greedy = sampling_params(cfg, tokenizer)
+    sampling, eval_sampling = sampling_params(cfg, tokenizer)
+
+    def decode(ids: list[list[int]]) -> list[str]:
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
     endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
     try:
         pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
@@ -86,10 +100,14 @@ def build_rank0(
             sampling=sampling,
             weights=fleet,
             sync_joiners_in_pump=rank0_syncs_joiners(cfg, world_size),
-            detokenize=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+            detokenize=decode,
         )
-        stream = PromptStream(train_items, cfg.rollout_batch_size, seed=cfg.seed if cfg.seed_sampling else None)
-        driver = Driver(cfg, controller, stream, metrics_writer(cfg), eval_items=eval_items, greedy=greedy)
+        seed = cfg.seed if cfg.seed_sampling else None
+        stream = PromptStream(train_items, cfg.rollout_batch_size, seed=seed)
+        evaluator = None
+        if eval_items:
+            evaluator = Evaluator(eval_items, eval_sampling, threshold=cfg.eval_pass_threshold, seed=seed)
+        driver = Driver(cfg, controller, stream, metrics_writer(cfg), evaluator=evaluator, decode=decode)
     except BaseException:
         endpoint.close()
         raise

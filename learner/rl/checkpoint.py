@@ -10,7 +10,13 @@ The parts (``state.json`` keys, directories)::
     schedule            the schedule's state (async: its feed, see below; lockstep: none)
     driver, metrics     rank 0: the prompt stream's fingerprint; where metrics.jsonl stood
     rng/                per rank, with the trainer's mini-batch shuffling generator
-    hf/                 with --save_hf_ckpt, the policy in HF format (never read back)
+    hf/                 with --save_hf_ckpt, the policy in HF format (never read back); with
+                        --disable_ds_ckpt the only weights: no policy/, critic/ (``weights``
+                        says so, and --load_checkpoint refuses such a checkpoint, naming why)
+    weights             whether the DeepSpeed states were saved (``checkpoint_policy.DEEPSPEED_STATES``)
+
+Which checkpoints survive a save: the newest --max_ckpt_num, and the one whose evaluation at
+its own step scored best on --best_metric_key (``learner.runtime.checkpoint_policy.retained``).
 
 Prompts in flight. A checkpoint is taken after a step's weight push, on every rank together. In
 the lockstep schedule nothing is in flight then: step s's prompts are ``PromptStream.batch(s)``
@@ -39,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from learner.rl.config import PPOConfig
+from learner.rl.evaluation import scores_in
 from learner.runtime import checkpoint as R
 from learner.runtime.checkpoint_config import checkpoint_location
+from learner.runtime.checkpoint_policy import DEEPSPEED_STATES, not_resumable, retained
 
 CheckpointError = R.CheckpointError
 CheckpointMismatch = R.CheckpointMismatch
@@ -77,7 +85,28 @@ def check_resumable(cfg: PPOConfig, *, n_prompts: int) -> Path | None:
     rank. Raises CheckpointError (CheckpointMismatch, DamagedCheckpoint)."""
     if not cfg.load_checkpoint:
         return None
-    return R.check_resumable(ckpt_dir(cfg), match_fields(cfg, n_prompts=n_prompts))
+    path = R.check_resumable(ckpt_dir(cfg), match_fields(cfg, n_prompts=n_prompts))
+    if path is not None:
+        why = not_resumable(R.read_state(path).get("weights", {}))
+        if why:
+            raise CheckpointMismatch(f"cannot resume from {path}: {why}")
+    return path
+
+
+class SavedWeights:
+    """Whether a checkpoint holds the DeepSpeed states (not with --disable_ds_ckpt): a part of the
+    run state, so that a resume refuses a checkpoint it could not continue from, saying why."""
+
+    def __init__(self, deepspeed_states: bool) -> None:
+        self.deepspeed_states = deepspeed_states
+
+    def state_dict(self) -> dict[str, Any]:
+        return {DEEPSPEED_STATES: self.deepspeed_states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        why = not_resumable(state)
+        if why:
+            raise ValueError(why)
 
 
 def rl_checkpointer(
@@ -91,10 +120,17 @@ def rl_checkpointer(
 ) -> R.Checkpointer:
     """The run's checkpointer with its parts registered; on every rank (``driver``: rank 0's
     Driver, None elsewhere). ``trainer`` is the PolicyTrainer."""
-    ckpt = R.Checkpointer(ckpt_dir(cfg), max_keep=cfg.max_ckpt_num, match=match_fields(cfg, n_prompts=n_prompts))
-    ckpt.add_engine("policy", trainer.engine)
+    ckpt = R.Checkpointer(
+        ckpt_dir(cfg),
+        max_keep=cfg.max_ckpt_num,
+        match=match_fields(cfg, n_prompts=n_prompts),
+        retain=lambda steps, state: retained(steps, max_num=cfg.max_ckpt_num, scores=scores_in(state)),
+    )
+    save_ds = not cfg.disable_ds_ckpt  # else the HF policy (--save_hf_ckpt) is the checkpoint's only weights
+    ckpt.add_engine("policy", trainer.engine, save=save_ds)
     if trainer.critic is not None:
-        ckpt.add_engine("critic", trainer.critic.engine)
+        ckpt.add_engine("critic", trainer.critic.engine, save=save_ds)
+    ckpt.add_state("weights", SavedWeights(save_ds))
     ckpt.add_state("kl_ctl", trainer.kl_ctl)
     ckpt.add_state("trainer", trainer)  # its step count (gates --freezing_actor_steps, entropy logging)
     ckpt.add_generator("trainer_generator", trainer.generator)

@@ -13,6 +13,7 @@ from common.config import flag
 from common.weights import known_backends
 from learner.runtime.checkpoint_config import CheckpointFlags
 from learner.runtime.flags import OptimizerFlags
+from learner.runtime.tracking import WandbFlags
 
 # OpenRLHF passes these to the vLLM engines it creates; here each rollout_service is started
 # with its own engine flags (launch.local and the Slurm scripts pass them on).
@@ -77,7 +78,20 @@ class DataFlags:
     )
     prompt_data_probs: str = flag("", "mixing probabilities for comma-separated --prompt_data", group="data")
     prompt_split: str = flag("train", "dataset split", group="data")
-    eval_data: str = flag("", "held-out prompts: accuracy before/after is reported", group="data")
+    eval_dataset: str = flag(
+        "",
+        "held-out prompts, evaluated through the rollout and reward services (never trained on) at the start, "
+        "every --eval_steps and at the end (same forms as --prompt_data; comma-separated: one data source each)",
+        aliases=("--eval_data",),
+        group="eval",
+    )
+    eval_split: str = flag("train", "split of --eval_dataset", group="eval")
+    eval_datasource_key: str = flag(
+        "datasource",
+        "--eval_dataset column naming each row's data source: metrics are reported per source (rows without it: "
+        "the file's name when --eval_dataset lists several, else 'default')",
+        group="eval",
+    )
     input_key: str = flag("input", "dataset column holding the prompt", group="data")
     label_key: str = flag("", "dataset column holding the label passed to reward functions", group="data")
     input_template: str = flag("", "template with one {} for the prompt, e.g. 'Q: {}\\nA:'", group="data")
@@ -303,15 +317,42 @@ class ServiceFlags:
 
 
 @dataclass
-class LoggingFlags(CheckpointFlags):
-    """Metrics, and checkpoints (the flags every trainer shares, ``CheckpointFlags``)."""
+class LoggingFlags(CheckpointFlags, WandbFlags):
+    """Metrics (metrics.jsonl, TensorBoard, Weights & Biases: docs/tracking.md), evaluation, and
+    checkpoints (the flags every trainer shares: ``CheckpointFlags``, ``WandbFlags``)."""
 
     logging_steps: int = flag(1, "log every N steps", group="logging")
+    log_samples_steps: int = flag(
+        0,
+        "every N steps, a few generated samples (prompt, response, reward) go to samples.jsonl beside the "
+        "metrics file and to a wandb table; evaluation samples too, at each evaluation (0: off)",
+        group="logging",
+    )
+    eval_steps: int = flag(
+        -1, "evaluate --eval_dataset every N steps, and at the start and the end (-1: start and end only)", group="eval"
+    )
+    eval_temperature: float = flag(0.6, "sampling temperature of evaluation (0: greedy)", group="eval")
+    eval_n_samples_per_prompt: int = flag(4, "samples per evaluation prompt (the n of pass@n)", group="eval")
+    eval_pass_threshold: float = flag(
+        0.5, "an evaluation sample passes when its reward is above this (pass@1, pass@n, eval/accuracy)", group="eval"
+    )
     # RL counts checkpoints in rollout steps (the supervised trainers in optimizer steps)
     save_steps: int = flag(
         -1,
         "save a checkpoint (engines, optimizer, LR schedule, run state, RNG; docs/checkpoints.md) every N "
         "rollout steps (<= 0: never; the final HF policy is written to SAVE_PATH regardless)",
+        group="ckpt",
+    )
+    disable_ds_ckpt: bool = flag(
+        False,
+        "checkpoints hold the HF policy only (needs --save_hf_ckpt), no DeepSpeed states: smaller, but "
+        "--load_checkpoint cannot resume from them",
+        group="ckpt",
+    )
+    best_metric_key: str = flag(
+        "",
+        "besides the newest --max_ckpt_num, keep the checkpoint whose evaluation (at its step) scored highest on "
+        "this metric, e.g. eval/default/pass@1 (empty: eval/accuracy when --eval_dataset is given; none: off)",
         group="ckpt",
     )
     use_tensorboard: str = flag("", "TensorBoard log dir (default: SAVE_PATH/tensorboard)", group="logging")
@@ -325,11 +366,6 @@ class OpenRLHFCompatFlags:
 
     enforce_eager: bool = flag(
         False, "vLLM engine flag: pass --enforce_eager to rollout_service (launch.local passes it on)", group="colocate"
-    )
-    use_wandb: str = flag(
-        "",
-        "accepted for OpenRLHF scripts and ignored (with a notice): metrics go to TensorBoard and metrics.jsonl",
-        group="logging",
     )
     ref_num_nodes: int = flag(0, "Ray placement (ignored: start reward_service processes yourself)", group="ray")
     ref_num_gpus_per_node: int = flag(0, "Ray placement (ignored)", group="ray")
@@ -389,6 +425,8 @@ class PPOConfig(
                 f"--train_batch_size {self.train_batch_size} must be a multiple of "
                 f"--micro_train_batch_size {self.micro_train_batch_size}"
             )
+        self.check_wandb()
+        self._check_logging()
         self._check_async()
         self._check_colocate()
         self._check_algorithm()
@@ -396,6 +434,39 @@ class PPOConfig(
             # OpenRLHF scripts carry it with rule rewards too; it only concerns a reward model.
             self.notices.append(
                 "--normalize_reward normalises a reward model's scores; without --reward_pretrain it does nothing"
+            )
+
+    def _check_logging(self) -> None:
+        """Evaluation, sample logging and the checkpoint flags that go with them."""
+        if self.eval_steps == 0 or self.eval_steps < -1:
+            raise ValueError(f"--eval_steps must be -1 (start and end only) or > 0, got {self.eval_steps}")
+        if self.eval_n_samples_per_prompt < 1:
+            raise ValueError(f"--eval_n_samples_per_prompt must be >= 1, got {self.eval_n_samples_per_prompt}")
+        if self.eval_temperature < 0:
+            raise ValueError(f"--eval_temperature must be >= 0 (0: greedy), got {self.eval_temperature}")
+        if self.eval_temperature == 0 and self.eval_n_samples_per_prompt > 1:
+            self.notices.append(
+                f"--eval_temperature 0 is greedy: the {self.eval_n_samples_per_prompt} samples of each evaluation "
+                "prompt are the same answer, so pass@n equals pass@1 (--eval_n_samples_per_prompt 1 costs less)"
+            )
+        if self.log_samples_steps < 0:
+            raise ValueError(f"--log_samples_steps must be >= 0 (0: off), got {self.log_samples_steps}")
+        if self.disable_ds_ckpt and not self.save_hf_ckpt:
+            raise ValueError(
+                "--disable_ds_ckpt leaves the DeepSpeed states out of each checkpoint, so without --save_hf_ckpt "
+                "a checkpoint would hold no weights at all: add --save_hf_ckpt"
+            )
+        explicit_best = self.best_metric_key not in ("", "none")
+        if explicit_best and not self.eval_dataset:
+            raise ValueError(
+                f"--best_metric_key {self.best_metric_key} ranks checkpoints by an evaluation: it needs --eval_dataset"
+            )
+        if explicit_best and self.save_steps and (self.eval_steps < 0 or self.eval_steps % self.save_steps):
+            # A checkpoint is ranked by the evaluation of its own weights, at its own step.
+            self.notices.append(
+                f"--best_metric_key ranks a checkpoint by the evaluation at its step, but with --eval_steps "
+                f"{self.eval_steps} and --save_steps {self.save_steps} some evaluations have no checkpoint to keep: "
+                "make --eval_steps a multiple of --save_steps"
             )
 
     def _check_async(self) -> None:
@@ -421,11 +492,6 @@ class PPOConfig(
 
     def _check_colocate(self) -> None:
         """--colocate_all_models and its sleep flags (OpenRLHF's meanings, docs/colocated.md)."""
-        if self.use_wandb:
-            self.notices.append(
-                "--use_wandb: rayless does not log to Weights & Biases; metrics go to TensorBoard and metrics.jsonl"
-            )
-            self.use_wandb = "(given; ignored)"  # a token: kept out of the logged config
         u = self.vllm_gpu_memory_utilization
         if u is not None and not 0 < u <= 1:
             raise ValueError(f"--vllm_gpu_memory_utilization must be in (0, 1], got {u}")

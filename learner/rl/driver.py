@@ -8,20 +8,27 @@ never touches torch.distributed: collectives belong to the schedule.
 from __future__ import annotations
 
 import logging
-import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.protocol import SamplingParams
 from learner.controller.controller import Controller
-from learner.controller.types import CollectResult, PromptItem, Rollout
+from learner.controller.types import CollectResult, Rollout
 from learner.rl.config import PPOConfig
+from learner.rl.evaluation import EvalHistory, Evaluator, best_metric_key, sample_rows
 from learner.rl.filtering import filter_and_refill
 from learner.rl.metrics import log_step, run_metrics
 from learner.rl.prompts import PromptStream, fingerprint
 from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("learner")
+
+SAMPLES_PER_LOG = 4  # --log_samples_steps: how many samples (one per prompt) each log shows
+
+# How an evaluation's prompts are generated and scored: ``Controller.collect`` between steps, or
+# the async schedule's pump (``learner.rl.schedules.async_``) while its feed runs.
+Collect = Callable[..., CollectResult]
 
 
 @dataclass
@@ -48,15 +55,18 @@ class Driver:
         prompts: PromptStream,
         sink: MetricsWriter,
         *,
-        eval_items: list[PromptItem] = (),
-        greedy: SamplingParams | None = None,
+        evaluator: Evaluator | None = None,
+        decode: Callable[[list[list[int]]], list[str]] | None = None,
     ) -> None:
+        """``evaluator``: the --eval_dataset prompts (None: no evaluation); ``decode``: token ids
+        to text, for the samples log (--log_samples_steps)."""
         self.cfg = cfg
         self.controller = controller
         self.prompts = prompts
         self.sink = sink
-        self.eval_items = list(eval_items)
-        self.greedy = greedy
+        self.evaluator = evaluator
+        self.decode = decode
+        self.history = EvalHistory(best_metric_key(cfg.best_metric_key) if evaluator is not None else None)
         self.timeout_s = cfg.generate_timeout_s + cfg.score_timeout_s
 
     def wait_for_services(self) -> None:
@@ -81,11 +91,14 @@ class Driver:
         return StepBatch.of(res, rollout, filter_stats=stats)
 
     def state_dict(self) -> dict[str, Any]:
-        """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only."""
-        return {"prompts": self.prompts.state_dict()}
+        """Rank 0's part of a checkpoint (``learner.rl.checkpoint``): JSON-able values only. The
+        evaluations' scores rank the checkpoints (--best_metric_key); the metrics writer (and
+        the tracked run's id) is a checkpoint part of its own."""
+        return {"prompts": self.prompts.state_dict(), "eval": self.history.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state["prompts"])
+        self.history.load_state_dict(state.get("eval", {}))
 
     def skipped(self, step: int, batch: StepBatch) -> None:
         log.warning("step %d: too few scored samples to train (%d); skipping", step, len(batch.rollout))
@@ -112,17 +125,45 @@ class Driver:
         if step % self.cfg.logging_steps == 0 or step == total_steps:
             self.sink.write(step, metrics)
             log_step(step, total_steps, metrics)
+        if self._log_samples(step):
+            g = batch.rollout.group_size
+            picked = [("", s) for s in batch.rollout.samples[::g][:SAMPLES_PER_LOG]]
+            self.sink.write_samples(step, sample_rows(picked, self.decode, split="train"))
 
-    def evaluate(self, step: int, key: str) -> None:
-        """Mean score (exact-match accuracy for rule rewards) of greedy answers to --eval_data;
-        never trained on. Written as ``key`` at ``step``."""
-        if not self.eval_items:
-            return
-        res = self.controller.collect(self.eval_items, sampling=self.greedy, timeout_s=self.timeout_s)
-        r = res.rollout.rewards()
-        acc = float(r.mean()) if len(r) else math.nan
-        self.sink.write(step, {key: acc})
-        log.info("%s %.3f on %d prompts", key, acc, len(self.eval_items))
+    def _log_samples(self, step: int) -> bool:
+        every = self.cfg.log_samples_steps
+        return bool(every) and self.decode is not None and step % every == 0
+
+    def evaluate(self, step: int, collect: Collect | None = None) -> dict[str, float] | None:
+        """Generates and scores the --eval_dataset prompts with the evaluation's sampling
+        (``collect``: how, default ``Controller.collect``; never trained on) and writes their
+        metrics (``learner.rl.evaluation``) at ``step``. None without evaluation data."""
+        from learner.rl.build import RunError
+
+        ev = self.evaluator
+        if ev is None:
+            return None
+        t0 = time.time()
+        res = (collect or self.controller.collect)(ev.items, sampling=ev.sampling, timeout_s=self.timeout_s)
+        metrics = ev.measure(res)
+        metrics["eval/time_s"] = time.time() - t0
+        self.sink.write(step, metrics)
+        if self.cfg.log_samples_steps and self.decode is not None:
+            self.sink.write_samples(step, ev.samples(res, self.decode, SAMPLES_PER_LOG))
+        try:
+            self.history.record(step, metrics)
+        except ValueError as e:  # a --best_metric_key naming no metric: the user's to fix (the metrics are written)
+            raise RunError(str(e)) from None
+        log.info(
+            "eval at step %d: accuracy %.3f (pass@1 over %d prompt(s) x %d), reward %.3f, %.1fs",
+            step,
+            metrics["eval/accuracy"],
+            int(metrics.get("eval/prompts", 0)),
+            ev.sampling.n,
+            metrics.get("eval/reward", float("nan")),
+            metrics["eval/time_s"],
+        )
+        return metrics
 
     def close(self, ok: bool) -> None:
         """Ends rank 0's side of the run. Once training finished, every service is told to exit.

@@ -1,5 +1,5 @@
 """What an RL run reports: metrics.jsonl (launch.local's progress line reads it), TensorBoard,
-and the one-line step summary in the log. Rank 0 only."""
+Weights & Biases (``--use_wandb``), and the one-line step summary in the log. Rank 0 only."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ log = logging.getLogger("learner")
 
 
 def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
-    """--metrics_file (default SAVE_PATH/metrics.jsonl) and TensorBoard in --use_tensorboard
-    (default SAVE_PATH/tensorboard)."""
+    """--metrics_file (default SAVE_PATH/metrics.jsonl), TensorBoard in --use_tensorboard
+    (default SAVE_PATH/tensorboard), and wandb with --use_wandb (its folder beside the metrics file)."""
+    from learner.runtime.wandb_sink import wandb_sink
+
     out = Path(cfg.save_path)
-    return MetricsWriter(cfg.metrics_file or out / "metrics.jsonl", cfg.use_tensorboard or out / "tensorboard")
+    path = Path(cfg.metrics_file or out / "metrics.jsonl")
+    wandb = wandb_sink(cfg, trainer="train_ppo", folder=path.parent)
+    return MetricsWriter(path, cfg.use_tensorboard or out / "tensorboard", wandb=wandb)
 
 
 def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, float]) -> dict[str, float]:

@@ -22,7 +22,9 @@ from learner.rl.config import PPOConfig
 log = logging.getLogger(__name__)
 
 
-def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str) -> list[PromptItem]:
+def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str, *, evaluation: bool = False) -> list[PromptItem]:
+    """The prompts of ``spec``: --prompt_data's (its split and mixing probabilities), or with
+    ``evaluation`` --eval_dataset's (its split; each item names its data source)."""
     from common.datasets import load_prompts
 
     rows, skipped = load_prompts(
@@ -30,19 +32,20 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str) -> list[PromptI
         tokenizer,
         input_key=cfg.input_key,
         label_key=cfg.label_key or None,
-        probs=(cfg.prompt_data_probs or None) if spec == cfg.prompt_data else None,
-        split=cfg.prompt_split,
+        probs=None if evaluation else (cfg.prompt_data_probs or None),
+        split=cfg.eval_split if evaluation else cfg.prompt_split,
         max_samples=cfg.max_samples,
         seed=cfg.seed,
         apply_chat_template=cfg.apply_chat_template,
         input_template=cfg.input_template or None,
         prompt_max_len=cfg.prompt_max_len,
         skip_bad_rows=cfg.skip_bad_rows,
+        datasource_key=(cfg.eval_datasource_key or None) if evaluation else None,
     )
     if skipped.total:
         log.warning("%s: %s", spec, skipped.report("prompts"))
     log.info("%s: %d prompts", spec, len(rows))
-    return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label) for r in rows]
+    return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label, source=r.datasource) for r in rows]
 
 
 def sampling_seed(base: int, *key: object) -> int:

@@ -7,7 +7,7 @@ Every learner rank runs ``run``, which reads top to bottom:
     build_trainer       the policy (and critic) engines and the PolicyTrainer
     build_rank0         rank 0 only: endpoint, pool, rollout client, publisher, controller, driver
     make_schedule       lockstep or async, with colocated turns under --colocate_all_models
-    train               resume, first push, evaluation, the steps, checkpoints, final evaluation
+    train               resume, first push, the steps, their evaluations and checkpoints
     save_final          the HF policy (and critic)
 
 Errors a user must act on are ``RunError`` (one line, naming the flag or file); the entry point
@@ -33,6 +33,7 @@ from learner.rl.build import (
 )
 from learner.rl.checkpoint import CheckpointError, check_resumable, rl_checkpointer
 from learner.rl.config import PPOConfig
+from learner.rl.evaluation import eval_due
 from learner.rl.schedules import RunParts, Schedule, Turns, make_schedule, schedule_name
 from learner.rl.schedules.base import broadcast_int
 from learner.rl.schedules.colocated import check_colocated_push, make_turns
@@ -152,7 +153,8 @@ def load_data(cfg: PPOConfig, proc: Process) -> Data:
     train_items, eval_items = [], []
     if proc.rank0:
         train_items = load_prompt_items(cfg, tokenizer, cfg.prompt_data)
-        eval_items = load_prompt_items(cfg, tokenizer, cfg.eval_data) if cfg.eval_data else []
+        if cfg.eval_dataset:
+            eval_items = load_prompt_items(cfg, tokenizer, cfg.eval_dataset, evaluation=True)
     n_items = broadcast_int(len(train_items))
     steps_per_episode = n_items // cfg.rollout_batch_size
     total_steps = steps_per_episode * cfg.num_episodes
@@ -199,8 +201,10 @@ def _turns(cfg: PPOConfig, models: Models, proc: Process, rank0: Any) -> Turns:
 
 
 def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: int) -> None:
-    """Every rank: resume (``--load_checkpoint``), the first push, the steps, the evaluations."""
-    driver = schedule.driver
+    """Every rank: resume (``--load_checkpoint``), the first push, the steps, the evaluations
+    (``learner.rl.evaluation.eval_due``: step 0 of a fresh run, every --eval_steps, the last
+    step), the checkpoints. A step's evaluation comes before its checkpoint, which then keeps
+    its score (--best_metric_key)."""
     try:
         resumed = ckpt.resume() if cfg.load_checkpoint else None
     except CheckpointError as e:
@@ -210,16 +214,17 @@ def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: i
     # resumed weights, as the version they were at (version k after step k), before any prompt
     # is handed out: servers that outlived the old learner still hold its later weights.
     schedule.start(resumed.step if resumed else 0)
-    if driver is not None and not resumed:
-        driver.evaluate(0, "eval/accuracy")
+    evaluating = bool(cfg.eval_dataset)
+    if evaluating and not resumed:
+        schedule.evaluate(0)
     for step in range(first, total_steps + 1):
         schedule.step(step)
+        if evaluating and eval_due(step, total_steps, cfg.eval_steps):
+            schedule.evaluate(step)
         if cfg.save_steps > 0 and step % cfg.save_steps == 0:
             with schedule.states_resident():
                 ckpt.save(step)
     schedule.finish()
-    if driver is not None:
-        driver.evaluate(total_steps, "eval/accuracy_final")
 
 
 def save_final(cfg: PPOConfig, models: Models, tokenizer: Any, proc: Process) -> None:

@@ -330,21 +330,31 @@ class Checkpointer:
         match: the settings a resume must share with the run that saved (JSON-able values);
             the number of ranks is added.
         checksums: CRC32 every file into the manifest and check it at resume (sizes always).
+        retain: which checkpoint steps survive a save, given the complete ones' steps and the
+            new one's state.json (default: the newest ``max_keep``); it must keep the newest.
     """
 
     def __init__(
-        self, location: str | Path, *, max_keep: int = 3, match: Mapping[str, Any] | None = None, checksums: bool = True
+        self,
+        location: str | Path,
+        *,
+        max_keep: int = 3,
+        match: Mapping[str, Any] | None = None,
+        checksums: bool = True,
+        retain: Callable[[list[int], Mapping[str, Any]], set[int]] | None = None,
     ) -> None:
         if max_keep < 1:
             raise ValueError(f"--max_ckpt_num must be >= 1, got {max_keep}")
         self.location = Path(location)
         self.root, _ = locate(location)
         self.max_keep = max_keep
+        self.retain = retain or (lambda steps, state: set(sorted(steps)[-max_keep:]))
         self.checksums = checksums
         self.rank, self.world_size = _rank_world()
         self.match = {**(match or {}), "world_size": self.world_size}
         self._states: dict[str, Stateful] = {}
         self._engines: dict[str, ShardedEngine] = {}
+        self._unsaved: set[str] = set()  # engines loaded at resume but not saved (--disable_ds_ckpt)
         self._generators: dict[str, torch.Generator] = {}
         self._exports: dict[str, Callable[[Path], None]] = {}
 
@@ -362,11 +372,14 @@ class Checkpointer:
             raise TypeError(f"checkpoint part {name!r}: {type(part).__name__} has no state_dict/load_state_dict")
         self._states[self._name(name, directory=False)] = part
 
-    def add_engine(self, name: str, engine: ShardedEngine) -> None:
-        """A DeepSpeed engine, saved into ``name/ds`` by every rank."""
+    def add_engine(self, name: str, engine: ShardedEngine, *, save: bool = True) -> None:
+        """A DeepSpeed engine, saved into ``name/ds`` by every rank (``save=False``: loaded at
+        resume, never saved; a part of the run must then refuse a checkpoint without it)."""
         if not isinstance(engine, ShardedEngine):
             raise TypeError(f"checkpoint engine {name!r}: {type(engine).__name__} has no save/load_checkpoint")
         self._engines[self._name(name, directory=True)] = engine
+        if not save:
+            self._unsaved.add(name)
 
     def add_generator(self, name: str, generator: torch.Generator) -> None:
         """A torch.Generator, saved per rank beside the process's RNG states."""
@@ -389,6 +402,8 @@ class Checkpointer:
             partial.mkdir()
         _barrier()
         for name, engine in self._engines.items():
+            if name in self._unsaved:
+                continue
             (partial / name).mkdir(exist_ok=True)
             engine.save_checkpoint(str(partial / name), tag=DS_TAG, client_state={})  # collective
         rng = {**rng_state(), "generators": {n: g.get_state() for n, g in self._generators.items()}}
@@ -396,6 +411,7 @@ class Checkpointer:
         torch.save(rng, partial / RNG_DIR / f"rank_{self.rank}.pt")
         for name, write in self._exports.items():
             write(partial / name)  # collective
+        state: dict[str, Any] = {}
         if self.rank == 0:
             state = {"format": FORMAT, "step": step, "match": self.match}
             state.update({name: part.state_dict() for name, part in self._states.items()})
@@ -407,17 +423,21 @@ class Checkpointer:
         if self.rank == 0:
             manifest.write(partial, sizes, sums if self.checksums else None)  # last: the proof
             commit_dir(partial, final)
-            self._prune(keep=final)
+            self._prune(keep=final, state=state)
             log.info("saved checkpoint %s", final)
         _barrier()
         return final
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Path, state: Mapping[str, Any]) -> None:
         done = [(s, d) for s, d in checkpoints(self.root) if (d / manifest.MANIFEST).is_file()]
-        for _, old in done[: max(0, len(done) - self.max_keep)]:
-            if old != keep:
+        kept = self.retain([s for s, _ in done], state)
+        newest = set(sorted(s for s, _ in done)[-self.max_keep :])
+        for step, old in done:
+            if step not in kept and old != keep:
                 shutil.rmtree(old, ignore_errors=True)
                 log.info("removed old checkpoint %s (--max_ckpt_num %d)", old, self.max_keep)
+        for step in sorted(kept - newest):
+            log.info("kept checkpoint step %d besides the newest %d (the retention rule's choice)", step, self.max_keep)
         for debris in [*self.root.glob(".step_*.partial"), *self.root.glob(".step_*.old-*")]:
             shutil.rmtree(debris, ignore_errors=True)  # left by a save killed half-way
 

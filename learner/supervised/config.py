@@ -5,7 +5,8 @@ the module; the checkpoint flags (``--save_steps``, ``--ckpt_path``, ``--max_ckp
 ``--load_checkpoint``, ``--save_hf_ckpt``) come from
 ``learner.runtime.checkpoint_config.CheckpointFlags`` and the optimizer/DeepSpeed flags (ZeRO
 stage, bf16, offload, checkpointing, weight decay, betas, clipping, warm-up, seed) from
-``learner.runtime.flags.OptimizerFlags``, both shared with ``learner.train_ppo``. No torch is imported here, so
+``learner.runtime.flags.OptimizerFlags``, and the Weights & Biases flags from
+``learner.runtime.tracking.WandbFlags``, all shared with ``learner.train_ppo``. No torch is imported here, so
 ``--help`` is instant. Each trainer subclasses ``TrainerConfig``, adds its own flags and overrides defaults.
 
 Flags accepted for compatibility with an explanation rather than an effect: ``--local_rank``
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from common.config import flag
 from learner.runtime.checkpoint_config import CheckpointFlags
 from learner.runtime.flags import OptimizerFlags
+from learner.runtime.tracking import WandbFlags
 
 
 @dataclass
-class TrainerConfig(CheckpointFlags, OptimizerFlags):
+class TrainerConfig(CheckpointFlags, OptimizerFlags, WandbFlags):
     # ---- model and output
     pretrain: str = flag("", "model to start from: local HF directory or hub name", required=True, group="model")
     save_path: str = flag("./ckpt", "where the final HF-format model (and train_log.jsonl) are written", group="model")
@@ -82,6 +84,7 @@ class TrainerConfig(CheckpointFlags, OptimizerFlags):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_optimizer()
+        self.check_wandb()
         if self.input_template and "{}" not in self.input_template:
             raise ValueError(f"--input_template {self.input_template!r} has no {{}} for the input")
         if self.logging_steps < 1:

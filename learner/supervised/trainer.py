@@ -10,7 +10,9 @@ sees a disjoint shard of each epoch's seeded permutation (``DistributedSampler``
 
 Logged metrics go to the log, to ``{save_path}/train_log.jsonl`` (one JSON object per
 logging or eval step, rank 0, written by ``learner.runtime.metrics.MetricsWriter`` as RL's
-metrics are) and, with ``--use_tensorboard DIR``, to TensorBoard under ``DIR/<sft|rm|dpo>``.
+metrics are), with ``--use_tensorboard DIR`` to TensorBoard under ``DIR/<sft|rm|dpo>``, and with
+``--use_wandb`` to Weights & Biases (a resumed run continues its wandb run: the id is in the
+checkpoint's client state).
 
 Import this module only after the config is parsed: it imports torch and DeepSpeed. The
 config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
@@ -190,8 +192,12 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * cfg.max_epochs
         self.metrics: MetricsWriter | None = None  # rank 0 only
         if E.is_rank0():
+            from learner.runtime.wandb_sink import wandb_sink
+
             tb_dir = Path(cfg.use_tensorboard) / self.name if cfg.use_tensorboard else None
-            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir)
+            # wandb's run is finished by its exit hook when the process ends (after the final save).
+            wandb = wandb_sink(cfg, trainer=f"train_{self.name}", folder=cfg.save_path)
+            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir, wandb=wandb)
         self.global_step = 0
         self.last_eval: tuple = (-1, {})  # (step, metrics) of the latest evaluation
 

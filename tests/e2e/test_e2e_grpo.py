@@ -1,4 +1,5 @@
-"""End to end: GRPO through launch.local with real vLLM, the reward service and DeepSpeed.
+"""End to end: GRPO through launch.local with real vLLM, the reward service and DeepSpeed, with
+its evaluations and tracking (metrics.jsonl, TensorBoard, an offline wandb run).
 
 Slow (each starts vLLM); run in CI all the same. The reward is one the tiny random model can
 learn in a handful of steps (tests/helpers/reward_first_char_parity.py); learning is checked
@@ -17,14 +18,22 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2e_launch import addition_prompts, finish, local_cmd, metrics, start
+from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
 from helpers.listening import Watch
+from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
 pytestmark = pytest.mark.slow
 
 
 def _launch(
-    tmp_path: Path, model: Path, *, steps: int, servers: int, extra_learner: list[str] = (), extra_local: list[str] = ()
+    tmp_path: Path,
+    model: Path,
+    *,
+    steps: int,
+    servers: int,
+    extra_learner: list[str] = (),
+    extra_local: list[str] = (),
+    env: dict[str, str] | None = None,
 ):
     learner = [
         *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
@@ -34,7 +43,17 @@ def _launch(
         *("--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0", "--peer_timeout_s", "5"),
         *extra_learner,
     ]
-    return start(local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers), *extra_local]))
+    cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers), *extra_local])
+    return start(cmd, env)
+
+
+def _eval_prompts(path: Path) -> Path:
+    """16 held-out prompts (the training ones have a < 30) in two data sources."""
+    rows = [
+        {"input": f"{a}+{b}=", "datasource": "low" if b < 2 else "high"} for a in (30, 31, 32, 33) for b in range(4)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
@@ -58,10 +77,21 @@ def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
 
 
 def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
+    """Also the tracking and evaluation of a run: --eval_steps 5 evaluates at steps 0, 5, 10 and
+    12 (the last), per data source, and metrics.jsonl, TensorBoard and the offline wandb run
+    (read back with wandb's own reader) all hold those evaluations; wandb holds every key and
+    step of metrics.jsonl."""
     steps = 12
+    evaluation = [
+        *("--eval_dataset", str(_eval_prompts(tmp_path / "eval.jsonl")), "--eval_steps", "5"),
+        *("--eval_n_samples_per_prompt", "2", "--use_wandb", "True", "--log_samples_steps", "5"),
+    ]
     # With CURVE on (launch.local --auth): every role holds the run's keys; the rest of the
     # suite runs without, so both paths stay covered.
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"])
+    env = cpu_env(**offline_env(tmp_path / "wandb_home"))
+    proc = _launch(
+        tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"], extra_learner=evaluation, env=env
+    )
     with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
         out = finish(proc, 600)
     run = tmp_path / "run"
@@ -95,6 +125,29 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     log = (run / "logs" / "rollout-0.log").read_text()
     versions = {int(v) for v in re.findall(r"policy version (\d+)", log)}
     assert set(range(1, steps + 1)) <= versions, sorted(versions)
+    _check_tracking(run, steps)
+
+
+def _check_tracking(run: Path, steps: int) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    written = metrics(run)
+    evals = [m for m in written if "eval/accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 5, 10, steps]
+    for m in evals:  # the weights pushed just before; 8 prompts x 2 samples per source
+        assert m["eval/policy_version"] == m["step"] and m["eval/low/prompts"] == m["eval/high/prompts"] == 8
+        assert {"eval/low/pass@1", "eval/high/pass@2", "eval/low/truncated_frac", "eval/pass@2"} <= set(m)
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("eval/accuracy")] == [0, 5, 10, steps]
+    (wandb_run,) = offline_runs(run)  # beside metrics.jsonl
+    recs = records(wandb_run)
+    assert missing_from_history(written, history(recs)) == []
+    assert run_info(recs)["project"] == "rayless_train_ppo"
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert sorted({(r["step"], r["split"]) for r in samples}) == [
+        (0, "eval"), (5, "eval"), (5, "train"), (10, "eval"), (10, "train"), (steps, "eval")
+    ]  # fmt: skip
 
 
 def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny_model_dir):

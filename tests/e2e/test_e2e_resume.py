@@ -31,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2e_launch import local_cmd, metrics, start
+from helpers.e2e_launch import cpu_env, local_cmd, metrics, start
+from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
 pytestmark = pytest.mark.slow
 
@@ -74,14 +75,16 @@ def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
     return {s: fingerprint(it.tokens for it in stream.batch(s)) for s in range(1, STEPS + 1)}
 
 
-def _run_killing_the_learner(tmp_path: Path, model: Path, learner: list[str]) -> tuple[str, dict[int, dict]]:
+def _run_killing_the_learner(
+    tmp_path: Path, model: Path, learner: list[str], env: dict[str, str] | None = None
+) -> tuple[str, dict[int, dict]]:
     """One launch.local run with ``--restart_learner 1``: the learner is SIGKILLed once step
     KILL_AFTER is written, and restarted by the launcher; the run must end well. Returns the launcher's output and the
     killed run's step rows (read before the resume trims them)."""
     run = tmp_path / "run"
     extra = ["--restart_learner", "1", "--quiet"]
     out_path = tmp_path / "launch.out"
-    proc = start(local_cmd(run, model, learner, extra=extra), out=out_path)
+    proc = start(local_cmd(run, model, learner, extra=extra), env, out=out_path)
     try:
         deadline = time.monotonic() + 600
         while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in metrics(run)):
@@ -102,9 +105,13 @@ def _run_killing_the_learner(tmp_path: Path, model: Path, learner: list[str]) ->
 
 
 def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
+    """Also: both learners log to wandb (offline), and the resumed one continues the killed one's
+    wandb run (the id is in the checkpoint)."""
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
-    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, [*_learner_flags(prompts), "--seed_sampling"])
+    flags = [*_learner_flags(prompts), "--seed_sampling", "--use_wandb", "True"]
+    env = cpu_env(**offline_env(tmp_path / "wandb_home"))
+    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, flags, env)
     logs = run / "logs"
     learner_log = (logs / "learner.log").read_text()
     k = int(re.search(r"resumed from \S+step_(\d+): step (\d+)", learner_log).group(2))
@@ -140,6 +147,18 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
     assert sorted(p.name for p in (run / "model" / "checkpoints").iterdir()) == [
         f"step_{s:08d}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
     ]  # --max_ckpt_num 3
+    # One wandb run across the restart: the resumed learner's offline run continues the id the
+    # killed one started (its folder is named by it) and the checkpoint kept, from step k+1, with
+    # every record of metrics.jsonl from there on. (The killed run's own file is not read: wandb
+    # writes it in blocks, and the kill -9 of the learner's process group took its last one.)
+    killed_file, resumed_file = offline_runs(run)
+    resumed_wandb = records(resumed_file)
+    saved = json.loads((run / "model" / "checkpoints" / f"step_{k:08d}" / "state.json").read_text())
+    run_id = saved["driver"]["metrics"]["wandb_run_id"]
+    assert killed_file.parent.name.endswith(f"-{run_id}") and run_info(resumed_wandb)["run_id"] == run_id
+    resumed_rows = history(resumed_wandb)
+    assert [r["step"] for r in resumed_rows] == list(range(k + 1, STEPS + 1))
+    assert missing_from_history([m for m in metrics(run) if m["step"] > k], resumed_rows) == []
 
 
 def _positions(text: str) -> dict[int, list[int]]:

@@ -20,6 +20,13 @@ counters. Batches cross from the pump to the main thread through a one-slot queu
 uses pause mode "keep": in-flight requests continue on the new weights, so the generation
 gap per push is the push itself.
 
+Evaluation between steps (``--eval_steps``) goes through the pump too (``_Pump.collect_eval``):
+its prompts join the feed tagged as evaluation's, while generation for training goes on within
+the staleness budget; the main thread waits for them before the next step, so no push lands
+while they generate and every evaluation sample comes from the weights just pushed. They never
+reach a training batch and are accounted apart from the training prompts
+(``OffPolicyFeed.add_eval``).
+
 Checkpoints (``state_dict`` / ``load_state_dict``, called by ``learner.rl.checkpoint``): a
 checkpoint is taken after step k's push, with generation for later steps under way. The
 schedule saves the feed's place in the prompt stream: the next position and the positions of
@@ -122,6 +129,34 @@ class _Pump(threading.Thread):
                         f"rollout servers alive: {[p.name for p in c.pool.alive('rollout')]}, "
                         f"reward services alive: {[p.name for p in c.pool.alive('reward')]}"
                     )
+
+    def collect_eval(self, items: list[Any], *, sampling: Any, timeout_s: float) -> Any:
+        """An evaluation while the pump runs: its prompts go through the feed, tagged as
+        evaluation's (never a training group, outside the staleness budget and the training
+        accounting), and this waits until every one is scored; the pump keeps generating for
+        training meanwhile. Raises TimeoutError naming what is missing (its prompts are aborted)."""
+        with self.hold() as feed:
+            ids = feed.add_eval(items, sampling)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.hold() as feed:
+                done = feed.take_eval(ids, sampling.n)
+                if done is not None:
+                    return done
+                if time.monotonic() > deadline:
+                    waiting = feed.eval_waiting(ids)
+                    feed.abort_eval("evaluation timed out")
+                    c = feed.controller
+                    raise TimeoutError(
+                        f"async evaluation: {waiting} of {len(ids)} prompt(s) not scored after {timeout_s:.0f} s; "
+                        f"rollout servers alive: {[p.name for p in c.pool.alive('rollout')]}, "
+                        f"reward services alive: {[p.name for p in c.pool.alive('reward')]}"
+                    )
+            if self.error is not None:
+                raise RuntimeError(f"the async data path failed: {self.error!r}") from self.error
+            if not self.is_alive():
+                raise RuntimeError("the async data path stopped")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self._stop_evt.set()
@@ -272,6 +307,10 @@ class AsyncSchedule(Schedule):
     def after_step(self, step: int) -> None:
         if step == self.parts.total_steps and self.driver is not None:
             self._stop_pump()
+
+    def eval_collect(self) -> Any:
+        """While the pump runs it owns the controller: an evaluation goes through its feed."""
+        return self.pump.collect_eval if self.pump is not None else None
 
     def data_path(self) -> contextlib.AbstractContextManager[Any]:
         # run_metrics reads the pool and the ledger, which the pump thread changes

@@ -98,7 +98,7 @@ class Turns:
         """After the first push."""
 
     def finish(self) -> None:
-        """After the last step, before the final evaluation."""
+        """After the last step (and its evaluation and checkpoint)."""
 
     @contextlib.contextmanager
     def states_resident(self) -> Iterator[None]:
@@ -168,7 +168,7 @@ class Schedule(abc.ABC):
         self.turns.started()
 
     def finish(self) -> None:
-        """After the last step, before the final evaluation."""
+        """After the last step (and its evaluation and checkpoint)."""
         self.turns.finish()
 
     def states_resident(self) -> contextlib.AbstractContextManager[None]:
@@ -205,6 +205,31 @@ class Schedule(abc.ABC):
 
     def after_step(self, step: int) -> None:
         """Every rank, after a trained step's report."""
+
+    def eval_collect(self) -> Any:
+        """Rank 0: how an evaluation's prompts are collected now (None: ``Controller.collect``;
+        the async schedule's pump owns the controller while it runs and collects them itself)."""
+        return None
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, step: int) -> None:
+        """Every rank, between steps: rank 0 evaluates the weights pushed as version ``step``
+        (``Driver.evaluate``, through the same services; nothing of it is trained on) while the
+        other ranks wait to learn it went well. A failed evaluation stops every rank, as a failed
+        step does, instead of leaving them in the next step's collective."""
+        if self.driver is not None:
+            try:
+                self.turns.before_generate()  # colocated: the engines wake (they stay awake for the next step)
+                self.driver.evaluate(step, self.eval_collect())
+            except BaseException:
+                broadcast_int(0)  # release the other ranks before raising here
+                try:
+                    self.abandon()
+                except Exception:  # noqa: BLE001 - the evaluation's own error is the one to raise
+                    log.exception("releasing the schedule after a failed evaluation")
+                raise
+        if not broadcast_int(1):  # rank 0's 1: done (the other ranks' value is not read)
+            raise StoppedByRank0(f"evaluation at step {step}: rank 0 (the controller) failed; its log has the error")
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int) -> Decision:

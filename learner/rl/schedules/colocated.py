@@ -61,7 +61,7 @@ class ColocatedTurns(Turns):
             self.engines.check_servers()
 
     def finish(self) -> None:
-        if self.engines is not None:  # the final evaluation generates
+        if self.engines is not None:  # the engines end the run awake, as they started it
             self.engines.wake()
 
     @contextlib.contextmanager

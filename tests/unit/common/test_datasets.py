@@ -146,3 +146,20 @@ def test_prompt_rows_tokenize_as_rendered_and_over_long_prompts_raise_or_skip(tm
     assert rows[0].prompt.startswith("<|im_start|>user\nWhat is 2 + 3?")
     assert rows[0].input_ids == tokenizer(rows[0].prompt, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(rows[0].input_ids) == rows[0].prompt
+
+
+def test_each_prompt_names_its_data_source_from_its_column_its_file_or_default(tmp_path, tokenizer):
+    """OpenRLHF's per-row ``datasource``; without one, the file's name when several are mixed,
+    else ``default``."""
+    tagged = write_jsonl(
+        tmp_path / "mixed.jsonl",
+        [{"q": "1+1=", "datasource": "math"}, {"q": "abc", "datasource": "copy"}, {"q": "x", "datasource": None}],
+    )
+    rows, _ = load_prompts(str(tagged), tokenizer, input_key="q", datasource_key="datasource")
+    assert [r.datasource for r in rows] == ["math", "copy", "default"]
+    a = write_jsonl(tmp_path / "gsm.jsonl", [{"q": "2+2="}])
+    b = write_jsonl(tmp_path / "aime.jsonl", [{"q": "3+3="}])
+    rows, _ = load_prompts(f"{a},{b}", tokenizer, input_key="q", datasource_key="datasource")
+    assert [r.datasource for r in rows] == ["gsm", "aime"]
+    rows, _ = load_prompts(str(a), tokenizer, input_key="q", datasource_key="datasource")
+    assert [r.datasource for r in rows] == ["default"]

@@ -190,6 +190,51 @@ def test_k0_is_lockstep(ctrl):
     )
 
 
+# ---------------------------------------------------------------------- evaluation prompts
+
+
+def test_evaluation_prompts_pass_a_full_budget_never_become_groups_and_are_accounted_apart(ctrl):
+    """Evaluation through the feed (the async schedule's way): with the staleness budget full,
+    evaluation prompts are still admitted and generated (they are not in the budget), with
+    their own sampling (3 samples each, not G); they never become ready groups, so no batch
+    takes them; the training accounting is unchanged and theirs is kept apart, down to an
+    evaluation still in flight when the run ends (aborted at the server, counted)."""
+    c, start = ctrl
+    held: set[int] = set()
+    r = start(FakeRollout(c.endpoint.address, hold=lambda pid: pid in held))
+    start(FakeReward(c.endpoint.address))
+    c.wait_for_services(1, 1, timeout_s=10)
+    feed = make_feed(c, items(20), k=1)
+    pump_until(feed, lambda: len(feed.ready) == 4)
+    settle(feed)
+    assert feed.room() == 0 and feed.counters["admitted"] == 4  # the budget is full
+    evals = [PromptItem(tokens=[900 + i, 7], text=f"e{i}") for i in range(3)]
+    ids = feed.add_eval(evals, P.SamplingParams(n=3, max_new_tokens=2))
+    assert feed.room() == 0 and feed.outstanding() == 4 and feed.counters["admitted"] == 4
+    pump_until(feed, lambda: feed.eval_waiting(ids) == 0)
+    feed.check_accounting()
+    assert tokens(feed.ready) == [100, 101, 102, 103]  # no evaluation prompt among the groups
+    got = feed.take_eval(ids, 3)
+    assert [s.prompt[0] for s in got.rollout.samples] == [900] * 3 + [901] * 3 + [902] * 3
+    assert [s.sample_index for s in got.rollout.samples[:3]] == [0, 1, 2] and got.failed_groups == 0
+    assert tokens(feed.take_batch(0)) == [100, 101]
+    feed.check_accounting()
+    assert feed.eval_counters == {"admitted": 3, "returned": 3, "aborted": 0}
+    assert feed.counters == dict(
+        admitted=4, trained=2, dropped_stale=0, dropped_failed=0, dropped_filtered=0, aborted=0
+    )
+    # An evaluation still generating at the end of the run is aborted with the training prompts.
+    late = feed.add_eval(evals[:2], P.SamplingParams(n=3, max_new_tokens=2))
+    held.update(late)
+    pump_until(feed, lambda: set(late) <= set(r.seen))
+    feed.check_accounting()
+    end = feed.close()
+    assert feed.eval_counters == {"admitted": 5, "returned": 3, "aborted": 2} and end["trained"] == 2
+    time.sleep(0.2)
+    assert set(late) <= set(r.aborted)
+    feed.check_accounting()
+
+
 # ---------------------------------------------------------------------- checkpoint state
 
 

@@ -239,3 +239,25 @@ def test_a_service_stopped_by_a_signal_is_gone_not_finished(tmp_path, capsys):
     assert _supervise(roles, cfg) == 1
     err = capsys.readouterr().err
     assert "reward-0 died (exit code 143): stopped by SIGTERM" in err and "no reward process is left" in err
+
+
+def test_a_wandb_key_in_the_learner_flags_stays_out_of_the_logs_and_the_saved_config(tmp_path):
+    """The learner's log starts with its command line and the run folder keeps the launcher's
+    config: a key passed as --use_wandb KEY is <redacted> in both; on/off values are kept."""
+    from launch.local import public_config
+    from learner.runtime.tracking import redact_argv
+
+    key = "0123456789abcdef0123456789abcdef01234567"
+    assert redact_argv(["--use_wandb", key, "--x", key]) == ["--use_wandb", "<redacted>", "--x", key]
+    assert redact_argv([f"--use_wandb={key}", "--use_wandb", "True"]) == [
+        "--use_wandb=<redacted>",
+        "--use_wandb",
+        "True",
+    ]
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", learner_args=f"--prompt_data p --use_wandb {key}")
+    assert key not in str(public_config(cfg)) and "--use_wandb '<redacted>'" in public_config(cfg)["learner_args"]
+    learner = [r for r in build_roles(cfg) if r.kind == "learner"][0]
+    learner.cmd = [sys.executable, "-c", "pass", *learner.cmd[3:]]  # the learner's flags, not its run
+    assert _supervise([learner], cfg) == 0
+    log = learner.log.read_text()
+    assert log.startswith("$ ") and "--use_wandb '<redacted>'" in log and key not in log

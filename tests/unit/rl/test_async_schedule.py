@@ -21,6 +21,7 @@ from learner.controller.rollout_client import RolloutClient
 from learner.controller.types import PromptItem
 from learner.rl.config import PPOConfig
 from learner.rl.driver import Driver
+from learner.rl.evaluation import Evaluator, eval_due
 from learner.rl.policy_trainer import StepResult
 from learner.rl.prompts import PromptStream
 from learner.rl.schedules import SCHEDULES, RunParts
@@ -218,3 +219,58 @@ def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
     assert rows[-1]["async/outstanding_max"] <= (cfg.max_staleness + 1) * B
     lags = [step - 1 - s.policy_version for step, b in enumerate(resumed.parts.trainer.trained, k_save + 1) for s in b]
     assert min(lags) >= 0 and max(lags) <= cfg.max_staleness
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "async"])
+def test_evaluations_between_steps_are_never_trained_on_and_keep_the_accounting(setup, kind):
+    """--eval_steps 2 over 6 steps: evaluations at 0, 2, 4 and 6 through the same fake services
+    with their own sampling (3 samples per prompt, not G), each answered by the weights just
+    pushed, and no evaluation prompt in any trained batch. Async: those at 2 and 4 go through the
+    running pump (the feed, tagged), and the training accounting stays exact around them, the
+    evaluation's kept apart."""
+    c, _ = setup
+    steps, async_train = 6, kind == "async"
+    cfg = PPOConfig(
+        pretrain="m", prompt_data="p", rollout_batch_size=B, n_samples_per_prompt=G,
+        train_batch_size=B * G, micro_train_batch_size=B * G, async_train=async_train,
+        eval_dataset="e", eval_steps=2, eval_n_samples_per_prompt=3, generate_timeout_s=20, score_timeout_s=20,
+    )  # fmt: skip
+    its = [PromptItem(tokens=[100 + i, 7], text=f"p{i}") for i in range(B * steps)]
+    evals = [PromptItem(tokens=[900 + i, 7], text=f"e{i}", source="ab"[i % 2]) for i in range(4)]
+    evaluator = Evaluator(evals, P.SamplingParams(n=3, max_new_tokens=2), threshold=0.5)
+    sink = Sink()
+    driver = Driver(cfg, c, PromptStream(its, B), sink, evaluator=evaluator)
+    trainer = SlowTrainer(0.1)
+    sched = SCHEDULES[kind](RunParts(cfg, trainer, Weights(c.pool), driver, torch.device("cpu"), steps))
+    sched.start()
+    sched.evaluate(0)
+    through_pump, eval_counters = [], []
+    for step in range(1, steps + 1):
+        sched.step(step)
+        if eval_due(step, steps, cfg.eval_steps):
+            through_pump.append(sched.eval_collect() is not None)
+            sched.evaluate(step)
+            if getattr(sched, "pump", None) is not None:
+                with sched.pump.hold() as feed:
+                    feed.check_accounting()
+                    eval_counters.append(dict(feed.eval_counters))
+    rows = [r for r in sink.rows if "eval/accuracy" in r]
+    assert [r["step"] for r in rows] == [0, 2, 4, 6]
+    assert [r["eval/policy_version"] for r in rows] == [0, 2, 4, 6]  # the weights pushed just before
+    for r in rows:  # FakeReward scores sample i with i: samples 1 and 2 of 3 pass 0.5, so each prompt passes at 3
+        assert r["eval/accuracy"] == pytest.approx(2 / 3) and r["eval/pass@3"] == 1.0 and r["eval/reward"] == 1.0
+        assert r["eval/a/prompts"] == 2 and r["eval/b/prompts"] == 2 and r["eval/failed_groups"] == 0
+    trained = [s.prompt[0] for batch in trainer.trained for s in batch[::G]]
+    assert sorted(trained) == [100 + i for i in range(B * steps)], "each training prompt once, no evaluation prompt"
+    assert all(len(batch) == B * G for batch in trainer.trained)
+    if async_train:
+        assert through_pump == [True, True, False]  # the pump stops after the last step
+        assert eval_counters == [
+            {"admitted": 4, "returned": 4, "aborted": 0},
+            {"admitted": 8, "returned": 8, "aborted": 0},
+        ]
+        step_rows = [r for r in sink.rows if "async/admitted" in r]
+        assert step_rows[-1]["async/admitted"] == steps * B  # evaluation took no training admission
+        assert max(r["async/outstanding_max"] for r in step_rows) <= (cfg.max_staleness + 1) * B
+    else:
+        assert through_pump == [False, False, False]

@@ -80,9 +80,11 @@ class FakeDriver:
     def __init__(self, prompts: PromptStream, metrics: Path) -> None:
         self.prompts = prompts
         self.sink = MetricsWriter(metrics)
+        self.eval_scores: dict[int, float] = {}  # what Driver.history holds: each evaluation's score by step
 
     def state_dict(self):
-        return {"prompts": self.prompts.state_dict()}
+        scores = {str(k): v for k, v in self.eval_scores.items()}
+        return {"prompts": self.prompts.state_dict(), "eval": {"key": "eval/accuracy", "scores": scores}}
 
     def load_state_dict(self, state):
         self.prompts.load_state_dict(state["prompts"])
@@ -177,6 +179,40 @@ def test_metrics_written_after_the_checkpoint_are_dropped_at_resume(tmp_path):
         fh.write('{"step": 5, "x"')  # and the line the kill cut
     checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume()
     assert [json.loads(line)["step"] for line in sink.path.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_the_best_evaluated_checkpoint_is_kept_besides_the_newest(tmp_path):
+    """--max_ckpt_num 2, evaluations at every save: step 4 scores best and outlives the rule of the
+    newest two until step 10 does better; step 8's equal score does not replace it."""
+    cfg = cfg_for(tmp_path, max_ckpt_num=2)
+    driver = fake_driver(cfg, tmp_path)
+    ck = checkpointer(cfg, FakeTrainer(cfg), tmp_path, driver=driver)
+    kept = []
+    for step, score in ((2, 0.1), (4, 0.5), (6, 0.2), (8, 0.5), (10, 0.7), (12, 0.3)):
+        driver.eval_scores[step] = score  # the evaluation at a step comes before its save
+        ck.save(step)
+        kept.append([s for s, _ in R.checkpoints(C.ckpt_dir(cfg))])
+    assert kept == [[2], [2, 4], [4, 6], [4, 6, 8], [8, 10], [10, 12]]
+
+
+def test_a_checkpoint_without_deepspeed_states_is_saved_and_refused_for_resume(tmp_path, monkeypatch):
+    """--disable_ds_ckpt: the HF policy and the run state, no DeepSpeed directories; resuming is
+    refused, before anything is built and again at the load, saying why and what to do."""
+    from learner.runtime import engine as E
+
+    monkeypatch.setattr(E, "save_hf", lambda engine, tok, path, **kw: Path(path).mkdir(parents=True) or None)
+    cfg = cfg_for(tmp_path, disable_ds_ckpt=True, save_hf_ckpt=True)
+    path = checkpointer(cfg, FakeTrainer(cfg), tmp_path).save(2)
+    assert sorted(p.name for p in path.iterdir()) == ["hf", "manifest.json", "rng", "state.json"]
+    assert R.read_state(path)["weights"]["deepspeed_states"] is False
+    for again in (cfg_for(tmp_path, load_checkpoint=True), cfg_for(tmp_path, load_checkpoint=True, **{
+        "disable_ds_ckpt": True, "save_hf_ckpt": True})):  # fmt: skip
+        with pytest.raises(
+            C.CheckpointMismatch, match=r"step_00000002: it was saved with --disable_ds_ckpt.*--pretrain"
+        ):
+            C.check_resumable(again, n_prompts=8)
+        with pytest.raises(C.CheckpointMismatch, match="--disable_ds_ckpt"):
+            checkpointer(again, FakeTrainer(again), tmp_path).resume()
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,9 @@ class Recorder:
     def report(self, *a, **kw):
         self.calls.append(("report",))
 
+    def evaluate(self, step, collect=None):
+        self.calls.append(("evaluate", step))
+
     # DeepSpeed engine
     def zero_optimization_stage(self):
         return 2
@@ -162,8 +165,24 @@ def test_a_step_takes_turns_in_order():
     sched.step(4)
     assert rec.calls[:2] == [("WakeUp(all)", "rollout-0"), ("gather", 4)]  # the KV cache wakes to generate
     rec.calls.clear()
-    sched.finish()  # the final evaluation generates
+    sched.finish()  # the engines end the run awake
     assert rec.calls == [("WakeUp(all)", "rollout-0")]
+
+
+def test_an_evaluation_between_steps_wakes_the_engines_which_stay_awake_for_the_next_step():
+    """After a step the KV cache sleeps (only the weights woke for the push): the evaluation
+    wakes it to generate, and leaves it awake, since the next step generates first anyway
+    (sleeping at level 2 would drop the weights just pushed)."""
+    rec = Recorder([_rollout(2, G, version=2), _rollout(2, G, version=3)])
+    sched = _schedule(rec)
+    sched.start(2)
+    sched.step(3)
+    rec.calls.clear()
+    sched.evaluate(3)
+    assert rec.calls == [("WakeUp(all)", "rollout-0"), ("evaluate", 3)]
+    rec.calls.clear()
+    sched.step(4)
+    assert rec.calls[0] == ("gather", 4)  # nothing left asleep to wake
 
 
 def test_a_skipped_step_leaves_the_engines_awake_and_the_states_parked():

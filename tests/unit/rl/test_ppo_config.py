@@ -66,6 +66,12 @@ def test_the_default_estimator_is_openrlhfs_gae_and_group_estimators_need_a_grou
         (dict(advantage_estimator="group_norm", gamma=0.9), "--gamma must be 1"),
         (dict(advantage_estimator="rloo", n_samples_per_prompt=1, train_batch_size=4), "--n_samples_per_prompt >= 2"),
         (dict(train_batch_size=6), "multiple of --train_batch_size"),
+        (dict(eval_steps=0), "--eval_steps must be -1"),
+        (dict(eval_n_samples_per_prompt=0), "--eval_n_samples_per_prompt must be >= 1"),
+        (dict(eval_temperature=-1.0), "--eval_temperature must be >= 0"),
+        (dict(log_samples_steps=-2), "--log_samples_steps must be >= 0"),
+        (dict(disable_ds_ckpt=True), "add --save_hf_ckpt"),
+        (dict(best_metric_key="eval/accuracy"), "it needs --eval_dataset"),
     ],
 )
 def test_rejected(kw, needle):
@@ -80,6 +86,16 @@ def test_gspo_switches_the_default_aggregation_with_a_notice(caplog):
     # Said once the run has set up logging, on rank 0 (learner.rl.run.init_process), not while parsing.
     assert any("seq_mean_token_mean" in n for n in c.notices) and not caplog.records
     assert cfg(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean").loss_agg_mode == "seq_mean_token_mean"
+
+
+def test_evaluation_flags_that_cannot_do_what_they_say_are_explained():
+    greedy = cfg(eval_dataset="e", eval_temperature=0.0, eval_n_samples_per_prompt=4)
+    assert any("pass@n equals pass@1" in n for n in greedy.notices)
+    unranked = cfg(eval_dataset="e", best_metric_key="eval/accuracy", save_steps=4, eval_steps=6)
+    assert any("make --eval_steps a multiple of --save_steps" in n for n in unranked.notices)
+    ranked = cfg(eval_dataset="e", best_metric_key="eval/accuracy", save_steps=4, eval_steps=8)
+    assert not ranked.notices
+    assert cfg(disable_ds_ckpt=True, save_hf_ckpt=True).disable_ds_ckpt
 
 
 def test_accepted_algorithm_flags():

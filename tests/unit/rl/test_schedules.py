@@ -59,6 +59,12 @@ class Recorder:
         assert set(timings) == {"generate_s", "train_s", "step_s", "eta_s", "total_steps"}
         self.calls.append(("report", step, n_trained))
 
+    def evaluate(self, step, collect=None):
+        got = self.batches.pop(0) if self.batches else None
+        if isinstance(got, BaseException):
+            raise got
+        self.calls.append(("evaluate", step, collect))
+
 
 def _schedule(rec: Recorder, *, driver: bool = True, train_batch_size: int = 4):
     cfg = PPOConfig(
@@ -115,6 +121,26 @@ def test_other_ranks_stop_with_an_error_when_rank_0_fails(monkeypatch):
     with pytest.raises(StoppedByRank0, match="step 2: rank 0"):
         _schedule(rec, driver=False).step(2)
     assert rec.calls == []
+
+
+def test_an_evaluation_runs_on_rank_0_with_the_controllers_collect():
+    rec = Recorder([])
+    _schedule(rec).evaluate(4)
+    assert rec.calls == [("evaluate", 4, None)]
+
+
+def test_a_failed_evaluation_raises_on_rank_0_and_stops_the_other_ranks(monkeypatch):
+    """Rank 0 says 0 (failed) before raising; the other ranks raise instead of going on to a
+    step whose collectives rank 0 will never enter."""
+    sent = []
+    monkeypatch.setattr(base_module, "broadcast_int", lambda value: sent.append(value) or value)
+    rec = Recorder([TimeoutError("collect: 2 of 4 prompts not done")])
+    with pytest.raises(TimeoutError, match="not done"):
+        _schedule(rec).evaluate(5)
+    assert sent == [0]
+    monkeypatch.setattr(base_module, "broadcast_int", lambda value: 0)  # what rank 0 said
+    with pytest.raises(StoppedByRank0, match="evaluation at step 5: rank 0"):
+        _schedule(Recorder([]), driver=False).evaluate(5)
 
 
 def test_lockstep_resuming_an_async_checkpoint_says_it_does_not_reissue_its_pending_prompts(caplog):

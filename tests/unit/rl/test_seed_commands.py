@@ -4,11 +4,12 @@ tiny model: tests/e2e/test_e2e_seed_commands.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
-from common.config import parse
+from common.config import parse, to_json
 from helpers.seed_commands import OPENRLHF_MODULE, SEED_PPO_COMMANDS, argv, ported
 from learner.rl.config import PPOConfig
 from learner.rl.schedules import schedule_name
@@ -43,11 +44,37 @@ def test_the_seed_command_parses_with_only_the_module_swapped(workflow, caplog):
         assert any("--normalize_reward normalises a reward model's scores" in n for n in cfg.notices)
 
 
-def test_the_wandb_line_parses_too_and_its_token_is_not_logged(caplog):
-    """The README's command lacks a backslash before --use_wandb; joined, it parses as well."""
-    with caplog.at_level(logging.WARNING):
-        cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow1"])), "--use_wandb", "secret-token"])
-    assert "secret-token" not in repr(cfg) and any("Weights & Biases" in n for n in cfg.notices)
+def test_the_wandb_line_parses_too_and_its_token_is_not_logged():
+    """The README's command lacks a backslash before --use_wandb; joined, it parses as well, wandb
+    is on, and the token is in neither the config's repr nor its logged JSON."""
+    cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow1"])), "--use_wandb", "secret-token"])
+    assert cfg.wandb_enabled and cfg.wandb_key() == "secret-token"
+    assert "secret-token" not in repr(cfg) and "secret-token" not in to_json(cfg)
+    assert json.loads(to_json(cfg))["use_wandb"] == "<redacted>"
+
+
+def test_an_openrlhf_command_with_its_wandb_and_eval_flags_parses_with_only_the_module_swapped():
+    """OpenRLHF's tracking and evaluation flags, as its scripts pass them (train_ppo_ray names)."""
+    extra = [
+        *("--use_wandb", "True", "--wandb_org", "my-team", "--wandb_group", "llama3-8b"),
+        *("--wandb_project", "openrlhf_train_ppo", "--wandb_run_name", "ppo_0101T00:00"),
+        *("--use_tensorboard", "/openrlhf/tb", "--eval_dataset", "OpenRLHF/prompt-collection-v0.1"),
+        *("--eval_split", "test", "--eval_steps", "10", "--eval_temperature", "0.6"),
+        *("--eval_n_samples_per_prompt", "4", "--save_steps", "10", "--best_metric_key", "eval_default_pass1"),
+        "--disable_ds_ckpt",
+    ]
+    cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), *extra])
+    assert cfg.wandb_enabled and cfg.wandb_key() is None  # the key comes from WANDB_API_KEY / wandb login
+    assert (cfg.wandb_org, cfg.wandb_group, cfg.wandb_project) == ("my-team", "llama3-8b", "openrlhf_train_ppo")
+    assert cfg.wandb_names("train_ppo") == ("openrlhf_train_ppo", "ppo_0101T00:00")
+    assert cfg.use_tensorboard == "/openrlhf/tb"
+    assert (cfg.eval_dataset, cfg.eval_split, cfg.eval_steps) == ("OpenRLHF/prompt-collection-v0.1", "test", 10)
+    assert (cfg.eval_temperature, cfg.eval_n_samples_per_prompt) == (0.6, 4)
+    assert cfg.disable_ds_ckpt and cfg.save_hf_ckpt and cfg.best_metric_key == "eval_default_pass1"
+    # rayless's older alias of --eval_dataset still works.
+    assert parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), "--eval_data", "e.jsonl"]).eval_dataset == (
+        "e.jsonl"
+    )
 
 
 def test_colocated_nccl_push_is_refused_with_the_way_out():

@@ -62,3 +62,17 @@ def test_a_resumed_run_hides_the_killed_runs_later_events_from_tensorboard(tmp_p
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+
+
+def test_samples_go_to_their_own_file_and_a_resume_drops_the_killed_runs_later_ones(tmp_path):
+    first = MetricsWriter(tmp_path / "metrics.jsonl")
+    for step in (2, 4, 6):
+        first.write_samples(step, [{"prompt": "1+1=", "response": str(step), "reward": 1.0}])
+    first.write_samples(8, [])  # nothing to show: no line
+    first.close()
+    resumed = MetricsWriter(tmp_path / "metrics.jsonl")
+    resumed.resume_after(4)
+    resumed.write_samples(6, [{"prompt": "1+1=", "response": "again", "reward": 0.0}])
+    got = _records(tmp_path / "samples.jsonl")
+    assert [(r["step"], r["response"]) for r in got] == [(2, "2"), (4, "4"), (6, "again")]
+    assert _records(tmp_path / "metrics.jsonl") == []  # samples are not metrics

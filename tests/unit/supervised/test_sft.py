@@ -14,7 +14,8 @@ import time
 import pytest
 
 from helpers.procs import ROOT, python_cmd, read_log, run_module, worker_env
-from learner.runtime.checkpoint import checkpoints
+from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
+from learner.runtime.checkpoint import checkpoints, read_state
 
 
 def test_help_is_fast_and_imports_no_torch():
@@ -81,16 +82,20 @@ def _losses(records: list[dict]) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_sft_learns_and_a_killed_run_resumes_to_the_same_losses(tiny_model_dir, tmp_path):
+def test_sft_learns_and_a_killed_run_resumes_to_the_same_losses(tiny_model_dir, tmp_path, monkeypatch):
     """An uninterrupted run learns; the same run SIGKILLed once its step-4 checkpoint is complete,
     its newest checkpoint then damaged (model states truncated), and started again with
     --load_checkpoint skips the damaged one with a warning, resumes the one before, and logs
-    every step once with the uninterrupted run's loss, ending with its weights."""
+    every step once with the uninterrupted run's loss, ending with its weights. Both log to wandb
+    (offline): the run's history holds every record of train_log.jsonl, and the resumed run
+    continues the wandb run its checkpoint names."""
     from learner.supervised.synthetic_data import write_all
 
+    for k, v in offline_env(tmp_path / "wandb_home").items():
+        monkeypatch.setenv(k, v)  # the trainers' processes inherit it (worker_env)
     data = tmp_path / "data"
     write_all(data, n_train=128, n_eval=64)
-    flags = ["--eval_at_start", "--save_steps", "2"]
+    flags = ["--eval_at_start", "--save_steps", "2", "--use_wandb", "True"]
     full = tmp_path / "full"
     run_module("learner.train_sft", sft_args(tiny_model_dir, data, full, *flags))
     log = read_log(full)
@@ -126,6 +131,7 @@ def test_sft_learns_and_a_killed_run_resumes_to_the_same_losses(tiny_model_dir, 
     assert 4 <= k_newest < 16 and len(killed) >= 2, killed
     states = ckpts / f"step_{k_newest:08d}" / "model" / "ds" / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[:1000])
+    saved_id = read_state(ckpts / f"step_{killed[-2]:08d}")["metrics"]["wandb"]["wandb_run_id"]
 
     out = run_module("learner.train_sft", sft_args(tiny_model_dir, data, run, *flags, "--load_checkpoint"))
     k = killed[-2]
@@ -139,6 +145,13 @@ def test_sft_learns_and_a_killed_run_resumes_to_the_same_losses(tiny_model_dir, 
     for step, loss in got.items():
         assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-5), step
     assert [s for s, _ in checkpoints(ckpts)] == [12, 14, 16]  # --max_ckpt_num 3, the damaged one replaced
+    (full_run,) = offline_runs(full)
+    full_recs = records(full_run)
+    assert missing_from_history(log, history(full_recs)) == []
+    assert run_info(full_recs)["project"] == "rayless_train_sft"
+    # The resumed run is the wandb run the checkpoint it resumed names (the killed run's offline
+    # file may lack its last blocks: wandb writes it in blocks; metrics.jsonl has every record).
+    assert run_info(records(offline_runs(run)[-1]))["run_id"] == saved_id
 
     import torch
     from safetensors.torch import load_file
