@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def publish_dir(out_dir: Path, build: Callable[[Path], None], is_complete: Callable[[], bool]) -> Path:
+def publish_dir(out_dir: Path, build: Callable[[Path], object], is_complete: Callable[[], bool]) -> Path:
     """Runs ``build(tmp)`` into a private directory beside ``out_dir``, then renames it into
     place (an existing ``out_dir`` is moved aside and removed: rename cannot replace a non-empty
     directory). A rename that fails because another builder got there first is fine when

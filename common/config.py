@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 
 class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise ConfigError(message)
 
 
@@ -122,7 +122,8 @@ def parse(
     if path:
         values.update(load_yaml(path, cls, parser))
     values.update(ns)
-    missing = [f.name for f in dataclasses.fields(cls) if f.metadata.get("required") and not values.get(f.name)]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # cls is a dataclass type
+    missing = [f.name for f in fields if f.metadata.get("required") and not values.get(f.name)]
     if missing:
         parser.error("missing required flag(s): " + ", ".join(f"--{m}" for m in missing))
     try:
@@ -132,7 +133,7 @@ def parse(
 
 
 def load_yaml(path: str, cls: type, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
-    import yaml
+    import yaml  # type: ignore[import-untyped]  # no stubs installed; what it returns is checked below
 
     try:
         with open(path) as fh:

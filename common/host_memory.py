@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 from common.config import flag
@@ -87,15 +88,15 @@ def keep_freed_memory(who: str = "") -> dict[str, int]:
     return done
 
 
-def keep_freed_memory_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def keep_freed_memory_env(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """The same settings for processes started from here (vLLM's engine core and workers): glibc
     reads ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` when a process starts.
     Sets them in ``env`` (default ``os.environ``) where they are not set; returns what it set."""
-    env = os.environ if env is None else env
+    target: MutableMapping[str, str] = os.environ if env is None else env
     if _libc() is None:
         return {}
-    added = {name: str(value) for name, _, value in _SETTINGS if name not in env}
-    env.update(added)
+    added = {name: str(value) for name, _, value in _SETTINGS if name not in target}
+    target.update(added)
     return added
 
 

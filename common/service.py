@@ -107,7 +107,7 @@ def signal_exit_code(signum: int) -> int:
 def describe_exit(code: int) -> str:
     """How a service with exit status ``code`` ended, in words (``subprocess``'s negative codes,
     a signal the process did not handle, included): for supervisors' messages."""
-    meanings = {
+    meanings: dict[int, str] = {
         ExitCode.STOPPED: "stopped by the controller",
         ExitCode.FATAL: "it broke; its log says why",
         ExitCode.NO_START: "it could not start (a flag, a file, or this host's memory: its log names which); "
@@ -356,8 +356,13 @@ class ServiceShell:
             self.stop_signal = f"{self.name} stopping on {signal.Signals(signum).name}"
             return self.stop_signal
 
+        def on_loop(signum: int) -> None:
+            words = record(signum)
+            if then is not None:
+                then(words)
+
         for sig in STOP_SIGNALS:
             if loop is not None:
-                loop.add_signal_handler(sig, lambda s=sig: then(record(s)) if then else record(s))
+                loop.add_signal_handler(sig, on_loop, sig)
             elif threading.current_thread() is threading.main_thread():
                 signal.signal(sig, lambda signum, _frame: record(signum))

@@ -29,7 +29,6 @@ import json
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 
 from common.atomic_dir import publish_dir
@@ -253,4 +252,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

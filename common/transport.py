@@ -347,6 +347,7 @@ class Endpoint:
             identity, msg, err = self.core.frames_in(frames)
             if msg is not None:
                 return identity, msg
+            assert err is not None  # frames_in gives a message or the error to answer with
             self._answer_bad(identity, err)
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -378,6 +379,7 @@ class Endpoint:
                     continue
                 identity, got, err = self.core.frames_in(frames)
                 if got is None:
+                    assert err is not None  # frames_in gives a message or the error to answer with
                     self._answer_bad(identity, err)
                     continue
                 if got.call_id == msg.call_id and (not self.core.router or identity == to):
@@ -442,7 +444,8 @@ class AsyncEndpoint:
         frames = self.core.frames_out(msg, None)
         async with self._send_lock:
             try:
-                if timeout is not None and not await self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
+                # pyzmq's stub of the async poll omits its flags argument; the call is as documented
+                if timeout is not None and not await self.sock.poll(int(timeout * 1000), zmq.POLLOUT):  # type: ignore[call-arg]
                     raise zmq.Again()
                 await self.sock.send_multipart(frames, copy=False)
             except zmq.Again:
@@ -461,12 +464,13 @@ class AsyncEndpoint:
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ms = None if left is None else int(left * 1000)
-            if not await self.sock.poll(ms, zmq.POLLIN):
+            if not await self.sock.poll(ms, zmq.POLLIN):  # type: ignore[call-arg]  # (see send)
                 return None
             frames = await self.sock.recv_multipart(copy=False)
             _, msg, err = self.core.frames_in(frames)
             if msg is not None:
                 return msg
+            assert err is not None  # frames_in gives a message or the error to answer with
             try:
                 await self.sock.send_multipart(self.core.frames_out(err, None), flags=zmq.NOBLOCK)
             except zmq.ZMQError:

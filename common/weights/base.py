@@ -94,16 +94,29 @@ class WeightSender(ABC):
     """The learner's half of one backend. Built once per publisher; forms a group per server."""
 
     name: ClassVar[str]
-    # How a bucket goes on the wire (``common.weights.wire.segment_plan``): tensors of at least
-    # this many bytes are sent from their own memory, in a broadcast of their own; inf: one
-    # broadcast per bucket.
-    segment_bytes: float = float("inf")
+    # Whether the receiving half can take a bucket in segments (``segment_bytes``).
+    takes_segments: ClassVar[bool] = False
     # The receiving engine can load one received tensor under several names (a tied lm_head
     # from the embedding, ``WeightUpdate.aliases``): tied parameters then travel once.
     sends_tied_once: ClassVar[bool] = False
 
     def __init__(self, *, host: str, bucket_bytes: int, timeout_s: float) -> None:
         self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
+        self._segment_bytes = float("inf")
+
+    @property
+    def segment_bytes(self) -> float:
+        """How a bucket goes on the wire (``common.weights.wire.segment_plan``): tensors of at
+        least this many bytes are sent from their own memory, in a broadcast of their own; inf:
+        one broadcast per bucket (the only choice of a backend whose receiver cannot take
+        segments: vLLM's NCCL consumer receives a bucket in one piece)."""
+        return self._segment_bytes
+
+    @segment_bytes.setter
+    def segment_bytes(self, value: float) -> None:
+        if value != float("inf") and not self.takes_segments:
+            raise ValueError(f"the {self.name} receiver takes a bucket in one piece: segment_bytes stays inf")
+        self._segment_bytes = value
 
     @abstractmethod
     def listen(self, world_size: int, *, fleet: bool = False) -> Rendezvous:

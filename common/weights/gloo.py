@@ -131,6 +131,7 @@ class GlooSender(WeightSender):
 
     name = "gloo"
     sends_tied_once = True  # rollout_service/weight_receiver_gloo.py loads the aliases
+    takes_segments = True
 
     def __init__(self, *, host: str, bucket_bytes: int, timeout_s: float) -> None:
         super().__init__(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)

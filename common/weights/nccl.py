@@ -56,11 +56,7 @@ class NcclGroup:
 class NcclSender(WeightSender):
     """One broadcast per bucket: vLLM's packed NCCL consumer receives a bucket in one piece."""
 
-    name = "nccl"
-
-    @property
-    def segment_bytes(self) -> float:  # read-only: the consumer cannot take segments
-        return float("inf")
+    name = "nccl"  # one broadcast per bucket: takes_segments stays False
 
     def listen(self, world_size: int, *, fleet: bool = False) -> Rendezvous:
         # A fleet needs nothing different here: NCCL's broadcast already pipelines through the

@@ -231,8 +231,19 @@ class WeightPublisher:
             self.disconnect(server, notify=False)
         self._drop_fleet("closed")
 
+    def _channel(self) -> SyncControl:
+        if self.control is None:
+            raise RuntimeError("no control channel to reach the servers (WeightPublisher(..., control=RolloutClient))")
+        return self.control
+
+    def _own_group(self, server: str) -> SendGroup:
+        group = self.links[server].group
+        if group is None:
+            raise RuntimeError(f"{server} has no weight group of its own (it is in the fleet's)")
+        return group
+
     def _sync_init(self, server: str, init_info: dict[str, Any]) -> PendingReply:
-        return self.control.request(
+        return self._channel().request(
             server, P.WeightSyncInit(backend=self.backend, init_info=init_info, timeout_s=self.timeout_s)
         )
 
@@ -419,7 +430,7 @@ class WeightPublisher:
         self._add_seconds(report, "start", t0)
         t1 = time.monotonic()
         pending = self._send_all(ok, lambda s: self._update_msg(meta), "update", failures)
-        failed = self._transfer({s: self.links[s].group for s in pending}, meta, report, close=list(pending))
+        failed = self._transfer({s: self._own_group(s) for s in pending}, meta, report, close=list(pending))
         failures.update(failed)
         pending = {s: p for s, p in pending.items() if s not in failed}
         ok = self._collect(pending, "update", failures)
@@ -432,6 +443,7 @@ class WeightPublisher:
         out of both the result and ``failures``: the caller pushes to it on its own. A member
         that does not answer at all (dead, stalled) goes into ``failures``."""
         fleet = self.fleet
+        assert fleet is not None  # formed by _ensure_fleet before this pass
         t0 = time.monotonic()
         ok = self._step(fleet.members, lambda s: P.WeightUpdateStart(policy_version=version), "start", failures)
         self._add_seconds(report, "start", t0)
@@ -522,7 +534,7 @@ class WeightPublisher:
         pending = {}
         for s in servers:
             try:
-                pending[s] = self.control.request(s, make(s))
+                pending[s] = self._channel().request(s, make(s))
             except TransportError as e:
                 failures[s] = f"{step}: {e}"
         return pending
