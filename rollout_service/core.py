@@ -575,11 +575,20 @@ class RolloutCore:
             return reset
 
     async def _fail_update(self) -> None:
-        # Weights may be half-loaded: serve nothing until a complete update lands.
+        """Weights may be half-loaded: serve nothing until a complete update lands. vLLM's worker
+        ends its update session itself when a receive raises, but not when the update is
+        abandoned between calls (the learner killed after WeightUpdateStart, a refused
+        WeightUpdate): its session would stay open, refusing the next start ("a weight update
+        is already active") and the group's shutdown. The worker extension ends it."""
         self._update_open = False
         self.counters["failed_updates"] += 1
         self._holds.add("update_failed")
         self._holds.discard("update")
+        if self.llm is not None:
+            try:
+                await self.llm.collective_rpc("rayless_abandon_weight_update")
+            except Exception as e:  # noqa: BLE001 - the next start names a worker still stuck
+                log.warning("could not end the worker's abandoned weight update: %r", e)
 
     # ------------------------------------------------------------------ metrics
     @property

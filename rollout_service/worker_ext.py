@@ -32,3 +32,17 @@ class RolloutWorkerExtension:
         """The idle spin this worker's queues were made with (None: a vLLM whose SpinCondition
         has another shape)."""
         return idle_spin_in_force()
+
+    def rayless_abandon_weight_update(self) -> bool:
+        """Ends a weight update session nobody will finish (``RolloutCore._fail_update``);
+        returns whether one was open. Its layers stay half-loaded: the server serves nothing
+        until a complete update lands, and the next ``start_weight_update`` re-initialises
+        the layers this one left pending."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        self._weight_update_active = False
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.reset_weight_update_target()
+        return True
+

@@ -48,6 +48,7 @@ class FakeLLM:
         self.calls: list[str] = []
         self.fail_update = False
         self.errored = False
+        self.session = False  # vLLM's worker: a weight update started and neither finished nor failed
         self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
 
     async def add_request(self, req_id, prompt, params):
@@ -90,13 +91,25 @@ class FakeLLM:
         self.calls.append("resume")
         self.unpaused.set()
 
+    # The worker's session rules (vLLM's Worker: ``_weight_update_active``): a start while one is
+    # open raises, a failed receive ends it, the group cannot be shut down during one.
     async def start_weight_update(self):
         self.calls.append("start")
+        if self.session:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self.session = True
 
     async def update_weights(self, request):
         self.calls.append("update")
         if self.fail_update:
+            self.session = False
             raise RuntimeError("receiving bucket 2/3 from learner@h:1 failed: Connection reset by peer")
+
+    async def collective_rpc(self, method):
+        assert method == "rayless_abandon_weight_update", method
+        self.calls.append("abandon")
+        was, self.session = self.session, False
+        return [was]
 
     async def init_weight_transfer_engine(self, request):
         self.calls.append("init")
@@ -104,9 +117,12 @@ class FakeLLM:
 
     async def shutdown_weight_transfer_engine(self):
         self.calls.append("shutdown")
+        if self.session:
+            raise RuntimeError("Cannot release a trainer connection during a weight update")
 
     async def finish_weight_update(self, weight_version=None):
         self.calls.append("finish")
+        self.session = False
         self.version = weight_version
 
     async def update_weight_version(self, v):
@@ -219,6 +235,7 @@ def test_a_controller_lost_mid_push_frees_the_engine_for_the_next_one(core):
         async def receive_until_the_learner_dies(request):
             receiving.set()
             await asyncio.sleep(0.1)
+            core.llm.session = False  # vLLM's worker ends the session on a failed receive
             raise RuntimeError("Connection closed by peer")
 
         core.llm.update_weights = receive_until_the_learner_dies
