@@ -154,7 +154,7 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
     killed_file, resumed_file = offline_runs(run)
     resumed_wandb = records(resumed_file)
     saved = json.loads((run / "model" / "checkpoints" / f"step_{k:08d}" / "state.json").read_text())
-    run_id = saved["driver"]["metrics"]["wandb_run_id"]
+    run_id = saved["metrics"]["wandb"]["wandb_run_id"]
     assert killed_file.parent.name.endswith(f"-{run_id}") and run_info(resumed_wandb)["run_id"] == run_id
     resumed_rows = history(resumed_wandb)
     assert [r["step"] for r in resumed_rows] == list(range(k + 1, STEPS + 1))
