@@ -65,6 +65,7 @@ demo: setup
 
 bench: setup
 	$(PY) bench/transport.py
+	$(PY) bench/fleet.py
 	$(PY) bench/rollout.py
 	$(PY) bench/learner.py --model small --zero_stage 0 1 2
 	$(PY) bench/learner.py --model small --zero_stage 0 1 2 --nproc 2

@@ -45,4 +45,3 @@ class RolloutWorkerExtension:
         if engine is not None:
             engine.reset_weight_update_target()
         return True
-

@@ -22,10 +22,14 @@ def _offsets(lengths: list[int]) -> list[int]:
     return out
 
 
-def _take_flat(flat: torch.Tensor | None, lengths: list[int], rows: list[int]) -> torch.Tensor | None:
+def _take_flat(
+    flat: torch.Tensor | None, lengths: list[int], rows: list[int], offs: list[int] | None = None
+) -> torch.Tensor | None:
+    """The rows ``rows`` of a flat (columnar) tensor with rows of ``lengths``, as a new tensor.
+    ``offs``: ``_offsets(lengths)``, when the caller takes many row sets of one tensor."""
     if flat is None:
         return None
-    offs = _offsets(lengths)
+    offs = _offsets(lengths) if offs is None else offs
     parts = [flat[offs[r] : offs[r] + lengths[r]] for r in rows]
     return torch.cat(parts) if parts else flat[:0]
 
@@ -44,7 +48,15 @@ def select_samples(b: SampleBatch, rows: list[int]) -> SampleBatch:
     )
 
 
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # One tensor needs no copy; torch.cat promotes mixed dtypes (int32 + int64 -> int64).
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
+    """One batch of all the samples of ``batches``, in order. Token ids keep the dtype the rollout
+    servers sent (int32: half the bytes of int64 on the way to a reward service)."""
+
     def cat(name):
         return [x for b in batches for x in getattr(b, name)]
 
@@ -53,8 +65,8 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
         prompt_ids=cat("prompt_ids"),
         sample_indices=cat("sample_indices"),
         response_lengths=cat("response_lengths"),
-        response_ids=torch.cat([b.response_ids.to(torch.int64) for b in batches]),
-        logprobs=torch.cat([lp.float() for lp in lps]) if all(lp is not None for lp in lps) else None,
+        response_ids=_cat([b.response_ids for b in batches]),
+        logprobs=_cat([lp.float() for lp in lps]) if all(lp is not None for lp in lps) else None,
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
         server=",".join(sorted({b.server for b in batches})),
@@ -62,9 +74,13 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
 
 
 def split_by_prompt(b: SampleBatch) -> dict[int, SampleBatch]:
+    """Prompt id -> its samples. A batch of one prompt's samples (what a rollout server sends for
+    each finished prompt) is returned as it is: no copy of its tokens."""
     rows: dict[int, list[int]] = defaultdict(list)
     for i, pid in enumerate(b.prompt_ids):
         rows[pid].append(i)
+    if len(rows) == 1:
+        return {b.prompt_ids[0]: b} if b.prompt_ids else {}
     return {pid: select_samples(b, r) for pid, r in rows.items()}
 
 
@@ -73,15 +89,16 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
     rows: dict[int, list[int]] = defaultdict(list)
     for i, pid in enumerate(s.prompt_ids):
         rows[pid].append(i)
+    ref = s.ref_logprobs.reshape(-1) if s.ref_logprobs is not None else None
+    offs = _offsets(response_lengths) if ref is not None else None
     out = {}
     for pid, r in rows.items():
         out[pid] = ScoredBatch(
             prompt_ids=[pid] * len(r),
             sample_indices=[s.sample_indices[i] for i in r],
             rewards=s.rewards[r].float(),
-            ref_logprobs=_take_flat(s.ref_logprobs.reshape(-1), response_lengths, r)
-            if s.ref_logprobs is not None
-            else None,
+            # a copy: the prompt's scores outlive the received frame, which is read-only memory
+            ref_logprobs=_take_flat(ref, response_lengths, r, offs),
             failed=[s.failed[i] for i in r] if s.failed else [],
             scores=s.scores[r].float() if s.scores is not None else None,
             extra_logs={k: [v[i] for i in r] for k, v in s.extra_logs.items()},

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from common.protocol import Abort, Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
 from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
 from learner.controller.batches import concat_samples, split_by_prompt, split_scored_by_prompt
@@ -328,7 +330,11 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
     sb, sc = e.samples, e.scores
     order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])
     resp = sb.split_responses()
-    lps = sb.split_logprobs()
+    if sb.logprobs is None:
+        sb.split_logprobs()  # raises: the learner needs the sampler's log-probs
+    # One copy of the prompt's log-probs, viewed per sample: the received frame is read-only
+    # memory and is freed with the ledger entry.
+    lps = sb.logprobs.to(torch.float32, copy=True).split(sb.response_lengths)
     score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
     ref_offsets = None
     if sc.ref_logprobs is not None:  # flat, in the order of sc.sample_indices
@@ -350,7 +356,7 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
                 sample_index=idx,
                 prompt=list(e.payload.tokens),
                 response=resp[i].tolist(),
-                rollout_logprobs=lps[i].float().clone(),
+                rollout_logprobs=lps[i],
                 ref_logprobs=ref,
                 reward=float(sc.rewards[score_row[idx]]),
                 finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",

@@ -50,9 +50,10 @@ class Peer:
     stats: dict[str, float] = field(default_factory=dict)
     in_flight: set = field(default_factory=set)  # work keys held by this peer
 
-    @property
-    def capacity(self) -> int:
-        return max(1, self.capabilities.capacity) if self.capabilities is not None else 1
+    def __post_init__(self) -> None:
+        # Read once: dispatch asks for it for every peer on every turn, and a peer's
+        # capabilities are those of its Hello (saying Hello again makes a new Peer).
+        self.capacity: int = max(1, self.capabilities.capacity) if self.capabilities is not None else 1
 
     @property
     def load(self) -> float:
@@ -87,6 +88,8 @@ class ServicePool:
         self.peers: dict[bytes, Peer] = {}
         self.lost: list[LostWork] = []  # dead peers' work not yet collected by reap()
         self.joined: list[Peer] = []  # peers that joined since the last take_joined()
+        # Work key -> the peer it was last sent to: who holds a key, without asking every peer.
+        self._sent_to: dict[Hashable, Peer] = {}
         self.counters = {"joined": 0, "died": 0, "rejected_hello": 0, "lost_keys": 0}
 
     # ------------------------------------------------------------------ the fleet's weights
@@ -182,6 +185,9 @@ class ServicePool:
         peer.ready = False
         keys = list(peer.in_flight)
         peer.in_flight.clear()
+        for key in keys:
+            if self._sent_to.get(key) is peer:
+                del self._sent_to[key]
         self.counters["died"] += 1
         self.counters["lost_keys"] += len(keys)
         log.error(
@@ -226,19 +232,23 @@ class ServicePool:
         if not self._try_send(msg, peer.identity):
             self._declare_dead(peer, "unreachable (send failed)")
             return False
-        peer.in_flight.update(keys)
+        for key in keys:
+            peer.in_flight.add(key)
+            self._sent_to[key] = peer
         return True
 
     def complete(self, identity: bytes, keys: Iterable[Hashable]) -> None:
         peer = self.peers.get(identity)
         if peer is not None:
-            peer.in_flight.difference_update(keys)
+            for key in keys:
+                peer.in_flight.discard(key)
+                if self._sent_to.get(key) is peer:
+                    del self._sent_to[key]
 
     def holder(self, key: Hashable) -> Peer | None:
-        for peer in self.peers.values():
-            if key in peer.in_flight:
-                return peer
-        return None
+        """The peer holding ``key`` (the last one it was sent to, while that one holds it)."""
+        peer = self._sent_to.get(key)
+        return peer if peer is not None and key in peer.in_flight else None
 
     def _try_send(self, msg: Message, identity: bytes) -> bool:
         try:

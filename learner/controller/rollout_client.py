@@ -25,6 +25,7 @@ A controller loop::
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -152,12 +153,14 @@ class RolloutClient:
         share each). ``seeds``: one per prompt (``PromptBatch.seeds``) or None. Returns the
         prompt ids no server had room for; submit them again later."""
         todo = list(zip(prompt_ids, token_ids, seeds if seeds is not None else [None] * len(prompt_ids), strict=True))
-        while todo:
-            room = [p for p in self.pool.ready(ROLE) if len(p.in_flight) < p.capacity]
-            peer = self.pool.pick(ROLE)
-            if peer is None:
-                break
-            take = min(peer.capacity - len(peer.in_flight), math.ceil(len(todo) / len(room)))
+        # The servers with room, least relative load first (ties by name, as ServicePool.pick),
+        # found once per call: asking the pool per chunk costs a pass over the fleet per prompt
+        # when hundreds of servers have room for one or two prompts each.
+        room = [(p.load, p.name, i, p) for i, p in enumerate(self.pool.ready(ROLE)) if len(p.in_flight) < p.capacity]
+        heapq.heapify(room)
+        while todo and room:
+            _, _, i, peer = heapq.heappop(room)
+            take = min(peer.capacity - len(peer.in_flight), math.ceil(len(todo) / (len(room) + 1)))
             chunk, rest = todo[:take], todo[take:]
             batch = P.PromptBatch(
                 prompt_ids=[p for p, _, _ in chunk],
@@ -168,6 +171,8 @@ class RolloutClient:
             )
             if self.pool.send_work(peer, batch, batch.prompt_ids):
                 todo = rest
+                if len(peer.in_flight) < peer.capacity:
+                    heapq.heappush(room, (peer.load, peer.name, i, peer))
         return [p for p, _, _ in todo]
 
     def reap(self) -> list[LostWork]:
