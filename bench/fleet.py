@@ -43,7 +43,7 @@ from dataclasses import asdict, replace
 
 from fleet_core import core_run
 from fleet_relay import relay_run
-from fleet_run import RunConfig, controller_run
+from fleet_run import RunConfig, controller_run, process_body
 
 DEFAULT_SERVERS = [8, 256]
 FULL_SERVERS = [1, 8, 64, 256]
@@ -54,8 +54,8 @@ def run_one(cfg: RunConfig, timeout_s: float) -> dict:
     """One configuration in a fresh process (its own CPU time and peak RSS)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    target = {"raw": relay_run, "core": core_run}.get(cfg.mode, controller_run)
-    p = ctx.Process(target=target, args=(cfg, out))
+    run = {"raw": relay_run, "core": core_run}.get(cfg.mode, controller_run)
+    p = ctx.Process(target=process_body, args=(run, cfg, out))
     p.start()
     try:
         res = out.get(timeout=timeout_s)

@@ -16,15 +16,8 @@ import time
 from typing import Any
 
 
-def core_run(cfg, out) -> None:
-    """Process body (a fresh process per configuration, like the others); result dict to ``out``."""
-    try:
-        out.put(_core_run(cfg))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        out.put({"error": repr(e)})
-
-
-def _core_run(cfg) -> dict[str, Any]:
+def core_run(cfg) -> dict[str, Any]:
+    """The controller's core without sockets (``fleet_run.process_body``)."""
     from dataclasses import asdict
 
     from common import protocol as P

@@ -25,16 +25,8 @@ from helpers.fleet_standins import RAW_HELLO, VOCAB
 log = logging.getLogger("bench.fleet")
 
 
-def relay_run(cfg: RunConfig, out) -> None:
-    """Process body: the same bytes through a bare ROUTER relay; its result dict to ``out``."""
-    try:
-        out.put(_relay_run(cfg))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        log.exception("raw run failed")
-        out.put({"error": repr(e)})
-
-
-def _relay_run(cfg: RunConfig) -> dict[str, Any]:
+def relay_run(cfg: RunConfig) -> dict[str, Any]:
+    """The same bytes through a bare ROUTER relay (``fleet_run.process_body``)."""
     import collections
     import itertools
 

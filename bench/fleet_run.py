@@ -22,6 +22,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -288,16 +289,17 @@ def _async(cfg, controller, items, clock: Clock, checks: _Checks | None) -> dict
     return out
 
 
-def controller_run(cfg: RunConfig, out) -> None:
-    """Process body: one configuration through the real controller; its result dict to ``out``."""
+def process_body(run: Callable[[RunConfig], dict[str, Any]], cfg: RunConfig, out) -> None:
+    """A configuration's process (a fresh one each: its own CPU time and peak RSS): ``run(cfg)``'s
+    result dict to ``out``, or the error the parent reports."""
     try:
-        out.put(_controller_run(cfg))
+        out.put(run(cfg))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
-        log.exception("run failed")
+        log.exception("%s failed", cfg.mode)
         out.put({"error": repr(e)})
 
 
-def _controller_run(cfg: RunConfig) -> dict[str, Any]:
+def controller_run(cfg: RunConfig) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from common import protocol as P
     from common.transport import Endpoint
