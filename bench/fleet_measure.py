@@ -50,7 +50,7 @@ class Window:
         self.t1 = time.monotonic()
         wall = self.t1 - self.t0
         cpu, thread = self._cpu() - self.cpu0, time.thread_time() - self.thread0
-        b_in, b_out = (now - before for now, before in zip(self.byte_count(), self.bytes0))
+        b_in, b_out = (now - before for now, before in zip(self.byte_count(), self.bytes0, strict=True))
         self.samples = self.sample_count() - self.samples0
         n = max(self.samples, 1)
         return {

@@ -156,9 +156,9 @@ def sync_bench(ctrl, rounds: int, gap_s: float) -> dict:
         "ratio_of_medians": round(med(pushes) / med(raws), 2),
         # Each push is paired with the raw broadcast right after it: the median of the paired
         # ratios is the robust number on a machine whose load drifts.
-        "paired_ratio_median": round(med(p / r for p, r in zip(pushes, raws)), 2),
-        "ratios": [round(p / r, 2) for p, r in zip(pushes, raws)],
-        "paired_ratio_vs_kept_buffer": round(med(p / r for p, r in zip(pushes, kept)), 2),
+        "paired_ratio_median": round(med(p / r for p, r in zip(pushes, raws, strict=True)), 2),
+        "ratios": [round(p / r, 2) for p, r in zip(pushes, raws, strict=True)],
+        "paired_ratio_vs_kept_buffer": round(med(p / r for p, r in zip(pushes, kept, strict=True)), 2),
         "push_phases_median_s": {k: round(med(ph[k] for ph in phases), 4) for k in phases[0]},
     }
 
@@ -190,7 +190,7 @@ def _reload_from_memory(worker, model_dir: str, rounds: int) -> dict:
         loads.append(time.perf_counter() - t0)
         dst = [torch.empty_like(t) for _, t in fresh]
         t0 = time.perf_counter()
-        for d, (_, t) in zip(dst, fresh):
+        for d, (_, t) in zip(dst, fresh, strict=True):
             d.copy_(t)
         copies.append(time.perf_counter() - t0)
     return {"load_s": statistics.median(loads), "copy_s": statistics.median(copies)}
@@ -356,8 +356,8 @@ def main() -> None:
                 "service_tok_s": round(statistics.median(svc), 1),
                 "bare_tok_s": round(statistics.median(bare), 1),
                 "ratio_of_medians": round(statistics.median(svc) / statistics.median(bare), 3),
-                "paired_ratio_median": round(statistics.median(s / b for s, b in zip(svc, bare)), 3),
-                "ratios": [round(s / b, 3) for s, b in zip(svc, bare)],
+                "paired_ratio_median": round(statistics.median(s / b for s, b in zip(svc, bare, strict=True)), 3),
+                "ratios": [round(s / b, 3) for s, b in zip(svc, bare, strict=True)],
             }
             del llm
 

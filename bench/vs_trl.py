@@ -49,6 +49,7 @@ import argparse
 import functools
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -165,7 +166,7 @@ def run_rayless(args, model: Path, prompts: Path, work: Path, new_tokens: int, l
     rows = [(t, m) for t, m in seen if "time/step_s" in m]
     if len(rows) < 2:
         raise SystemExit(f"rayless ({layout}): {len(rows)} step rows, need 2 (--steps >= 2)")
-    walls = [b[0] - a[0] for a, b in zip(rows, rows[1:])]  # step k's time: row k-1 to row k
+    walls = [b[0] - a[0] for a, b in itertools.pairwise(rows)]  # step k's time: row k-1 to row k
     timed = [m for _, m in rows[1:]]
     med = statistics.median
     return {
@@ -219,7 +220,7 @@ def trl_worker(job: dict) -> None:
 
     def reward(prompts, completions, label, **kwargs):
         # The task's own reward_func (the one rayless's reward service loads), on the same text.
-        queries = [p + c for p, c in zip(prompts, completions)]
+        queries = [p + c for p, c in zip(prompts, completions, strict=True)]
         return task.reward_func(queries, list(prompts), list(label))["rewards"].tolist()
 
     stamps: list[float] = []
@@ -262,7 +263,7 @@ def trl_worker(job: dict) -> None:
     )
     trainer = GRPOTrainer(model=job["model"], reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[Clock()])
     trainer.train()
-    walls = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # the first step (warm-up) left out
+    walls = [b - a for a, b in itertools.pairwise(stamps[1:])]  # the first step (warm-up) left out
     res = {
         "side": "trl",
         "s_per_step": statistics.median(walls),
@@ -357,7 +358,7 @@ def limit_worker(job: dict) -> None:
         gen_s.append(dt)
     batch = rows[(job["rounds"] - 1) * PROMPTS : job["rounds"] * PROMPTS]
     samples = []
-    for i, (p, o, r) in enumerate(zip(ids, outs, batch)):
+    for i, (p, o, r) in enumerate(zip(ids, outs, batch, strict=True)):
         texts = [c.text for c in o.outputs]
         rewards = task.reward_func([r["input"] + t for t in texts], [r["input"]] * GROUP, [r["label"]] * GROUP)
         for j, c in enumerate(o.outputs):
@@ -396,7 +397,7 @@ def limit_worker(job: dict) -> None:
     del floor
     gc.collect()
     raw = bench_rollout().RawPeer(nbytes, job["rounds"])
-    fresh, kept = zip(*(raw.time_one() for _ in range(job["rounds"])))
+    fresh, kept = zip(*(raw.time_one() for _ in range(job["rounds"])), strict=True)
     raw.close()
     res = {
         "side": "limit",

@@ -76,7 +76,7 @@ def _raw_rank(rank: int, world: int, port: int, nbytes: int, mode: str, reps: in
         else:
             recvs = [g.recv(buf[o : o + n], rank - 1) for o, n in spans]
             sends = []
-            for (o, n), r in zip(spans, recvs):
+            for (o, n), r in zip(spans, recvs, strict=True):
                 r.wait()
                 if rank + 1 < world:
                     sends.append(g.send(buf[o : o + n], rank + 1))
@@ -221,7 +221,7 @@ def main() -> None:
     for path in paths:
         # Per-round ratios, then their median: the load of the box drifts between rounds.
         for k in ("send", "push"):
-            ratio = med(a[k] / b[k] for a, b in zip(times[(path, hi)], times[(path, lo)]))
+            ratio = med(a[k] / b[k] for a, b in zip(times[(path, hi)], times[(path, lo)], strict=True))
             summary[f"{path}_{k}_ratio_{hi}_over_{lo}"] = round(ratio, 2)
         print(
             f"{path:<11} push({hi})/push({lo}): send {summary[f'{path}_send_ratio_{hi}_over_{lo}']:.2f}, "

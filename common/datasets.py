@@ -336,7 +336,7 @@ def datasource_names(ds, key: str | None, sources: Sequence[str]) -> list[str]:
     several = len(set(sources)) > 1
     return [
         str(v) if v not in (None, "") else (Path(src).stem if several else DEFAULT_DATASOURCE)
-        for v, src in zip(values, sources)
+        for v, src in zip(values, sources, strict=True)
     ]
 
 
@@ -369,7 +369,7 @@ def prompt_rows(
     ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out: list[PromptRow] = []
-    for text, tok, label, src, r, dsrc in zip(texts, ids, labels, sources, rows_idx, datasources):
+    for text, tok, label, src, r, dsrc in zip(texts, ids, labels, sources, rows_idx, datasources, strict=True):
         if prompt_max_len and len(tok) > prompt_max_len:
             where = f"{src}, row {r}, key {input_key!r}"
             if not skip_bad_rows:

@@ -46,6 +46,8 @@ def score(response: str, label: str) -> float:
 
 def reward_func(queries, prompts, labels, **kwargs):
     """1.0 when the response (query minus prompt) is exactly the reversed string, else 0.0."""
-    rewards = [score(q[len(p) :] if q.startswith(p) else q, lab) for q, p, lab in zip(queries, prompts, labels)]
+    rewards = [
+        score(q[len(p) :] if q.startswith(p) else q, lab) for q, p, lab in zip(queries, prompts, labels, strict=True)
+    ]
     t = torch.tensor(rewards, dtype=torch.float32)
     return {"rewards": t, "scores": t, "extra_logs": {"accuracy": t}}

@@ -37,7 +37,7 @@ def reward_func(queries, prompts, labels, **kwargs):
     """1.0 when the first integer of the response equals the label, else 0.0."""
     rewards = [
         1.0 if first_int(q[len(p) :] if q.startswith(p) else q) == str(lab) else 0.0
-        for q, p, lab in zip(queries, prompts, labels)
+        for q, p, lab in zip(queries, prompts, labels, strict=True)
     ]
     t = torch.tensor(rewards, dtype=torch.float32)
     return {"rewards": t, "scores": t, "extra_logs": {"accuracy": t}}

@@ -46,7 +46,7 @@ class ScoringInput:
         """prompt + response tokens of every sample (for the reward model)."""
         if self.prompt_tokens is None:
             raise BadRequest("scoring with a reward model needs samples.prompt_token_ids (the prompt tokens)")
-        return [torch.cat([p, r.long()]) for p, r in zip(self.prompt_tokens, self.response_tokens)]
+        return [torch.cat([p, r.long()]) for p, r in zip(self.prompt_tokens, self.response_tokens, strict=True)]
 
 
 def from_request(req: ScoreRequest) -> ScoringInput:
@@ -83,12 +83,12 @@ def with_text(inp: ScoringInput, tokenizer) -> ScoringInput:
     if inp.responses is None:
         if tokenizer is not None:
             inp.responses = tokenizer.batch_decode([r.tolist() for r in inp.response_tokens], skip_special_tokens=True)
-        elif inp.queries is not None and all(q.startswith(p) for q, p in zip(inp.queries, inp.prompts)):
-            inp.responses = [q[len(p) :] for q, p in zip(inp.queries, inp.prompts)]
+        elif inp.queries is not None and all(q.startswith(p) for q, p in zip(inp.queries, inp.prompts, strict=True)):
+            inp.responses = [q[len(p) :] for q, p in zip(inp.queries, inp.prompts, strict=True)]
         else:
             raise BadRequest(_missing("queries", "", tokenizer))
     if inp.queries is None:
-        inp.queries = [p + r for p, r in zip(inp.prompts, inp.responses)]
+        inp.queries = [p + r for p, r in zip(inp.prompts, inp.responses, strict=True)]
     return inp
 
 

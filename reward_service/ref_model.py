@@ -76,9 +76,9 @@ class ReferenceScorer:
             if len(p) == 0:
                 raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
         out: list[torch.Tensor | None] = [None] * len(prompts)
-        seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
+        seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)]
         for chunk in length_sorted_chunks([len(s) for s in seqs], self.micro_batch_size):
-            for i, lp in zip(chunk, self._chunk([seqs[i] for i in chunk], [responses[i] for i in chunk])):
+            for i, lp in zip(chunk, self._chunk([seqs[i] for i in chunk], [responses[i] for i in chunk]), strict=True):
                 out[i] = lp
         if not out:
             return torch.empty(0, dtype=torch.float32)

@@ -165,12 +165,12 @@ class VLLMReferenceScorer:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
-        seqs = [[*p.tolist(), *r.tolist()] for p, r in zip(prompts, responses)]
+        seqs = [[*p.tolist(), *r.tolist()] for p, r in zip(prompts, responses, strict=True)]
         todo = [i for i, r in enumerate(responses) if len(r)]  # an empty response has no log-probs
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=seqs[i]) for i in todo], params, use_tqdm=False)
         per_sample: list[list[float]] = [[] for _ in prompts]
-        for i, out in zip(todo, outs):
+        for i, out in zip(todo, outs, strict=True):
             seq, start = seqs[i], len(prompts[i])
             # prompt_logprobs[t]: {token at t: its log-prob given tokens < t} (None at t = 0)
             per_sample[i] = [out.prompt_logprobs[t][seq[t]].logprob for t in range(start, len(seq))]

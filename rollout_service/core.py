@@ -367,7 +367,8 @@ class RolloutCore:
         toks = list(o.token_ids)
         lps = None
         if want_logprobs:
-            lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs or [])]
+            # Not strict: a short (or missing) list is the error just below, which names vLLM.
+            lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs or [], strict=False)]
             if len(lps) != len(toks):
                 raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
         # vLLM's per-token weight-version spans: the first says which weights sampled token 0.
@@ -383,7 +384,7 @@ class RolloutCore:
         seeds = batch.seeds or [None] * len(batch.prompt_ids)
         tasks = [
             asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version, seed=seed))
-            for pid, toks, seed in zip(batch.prompt_ids, batch.token_ids, seeds)
+            for pid, toks, seed in zip(batch.prompt_ids, batch.token_ids, seeds, strict=True)
         ]
         try:
             for fut in asyncio.as_completed(tasks):

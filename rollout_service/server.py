@@ -146,7 +146,7 @@ class RolloutServer:
                 continue
             if isinstance(msg, P.PromptBatch):
                 seeds = msg.seeds or [None] * len(msg.prompt_ids)
-                for pid, toks, seed in zip(msg.prompt_ids, msg.token_ids, seeds):
+                for pid, toks, seed in zip(msg.prompt_ids, msg.token_ids, seeds, strict=True):
                     serve = self._serve_prompt(pid, toks, msg.sampling, msg.policy_version, seed)
                     self._track(pid, self._spawn(serve))
             elif isinstance(msg, P.Abort):

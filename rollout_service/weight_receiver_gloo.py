@@ -219,7 +219,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         dtypes = [torch_dtype(d) for d in update_info.dtype_names]
-        sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes)]
+        sizes = [math.prod(s) * dt.itemsize for s, dt in zip(update_info.shapes, dtypes, strict=True)]
         plan = bucket_plan(sizes, self.bucket_bytes)
         group = self.group
         loaded_as: dict[str, list[str]] = {}  # sent name -> the other names it is loaded under

@@ -155,7 +155,7 @@ def unpack(
     """The receiver's half: views of ``buf`` as the named tensors (a copy only for a tensor whose
     bytes start unaligned for its dtype, which only mixed-dtype pushes produce)."""
     out = []
-    for n, shape, dt, part in zip(names, shapes, dtypes, buf.split(sizes)):
+    for n, shape, dt, part in zip(names, shapes, dtypes, buf.split(sizes), strict=True):
         if part.storage_offset() % dt.itemsize:
             part = part.clone()
         out.append((n, part.view(dt).view(shape)))

@@ -38,10 +38,10 @@ def checks(response: str, finish_reason: str | None) -> dict[str, bool]:
 
 def reward_func(queries, prompts, labels, responses=None, finish_reasons=None, **kw):
     if responses is None:  # OpenRLHF passes only queries (= prompt + response) and prompts
-        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts, strict=True)]
     finish_reasons = finish_reasons or [None] * len(responses)
     rewards, logs = [], {}
-    for resp, fr in zip(responses, finish_reasons):
+    for resp, fr in zip(responses, finish_reasons, strict=True):
         c = checks(resp, fr)
         rewards.append(float(all(c.values())))
         for name, ok in c.items():

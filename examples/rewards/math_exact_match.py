@@ -75,9 +75,9 @@ def is_equal(answer: str, label) -> bool:
 
 def reward_func(queries, prompts, labels, responses=None, **kw):
     if responses is None:  # OpenRLHF passes only queries (= prompt + response) and prompts
-        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts, strict=True)]
     rewards, has_answer, has_label = [], [], []
-    for resp, label in zip(responses, labels):
+    for resp, label in zip(responses, labels, strict=True):
         answer = extract_answer(resp)
         has_answer.append(float(answer is not None))
         has_label.append(float(label is not None))

@@ -152,7 +152,7 @@ class Controller:
     def _on_scored(self, peer: str, msg: ScoredBatch) -> None:
         entries = self.ledger.entries
         lengths = []
-        for pid, idx in zip(msg.prompt_ids, msg.sample_indices):
+        for pid, idx in zip(msg.prompt_ids, msg.sample_indices, strict=True):
             e = entries.get(pid)
             sb = e.samples if e is not None else None
             lengths.append(sb.response_lengths[sb.sample_indices.index(idx)] if sb is not None else 0)
@@ -208,7 +208,7 @@ class Controller:
             queries = ()
             if self.detokenize is not None:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
-                queries = [p + r for p, r in zip(prompts, responses)]
+                queries = [p + r for p, r in zip(prompts, responses, strict=True)]
             req = build_score_request(
                 samples,
                 [e.payload.tokens for e in per_sample],

@@ -172,7 +172,7 @@ class OffPolicyFeed:
             items.append((item, self.next_position))
             self.next_position += 1
         if items:
-            for pid, (item, pos) in zip(self.controller.add_prompts([it for it, _ in items]), items):
+            for pid, (item, pos) in zip(self.controller.add_prompts([it for it, _ in items]), items, strict=True):
                 self.in_flight[pid] = item
                 self._position[pid] = pos
             self.counters["admitted"] += len(items)
@@ -264,7 +264,7 @@ class OffPolicyFeed:
         """Hands evaluation prompts to the controller, sampled with ``sampling``, outside the
         staleness budget; returns their prompt ids (for ``take_eval``)."""
         ids = self.controller.add_prompts(items, sampling)
-        self.eval_in_flight.update(zip(ids, items))
+        self.eval_in_flight.update(zip(ids, items, strict=True))
         self.eval_counters["admitted"] += len(ids)
         return ids
 

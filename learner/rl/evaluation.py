@@ -151,7 +151,7 @@ def sample_rows(picked: Iterable[tuple[str, ScoredSample]], decode: Any, *, spli
             "finish_reason": s.finish_reason,
             "policy_version": s.policy_version,
         }
-        for (source, s), p, r in zip(picked, prompts, responses)
+        for (source, s), p, r in zip(picked, prompts, responses, strict=True)
     ]
 
 

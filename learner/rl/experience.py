@@ -207,7 +207,7 @@ def broadcast_rollout(
     dist.broadcast(sizes, src)
     dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32]
     out = []
-    for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes)):
+    for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes, strict=True)):
         buf = parts[i].reshape(-1).to(device) if is_src else torch.empty(n, dtype=dt, device=device)
         dist.broadcast(buf, src)
         out.append(buf.cpu())

@@ -531,7 +531,7 @@ def _reduce(value: Number | Mapping[str, Number], op: str) -> Any:
             if keys
             else []
         )
-        return {k: float(v) for k, v in zip(keys, reduced)}
+        return {k: float(v) for k, v in zip(keys, reduced, strict=True)}
     is_tensor = isinstance(value, torch.Tensor)
     t = (
         value.detach().to(device(), dtype=torch.float64, copy=True)

@@ -100,7 +100,9 @@ class FakeReward(threading.Thread):
             msg = got[1]
             if isinstance(msg, P.ScoreRequest):
                 s = msg.samples
-                rewards = [1.0 if lab == "flat" else float(i) for i, lab in zip(s.sample_indices, msg.labels)]
+                rewards = [
+                    1.0 if lab == "flat" else float(i) for i, lab in zip(s.sample_indices, msg.labels, strict=True)
+                ]
                 self.ep.reply(
                     msg,
                     P.ScoredBatch(

@@ -6,6 +6,6 @@ import torch
 
 
 def reward_func(queries, prompts, labels, responses=None, **kwargs):
-    responses = responses if responses is not None else [q[len(p) :] for q, p in zip(queries, prompts)]
+    responses = responses if responses is not None else [q[len(p) :] for q, p in zip(queries, prompts, strict=True)]
     r = [1.0 if text and ord(text[0]) % 2 == 0 else 0.0 for text in responses]
     return torch.tensor(r)

@@ -175,7 +175,7 @@ def _lag_metrics(samples: list[Any], train_version: int, k: int, old_lp: torch.T
     out["async/train_version"] = float(train_version)
     if old_lp.shape[0] == len(samples):
         sums: dict[int, list[float]] = {}
-        for i, (s, lag) in enumerate(zip(samples, lags)):
+        for i, (s, lag) in enumerate(zip(samples, lags, strict=True)):
             t = len(s.response)
             if t:
                 d = s.rollout_logprobs[:t].float() - old_lp[i, :t].float().cpu()

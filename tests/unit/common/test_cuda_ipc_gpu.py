@@ -76,7 +76,7 @@ def pack_layout(tensors) -> tuple[list[int], list[int], int]:
 def pack_into(buffer, tensors) -> None:
     """Copies each tensor's bytes (made contiguous) into ``buffer`` (uint8) at its offset."""
     offsets, sizes, _ = pack_layout(tensors)
-    for t, offset, size in zip(tensors, offsets, sizes):
+    for t, offset, size in zip(tensors, offsets, sizes, strict=True):
         buffer[offset : offset + size].copy_(t.contiguous().reshape(-1).view(buffer.dtype))
 
 
@@ -85,7 +85,7 @@ def unpack(buffer, shapes, dtypes, offsets, sizes) -> list:
     import torch
 
     out = []
-    for shape, dtype, offset, size in zip(shapes, dtypes, offsets, sizes):
+    for shape, dtype, offset, size in zip(shapes, dtypes, offsets, sizes, strict=True):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         out.append(buffer[offset : offset + size].view(dtype).view(shape))
     return out
@@ -110,7 +110,7 @@ def test_pack_unpack_round_trip_is_bitwise_on_cpu():
     out = unpack(
         buffer, [list(t.shape) for t in tensors], [str(t.dtype).split(".")[-1] for t in tensors], offsets, sizes
     )
-    for a, b in zip(tensors, out):
+    for a, b in zip(tensors, out, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert buffer[-3:].tolist() == [0xAB] * 3
 
@@ -170,7 +170,7 @@ def receiver(conn, device_index: int) -> None:
     torch.cuda.set_device(device_index)
     uuid = str(torch.cuda.get_device_properties(device_index).uuid)
     shapes, dtypes = _reply(conn, "metadata")
-    weights = [torch.empty(s, dtype=getattr(torch, d), device="cuda") for s, d in zip(shapes, dtypes)]
+    weights = [torch.empty(s, dtype=getattr(torch, d), device="cuda") for s, d in zip(shapes, dtypes, strict=True)]
     offsets, sizes, _ = pack_layout(weights)
     torch.cuda.synchronize()
     conn.send("ready")
@@ -195,7 +195,7 @@ def receiver(conn, device_index: int) -> None:
         else:  # packed
             sources = unpack(_rebuild(msg[1], uuid, device_index), shapes, dtypes, offsets, sizes)
         t_open = time.perf_counter()
-        for w, s in zip(weights, sources):
+        for w, s in zip(weights, sources, strict=True):
             w.copy_(s)
         torch.cuda.synchronize()
         t_copy = time.perf_counter()
@@ -227,7 +227,7 @@ def _d2d_baseline(params, total: int, rounds: int) -> tuple[float, float]:
     flat_dst = torch.empty_like(flat_src)
     copies = [torch.empty_like(p) for p in params]
     flat_s = _timed(lambda: flat_dst.copy_(flat_src), rounds)
-    per_tensor_s = _timed(lambda: [c.copy_(p) for c, p in zip(copies, params)], rounds)
+    per_tensor_s = _timed(lambda: [c.copy_(p) for c, p in zip(copies, params, strict=True)], rounds)
     return flat_s, per_tensor_s
 
 
@@ -292,7 +292,7 @@ def worker(args) -> dict:
             theirs = [_rebuild(h, uuid, device_index) for h in _reply(conn, "shared weights")]
             identical[mode] = all(
                 a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-                for a, b in zip(params, theirs)
+                for a, b in zip(params, theirs, strict=True)
             )
             del theirs
             conn.send("compared")
@@ -303,7 +303,7 @@ def worker(args) -> dict:
             for mode in timings:
                 timings[mode].append(send(mode))
         for mode, rows in timings.items():
-            wall, export_s, open_s, copy_s = (statistics.median(col) for col in zip(*rows))
+            wall, export_s, open_s, copy_s = (statistics.median(col) for col in zip(*rows, strict=True))
             result[mode] = {
                 "wall_s": wall,
                 "export_s": export_s,

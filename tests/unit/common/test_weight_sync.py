@@ -61,7 +61,7 @@ def test_pack_unpack_round_trip_dtypes_views_and_empty():
     got = unpack(
         buf, [n for n, _ in tensors], [list(t.shape) for _, t in tensors], [t.dtype for _, t in tensors], sizes
     )
-    for (name, want), (gname, have) in zip(tensors, got):
+    for (name, want), (gname, have) in zip(tensors, got, strict=True):
         assert name == gname and have.dtype == want.dtype and have.shape == want.shape
         assert torch.equal(have, want.contiguous())
 
@@ -75,7 +75,7 @@ def test_model_weights_lists_tied_names_in_engine_dtype():
     assert all(m.dtype == torch.bfloat16 for m in meta)
     pairs = list(src)
     assert [n for n, _ in pairs] == names
-    assert all(t.dtype == torch.bfloat16 and tuple(t.shape) == m.shape for (_, t), m in zip(pairs, meta))
+    assert all(t.dtype == torch.bfloat16 and tuple(t.shape) == m.shape for (_, t), m in zip(pairs, meta, strict=True))
     assert src.nbytes() == sum(t.numel() * 2 for _, t in pairs)
     runs = _layer_runs(list(model.named_parameters(remove_duplicate=False)))
     assert [[n for n, _ in r] for r in runs] == [

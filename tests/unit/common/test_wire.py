@@ -101,7 +101,7 @@ def same(a, b) -> bool:
     if isinstance(a, msgspec.Struct):
         return type(a) is type(b) and all(same(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a == b

@@ -46,14 +46,14 @@ class FakeService(threading.Thread):
             _, msg = got
             if isinstance(msg, P.PromptBatch):
                 self.seen += msg.prompt_ids
-                self.seeds += zip(msg.prompt_ids, msg.seeds or [None] * len(msg.prompt_ids))
+                self.seeds += zip(msg.prompt_ids, msg.seeds or [None] * len(msg.prompt_ids), strict=True)
                 if self.hold:
                     continue
                 n = msg.sampling.n
                 pids = [p for p in msg.prompt_ids for _ in range(n)]
                 idx = [i for _ in msg.prompt_ids for i in range(n)]
                 # response of sample i of prompt p: [p, i] ; logprob -0.5 each
-                ids = torch.tensor([[p, i] for p, i in zip(pids, idx)]).reshape(-1)
+                ids = torch.tensor([[p, i] for p, i in zip(pids, idx, strict=True)]).reshape(-1)
                 self.ep.send(
                     P.SampleBatch(
                         prompt_ids=pids,

@@ -90,7 +90,7 @@ def test_submit_places_prompts_as_the_pick_per_chunk_loop_did():
         runs = []
         for submit in ("new", "reference"):
             pool, ep = fleet(caps)
-            for peer, load in zip(pool.peers.values(), loads):
+            for peer, load in zip(pool.peers.values(), loads, strict=True):
                 peer.in_flight.update(("held", peer.name, j) for j in range(load))
             ep.unreachable = unreachable
             ids = list(range(n_prompts))

@@ -37,7 +37,10 @@ def request(prompts, responses, labels=None, finish_reasons=None):
         finish_reasons=finish_reasons or [],
     )
     return ScoreRequest(
-        samples=sb, prompts=prompts, labels=labels or [], queries=[p + r for p, r in zip(prompts, responses)]
+        samples=sb,
+        prompts=prompts,
+        labels=labels or [],
+        queries=[p + r for p, r in zip(prompts, responses, strict=True)],
     )
 
 

@@ -181,7 +181,7 @@ def test_ref_and_reward_model_through_the_process(ctrl, tiny_model_dir, tmp_path
     rm = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     want_lp, want_rm = [], []
     with torch.no_grad():
-        for p, r in zip(req.samples.prompt_token_ids, req.samples.split_responses()):
+        for p, r in zip(req.samples.prompt_token_ids, req.samples.split_responses(), strict=True):
             ids = torch.tensor(p + r.tolist())[None]
             lp = policy(ids).logits[0].log_softmax(-1)
             want_lp.append(lp[len(p) - 1 : -1].gather(-1, r.long()[:, None])[:, 0])

@@ -163,7 +163,7 @@ def test_k0_trains_lockstep_batches_at_lag_zero(setup):
 def test_k1_steps_with_lagging_samples_are_off_policy(setup):
     c, _ = setup
     _, _, trainer, _, _ = run_schedule(c, k=1, steps=4, train_s=0.3)
-    for step, (batch, on_policy) in enumerate(zip(trainer.trained, trainer.on_policy), 1):
+    for step, (batch, on_policy) in enumerate(zip(trainer.trained, trainer.on_policy, strict=True), 1):
         assert on_policy == all(s.policy_version == step - 1 for s in batch)
     assert not all(trainer.on_policy[1:]), "the slow learner's batches lag: the old log-probs are recomputed"
 

@@ -136,7 +136,7 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
     trainer = PolicyTrainer(policy, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
     ro = _rollout()
     snap = lambda m: [p.detach().clone() for p in m.parameters()]  # noqa: E731
-    changed = lambda a, m: any(not torch.equal(x, y) for x, y in zip(a, m.parameters()))  # noqa: E731
+    changed = lambda a, m: any(not torch.equal(x, y) for x, y in zip(a, m.parameters(), strict=True))  # noqa: E731
 
     p0, c0 = snap(policy), snap(critic_engine)
     m1 = trainer.step(ro).metrics

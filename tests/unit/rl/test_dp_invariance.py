@@ -100,7 +100,7 @@ def _worker(rank: int, port: int) -> None:
 
             ref_loss, ref_grads = _whole_batch(mode, batch)
             torch.testing.assert_close(total, ref_loss, msg=f"{mode}: loss")
-            for g, r in zip(grads, ref_grads):
+            for g, r in zip(grads, ref_grads, strict=True):
                 torch.testing.assert_close(g, r, msg=f"{mode}: gradient")
 
             # Teeth: averaging per-rank means (local counts) is NOT the global loss here.

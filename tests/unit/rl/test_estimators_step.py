@@ -131,7 +131,9 @@ def worker(model_dir: str) -> None:
         stamp()
         before = [p.detach().clone() for p in policy.module.parameters()]
         metrics = trainer.step(rollout).metrics
-        moved = max(float((a - p.detach()).abs().max()) for a, p in zip(before, policy.module.parameters()))
+        moved = max(
+            float((a - p.detach()).abs().max()) for a, p in zip(before, policy.module.parameters(), strict=True)
+        )
         results[name] = {
             "finite": all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float))),
             "moved": moved,

@@ -118,7 +118,7 @@ def _cfg(model_dir, **kw) -> PPOConfig:
 def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     """To 1e-5, relative to each tensor's largest gradient when that exceeds 1 (k3's KL loss
     against reference log-probs far from the model's gives gradients of ~170)."""
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * max(1.0, float(b.abs().max())))
     assert any(g.abs().max() > 0 for g in got)
 

@@ -68,7 +68,7 @@ def test_skipping_old_logprobs_changes_nothing_when_on_policy(model_dir, kw):
     assert skip.forwards["no_grad"] == 0 and m_skip["policy/old_logprobs_reused"] == 1.0
     assert full.forwards["no_grad"] == 2 and m_full["policy/old_logprobs_reused"] == 0.0  # 8 samples / 4
     assert skip.forwards["grad"] == full.forwards["grad"] == 2
-    for a, b in zip(skip.grads(), full.grads()):
+    for a, b in zip(skip.grads(), full.grads(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # The same losses and metrics; logprob_diff and the KL come from the training forward.
     for k in ("policy/policy_loss", "policy/ratio_mean", "rollout/logprob_diff", "policy/kl_to_ref"):
@@ -120,7 +120,7 @@ def test_response_only_logits_equal_the_full_computation(model_dir):
     torch.testing.assert_close(got_ent, want_ent, rtol=0, atol=1e-6)
     g1 = torch.autograd.grad((got * batch["action_mask"]).sum(), list(model.parameters()))
     g2 = torch.autograd.grad((want * batch["action_mask"]).sum(), list(model.parameters()))
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -136,4 +136,4 @@ def test_entropy_only_when_in_the_loss_or_logged(model_dir):
     with_bonus, m, _ = _step(model_dir, True, entropy_loss_coef=0.5, logging_steps=2)
     without, _, _ = _step(model_dir, True, logging_steps=2)
     assert "policy/entropy" in m
-    assert any(not torch.allclose(a, b) for a, b in zip(with_bonus.grads(), without.grads()))
+    assert any(not torch.allclose(a, b) for a, b in zip(with_bonus.grads(), without.grads(), strict=True))

@@ -2,6 +2,7 @@
 seed each carries under --seed_sampling (by place in the run, not by controller prompt id)."""
 
 import hashlib
+import itertools
 
 import pytest
 
@@ -51,4 +52,4 @@ def test_seeds_of_a_run_leave_room_for_n_samples_each(n_places):
     """vLLM samples a seeded prompt's n samples with seed .. seed + n-1: no two places' ranges
     may meet (with consecutive seeds, prompt p's second sample would be prompt p+1's first)."""
     seeds = sorted(sampling_seed(0, p) for p in range(n_places))
-    assert min(b - a for a, b in zip(seeds, seeds[1:])) > 64
+    assert min(b - a for a, b in itertools.pairwise(seeds)) > 64

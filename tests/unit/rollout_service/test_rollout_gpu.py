@@ -45,7 +45,7 @@ def test_nccl_push_then_greedy_parity(tiny_model_dir, tmp_path):
                 ids, prompts, P.SamplingParams(temperature=0.0, max_new_tokens=16), policy_version=version
             )
             ctrl.wait_results(ids)
-            for pid, prompt in zip(ids, prompts):
+            for pid, prompt in zip(ids, prompts, strict=True):
                 (s,) = samples_of(ctrl.results[pid], pid)
                 want, _ = hf_greedy(model, prompt, 16, {IM_END_ID, ENDOFTEXT_ID})
                 assert s["tokens"] == want and s["version"] == version

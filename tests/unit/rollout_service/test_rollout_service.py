@@ -167,7 +167,7 @@ def _run(stack, prompts, sampling, first_id, version, to=None, timeout=180, seed
 
 
 def _assert_parity(model, prompts, got, version):
-    for prompt, samples in zip(prompts, got.values()):
+    for prompt, samples in zip(prompts, got.values(), strict=True):
         (s,) = samples
         want_toks, want_lps = hf_greedy(model, prompt, GREEDY.max_new_tokens, STOP)
         assert s["tokens"] == want_toks, f"v{version}: greedy tokens differ from transformers"

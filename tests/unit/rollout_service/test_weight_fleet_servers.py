@@ -63,7 +63,7 @@ def test_one_fleet_push_reaches_both_engines_bit_exactly(stack):
         # The same weights in both engines, to the bit: identical tokens and log-probs.
         assert [g["tokens"] for g in got["fa"]] == [g["tokens"] for g in got["fb"]]
         assert [g["logprobs"] for g in got["fa"]] == [g["logprobs"] for g in got["fb"]]
-        for prompt, sample in zip(PROMPTS, got["fa"]):
+        for prompt, sample in zip(PROMPTS, got["fa"], strict=True):
             want_tokens, want_lps = hf_greedy(stack.model, prompt, GREEDY.max_new_tokens, STOP)
             assert sample["tokens"] == want_tokens and sample["version"] == version
             assert torch.allclose(torch.tensor(sample["logprobs"]), torch.tensor(want_lps), atol=1e-4)

@@ -174,7 +174,7 @@ def test_the_bounds_catch_a_lost_micro_batch_and_a_doubled_step():
 
 
 def _grad_rel_diff(a, b) -> float:
-    num = sum(float(((x - y).double() ** 2).sum()) for x, y in zip(a, b))
+    num = sum(float(((x - y).double() ** 2).sum()) for x, y in zip(a, b, strict=True))
     den = sum(float((y.double() ** 2).sum()) for y in b)
     return (num / max(den, 1e-300)) ** 0.5
 
@@ -183,7 +183,7 @@ def _param_excess(g_on, g_off, p_on, p_off, *, lr: float, eps: float) -> float:
     """max_i |p_on - p_off| - bound_i (<= 0: within the bound; see the test's docstring)."""
     u = 2.0**-24
     worst = float("-inf")
-    for ga, gb, pa, pb in zip(g_on, g_off, p_on, p_off):
+    for ga, gb, pa, pb in zip(g_on, g_off, p_on, p_off, strict=True):
         ga, gb, pa, pb = (t.double() for t in (ga, gb, pa, pb))
         # the smallest |g| between the two: 0 if they straddle it, where the derivative peaks at lr / eps
         small = ga.abs().minimum(gb.abs()) * (ga.sign() == gb.sign())
@@ -278,7 +278,7 @@ def _worker(model_dir: str) -> None:
         engine, dataclasses.replace(cfg, coalesce_grad_reduction="auto"), pad_id=0, device=info.device
     ).coalesce
     (g_on, p_on, group), (g_off, p_off, _) = first["on"], first["off"]
-    num = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_on, g_off))
+    num = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_on, g_off, strict=True))
     den = sum(float((b.double() ** 2).sum()) for b in g_off)
     excess = _param_excess(g_on, g_off, p_on, p_off, lr=group["lr"], eps=group["eps"])
     sums = torch.tensor([num, den], dtype=torch.float64)

@@ -8,6 +8,7 @@ The slow tests run this file as a worker script: ``python tests/unit/runtime/tes
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_lr_schedules_warm_up_then_decay_to_min():
     # warmup = ceil(0.1 * 20) = 2 steps: 1/2, 2/2; then cosine from 1.0 down to 0.1 at step 20.
     assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)
     assert lrs[2] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[1:]))
     with pytest.raises(ValueError, match="unknown --lr_scheduler"):
         make_lr_scheduler(opt, name="nope", num_training_steps=3)
 

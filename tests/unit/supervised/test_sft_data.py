@@ -32,7 +32,7 @@ def model(tiny_model_dir):
 
 
 def learned_text(tok, sample: MaskedTokens) -> str:
-    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m])
 
 
 def test_loss_only_on_the_response_ending_in_eos(tok):
