@@ -111,17 +111,18 @@ def main() -> None:
             record("verify (resume's check, crc32)", timed(lambda: R.verify(R.step_dir(out, 1)))[0])
         shutil.rmtree(out)
 
+    ds_dir = root / "plain"
     try:
         for i in range(args.repeats):
-            ds_dir = root / "plain"
             os.sync()
             record(
                 "DeepSpeed save_checkpoint (baseline)", timed(lambda: engine.save_checkpoint(str(ds_dir), tag="ds"))[0]
             )
             t, sizes = timed(lambda: M.file_sizes(ds_dir))
             record("list sizes", t)
-            record("crc32 of every file", timed(lambda: M.checksums(ds_dir, sizes))[0])
-            record("sha256 of every file", timed(lambda: {n: sha256(ds_dir / n) for n in sizes})[0])
+            # The closures run at once; binding this round's ``sizes`` says so.
+            record("crc32 of every file", timed(lambda sizes=sizes: M.checksums(ds_dir, sizes))[0])
+            record("sha256 of every file", timed(lambda sizes=sizes: {n: sha256(ds_dir / n) for n in sizes})[0])
             os.sync()
             record(
                 "DeepSpeed save_checkpoint + sync",

@@ -50,9 +50,10 @@ def _libc() -> ctypes.CDLL | None:
         return None
     try:
         libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # noqa: B018 -- glibc only: musl has mallopt but ignores these
-        libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
+        return None
+    # glibc only: musl has mallopt but ignores these
+    if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):
         return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int

@@ -304,7 +304,10 @@ class PolicyTrainer:
                         idx = local[m : m + cfg.micro_train_batch_size]
                         batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
                         T = batch["response"].shape[1]
-                        sl = lambda t: t[idx, :T].to(self.device)  # noqa: E731 - stored (N, T) -> this micro-batch
+
+                        def sl(t, idx=idx, T=T):  # stored (N, T) -> this micro-batch
+                            return t[idx, :T].to(self.device)
+
                         mmask = batch["action_mask"]
                         if critic_step is not None:
                             for k, v in self.critic.train_micro_batch(

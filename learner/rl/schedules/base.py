@@ -200,10 +200,10 @@ class Schedule(abc.ABC):
         on_policy = all(s.policy_version == step - 1 for s in rollout.samples)
         return self.parts.trainer.step(rollout, on_policy=on_policy)
 
-    def abandon(self) -> None:
+    def abandon(self) -> None:  # noqa: B027 - a hook: nothing to release unless the schedule runs something
         """A step raised: release what the schedule runs beside the step (before the error goes up)."""
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> None:  # noqa: B027 - a hook: most schedules have nothing to do
         """Every rank, after a trained step's report."""
 
     def eval_collect(self) -> Any:

@@ -144,7 +144,7 @@ def test_accounting_with_failed_and_filtered_groups_and_the_end_of_the_run(ctrl)
     feed = make_feed(c, its, k=1, total=3 * B, keep=lambda ss: len({s.reward for s in ss}) > 1)
     trained = []
     for v in range(3):
-        pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
+        pump_until(feed, lambda v=v: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
         c.pool.weights_pushed(v + 1, [])
         feed.abort_stale(v + 1)
         feed.check_accounting()
@@ -173,7 +173,7 @@ def test_k0_is_lockstep(ctrl):
     for step in range(1, 5):
         batch = None
 
-        def got():
+        def got(step=step):
             nonlocal batch
             batch = feed.take_batch(step - 1)
             return batch is not None
@@ -299,7 +299,7 @@ def test_restore_admits_the_pending_prompts_first_then_goes_on_from_the_next_pos
     assert feed.state_dict()["pending"] == [3, 6, 8, 9]  # the pending three first, then the stream
     trained = []
     for v in range(2, 5):  # steps 3..5
-        pump_until(feed, lambda: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
+        pump_until(feed, lambda v=v: (b := feed.take_batch(v)) is not None and trained.append(b) is None)
         c.pool.weights_pushed(v + 1, [])
         feed.abort_stale(v + 1)
         feed.check_accounting()

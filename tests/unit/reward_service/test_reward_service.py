@@ -255,7 +255,7 @@ def test_model_errors_answer_internal_then_turn_fatal():
         ident, hello = ep.recv(timeout=10)
         ep.reply(hello, P.Welcome(peer_id="rw-broken"), to=ident)
         sb = P.SampleBatch(prompt_ids=[4], sample_indices=[0], response_lengths=[1], response_ids=torch.tensor([1]))
-        for i in range(FATAL_AFTER):
+        for _ in range(FATAL_AFTER):
             with pytest.raises(RemoteError, match="internal: rw-broken: RuntimeError: CUDA error") as e:
                 ep.call(P.ScoreRequest(samples=sb), to=ident, timeout=10)
             assert e.value.error.prompt_ids == [4]
