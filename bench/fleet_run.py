@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import time
@@ -33,9 +34,9 @@ REPO = prepare(tests=True)
 # learner package: the repository goes ahead of it.
 sys.path.insert(0, str(REPO))
 
-from fleet_measure import Clock, Counting, CountingContext, GcPauses, Window, pct, timed_controller, timed_ledger  # noqa: E402
+from fleet_measure import Clock, Counting, CountingContext, GcPauses, Window, pct, timed_controller, timed_ledger
 
-from helpers.fleet_standins import VOCAB, Shape, modelled_gen_s, serve_host  # noqa: E402
+from helpers.fleet_standins import VOCAB, Shape, modelled_gen_s, serve_host
 
 log = logging.getLogger("bench.fleet")
 
@@ -154,7 +155,7 @@ class Fleet:
         while len(got) < len(live) and time.monotonic() < deadline:
             try:
                 got.append(self.out.get(timeout=1.0))
-            except Exception:  # noqa: BLE001 - queue.Empty: a host still finishing
+            except queue.Empty:  # a host still finishing
                 if not any(p.is_alive() for p in live):
                     break
         for _, p in self.procs:
@@ -294,7 +295,7 @@ def process_body(run: Callable[[RunConfig], dict[str, Any]], cfg: RunConfig, out
     result dict to ``out``, or the error the parent reports."""
     try:
         out.put(run(cfg))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
+    except BaseException as e:  # reported by the parent
         log.exception("%s failed", cfg.mode)
         out.put({"error": repr(e)})
 

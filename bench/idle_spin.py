@@ -34,8 +34,8 @@ from _setup import CPU_ENV, grpo_learner_args, prepare, run_stamped
 
 REPO = prepare(tests=True)
 
-from common.vllm_spin import IDLE_SPIN_ENV  # noqa: E402
-from helpers.e2e_launch import addition_prompts, local_cmd  # noqa: E402 - after prepare()
+from common.vllm_spin import IDLE_SPIN_ENV
+from helpers.e2e_launch import addition_prompts, local_cmd  # after prepare()
 
 
 def learner_args(prompts: Path, steps: int) -> list[str]:

@@ -33,7 +33,7 @@ def _die_with_parent() -> None:
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - other OSes: the parent's kill on shutdown still applies
+    except (OSError, AttributeError):  # no glibc (other OSes): the parent's kill on shutdown still applies
         pass
 
 

@@ -137,7 +137,7 @@ class RewardServer:
                 if fatal:  # after the reply is queued: the main loop sends it before the notice
                     self._fatal = fatal
                 poke()
-        except Exception as e:  # noqa: BLE001 - a bug here must take the service down loudly
+        except Exception as e:  # a bug here must take the service down loudly
             log.exception("scoring thread crashed")
             self._fatal = f"scoring thread crashed: {type(e).__name__}: {e}"
             poke()
@@ -154,7 +154,7 @@ class RewardServer:
             self.counters["bad_requests"] += 1
             log.warning("bad ScoreRequest (call %d): %s", req.call_id, e)
             out = Error(code="bad_request", message=str(e), prompt_ids=list(req.samples.prompt_ids))
-        except Exception as e:  # noqa: BLE001 - the request failed, the service may live on
+        except Exception as e:  # the request failed, the service may live on
             self.counters["internal_errors"] += 1
             self._consecutive_internal += 1
             log.exception("scoring call %d failed", req.call_id)
@@ -185,7 +185,7 @@ class RewardServer:
             log.info("%s registered with the controller at %s as %s", self.name, self.controller, welcome.peer_id)
             worker.start()
             return self._loop(ep, wake)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("reward service failed")
             self.shell.send_last_words(ep, f"{self.name} failed: {type(e).__name__}: {e}")
             return ExitCode.FATAL

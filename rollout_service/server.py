@@ -267,7 +267,7 @@ class RolloutServer:
         except BadRequest as e:
             await self._send(P.Error(code="bad_request", message=f"prompt {pid}: {e}", prompt_ids=[pid]))
             return
-        except Exception as e:  # noqa: BLE001 - reported, then decided fatal or not
+        except Exception as e:  # reported, then decided fatal or not
             if self.core.llm is not None and self.core.llm.errored:
                 await self._fatal(f"vLLM engine died while generating prompt {pid}: {e!r}")
             else:
@@ -303,7 +303,7 @@ class RolloutServer:
             reply = P.Error(code="not_supported", message=str(e))
         except TimeoutError as e:
             reply = P.Error(code="timeout", message=f"{type(msg).__name__} timed out: {e}")
-        except Exception as e:  # noqa: BLE001 - answered; the server lives on unless the engine died
+        except Exception as e:  # answered; the server lives on unless the engine died
             log.exception("%s failed", type(msg).__name__)
             reply = P.Error(code="internal", message=f"{type(msg).__name__} failed: {e!r}")
         reply.call_id = msg.call_id

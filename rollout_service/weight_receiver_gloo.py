@@ -181,7 +181,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 is_master=False,
                 timeout=timedelta(seconds=max(join_s / 3, 1.0)),
             )
-        except Exception as e:  # noqa: BLE001 - re-raised naming the learner
+        except Exception as e:  # re-raised naming the learner
             raise RuntimeError(
                 f"weight-transfer group {label}: the learner's store did not answer within {join_s:.0f} s "
                 f"(it gave up on this group, or died): {e}"

@@ -61,7 +61,7 @@ class GlooGroup:
             if store is None:
                 store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
             pg = ProcessGroupGloo(store, rank, world_size, timeout)
-        except Exception as e:  # noqa: BLE001 - re-raised with who and where
+        except Exception as e:  # re-raised with who and where
             raise RuntimeError(
                 f"weight-transfer group {label} (tcp://{host}:{port}, rank {rank} of "
                 f"{world_size}) could not form within {timeout_s:.0f} s: {e}"

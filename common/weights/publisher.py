@@ -198,7 +198,7 @@ class WeightPublisher:
         try:
             rendezvous = self.sender.listen(world)
             pending = {server: self._sync_init(server, rendezvous.init_info)}
-        except Exception as e:  # noqa: BLE001 - re-raised naming the server
+        except Exception as e:  # re-raised naming the server
             raise WeightSyncError("connect", {server: f"{type(e).__name__}: {e}"}) from e
         group, errors = self._form(rendezvous, pending, server)
         if group is None:

@@ -170,7 +170,7 @@ def wait_work(work, what: str) -> None:
     ``what`` named: which group, which bucket."""
     try:
         work.wait()
-    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses for everything
+    except Exception as e:  # gloo raises RuntimeError subclasses for everything
         raise RuntimeError(f"{what} failed: {e}") from e
 
 

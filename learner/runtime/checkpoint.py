@@ -460,7 +460,7 @@ class Checkpointer:
                     raise CheckpointMismatch(f"cannot resume from {path}: it holds no state for {name!r}")
                 try:
                     part.load_state_dict(state[name])
-                except Exception as e:  # noqa: BLE001 - every rank must hear of it before the engines' collectives
+                except Exception as e:  # every rank must hear of it before the engines' collectives
                     raise CheckpointMismatch(f"cannot resume from {path}: {name}: {e}") from e
         except CheckpointError as e:
             error = e
@@ -470,7 +470,7 @@ class Checkpointer:
                 loaded, _ = engine.load_checkpoint(
                     str(path / name), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
                 )
-            except Exception as e:  # noqa: BLE001 - named for the user: DeepSpeed's own error names no checkpoint
+            except Exception as e:  # named for the user: DeepSpeed's own error names no checkpoint
                 raise CheckpointError(
                     f"{path / name}: the {name} engine could not load it ({type(e).__name__}: {e})"
                 ) from e

@@ -225,7 +225,7 @@ class Schedule(abc.ABC):
                 broadcast_int(0)  # release the other ranks before raising here
                 try:
                     self.abandon()
-                except Exception:  # noqa: BLE001 - the evaluation's own error is the one to raise
+                except Exception:  # the evaluation's own error is the one to raise
                     log.exception("releasing the schedule after a failed evaluation")
                 raise
         if not broadcast_int(1):  # rank 0's 1: done (the other ranks' value is not read)
@@ -239,7 +239,7 @@ class Schedule(abc.ABC):
         except BaseException:
             try:
                 self.abandon()
-            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+            except Exception:  # the step's own error is the one to raise
                 log.exception("releasing the schedule after a failed step")
             raise
 

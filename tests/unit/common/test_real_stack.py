@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.transport import free_port
-from helpers.paths import HELPERS  # noqa: E402
+from helpers.paths import HELPERS
 
 MAX_NEW_TOKENS = 16
 

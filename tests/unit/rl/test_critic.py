@@ -135,8 +135,8 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
     critic = Critic(critic_engine, pad_id=0, device=torch.device("cpu"), micro_rollout_batch_size=2, value_clip=0.5)
     trainer = PolicyTrainer(policy, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
     ro = _rollout()
-    snap = lambda m: [p.detach().clone() for p in m.parameters()]  # noqa: E731
-    changed = lambda a, m: any(not torch.equal(x, y) for x, y in zip(a, m.parameters(), strict=True))  # noqa: E731
+    snap = lambda m: [p.detach().clone() for p in m.parameters()]
+    changed = lambda a, m: any(not torch.equal(x, y) for x, y in zip(a, m.parameters(), strict=True))
 
     p0, c0 = snap(policy), snap(critic_engine)
     m1 = trainer.step(ro).metrics

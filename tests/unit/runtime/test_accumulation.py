@@ -166,7 +166,7 @@ def test_the_bounds_catch_a_lost_micro_batch_and_a_doubled_step():
     g = torch.randn(4, 1000)
     full, lost, other = g.sum(0), g[:3].sum(0), g[2:].sum(0) + g[:2].sum(0)
     lr, eps = 1e-2, 1e-8
-    step = lambda x: -lr * x / (x.abs() + eps)  # noqa: E731 - Adam's first step from zero weights
+    step = lambda x: -lr * x / (x.abs() + eps)  # Adam's first step from zero weights
     assert _grad_rel_diff([full], [lost]) > 0.1
     assert _param_excess([full], [full], [2 * step(full)], [step(full)], lr=lr, eps=eps) > 1e-3
     assert _grad_rel_diff([full], [other]) < 1e-6
