@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m learner.runtime.engine --build-ops
 	@touch $@
 
-# ruff: pyflakes, import order, pyupgrade, and the formatter's check (pyproject.toml [tool.ruff]).
+# ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check (pyproject.toml [tool.ruff]).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
