@@ -60,13 +60,13 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
     def cat(name):
         return [x for b in batches for x in getattr(b, name)]
 
-    lps = [b.logprobs for b in batches]
+    lps = [b.logprobs for b in batches if b.logprobs is not None]
     return SampleBatch(
         prompt_ids=cat("prompt_ids"),
         sample_indices=cat("sample_indices"),
         response_lengths=cat("response_lengths"),
         response_ids=_cat([b.response_ids for b in batches]),
-        logprobs=_cat([lp.float() for lp in lps]) if all(lp is not None for lp in lps) else None,
+        logprobs=_cat([lp.float() for lp in lps]) if len(lps) == len(batches) else None,  # every batch has them
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
         server=",".join(sorted({b.server for b in batches})),

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -117,7 +117,8 @@ class Controller:
         lost_work = self.rollout.reap()
         self.rewards.on_lost(lost_work)  # the ledger re-issues by prompt id; forget the requests
         for lost in lost_work:
-            back = self.ledger.lost(lost.keys, f"{lost.peer.name} {lost.reason}")
+            # The pool is keyed by whatever its users send; this controller's work keys are prompt ids.
+            back = self.ledger.lost(cast("list[int]", lost.keys), f"{lost.peer.name} {lost.reason}")
             if back:
                 log.warning("re-issuing %d prompt(s) held by %s", len(back), lost.peer.name)
         for pid in self.ledger.expire():
@@ -137,6 +138,7 @@ class Controller:
             if outcome.error is not None:
                 self._on_error(peer.name, outcome.error, outcome.request.samples.prompt_ids)
             else:
+                assert outcome.scored is not None  # an outcome carries the reply or the error
                 self._on_scored(peer.name, outcome.scored)
         elif isinstance(msg, SampleBatch):  # RolloutClient has released these prompts at the pool
             for pid, sub in split_by_prompt(msg).items():
@@ -205,7 +207,7 @@ class Controller:
             samples = concat_samples([e.samples for e in chunk])
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
             prompts = [e.payload.text for e in per_sample]
-            queries = ()
+            queries: Sequence[str] = ()
             if self.detokenize is not None:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
                 queries = [p + r for p, r in zip(prompts, responses, strict=True)]

@@ -85,8 +85,9 @@ class RolloutClient:
         got = self.endpoint.recv(timeout=max(0.0, timeout))
         if got is None:
             return False
-        ident, msg = got
-        msg = self.pool.handle(ident, msg)  # heartbeats, Hello, fatal errors end here
+        ident, received = got
+        assert ident is not None  # the controller's endpoint is a ROUTER: every message names its sender
+        msg = self.pool.handle(ident, received)  # heartbeats, Hello, fatal errors end here
         if msg is None:
             return True
         peer = self.pool.peers.get(ident)
@@ -152,7 +153,8 @@ class RolloutClient:
         """Spreads prompts over the ready servers by free capacity (least loaded first, an even
         share each). ``seeds``: one per prompt (``PromptBatch.seeds``) or None. Returns the
         prompt ids no server had room for; submit them again later."""
-        todo = list(zip(prompt_ids, token_ids, seeds if seeds is not None else [None] * len(prompt_ids), strict=True))
+        per_prompt: Sequence[int | None] = [None] * len(prompt_ids) if seeds is None else seeds
+        todo = list(zip(prompt_ids, token_ids, per_prompt, strict=True))
         # The servers with room, least relative load first (ties by name, as ServicePool.pick),
         # found once per call: asking the pool per chunk costs a pass over the fleet per prompt
         # when hundreds of servers have room for one or two prompts each.
@@ -167,7 +169,7 @@ class RolloutClient:
                 token_ids=[list(t) for _, t, _ in chunk],
                 sampling=sampling,
                 policy_version=policy_version,
-                seeds=[s for _, _, s in chunk] if seeds is not None else [],
+                seeds=[s for _, _, s in chunk if s is not None],  # every prompt's, or none (seeds=None)
             )
             if self.pool.send_work(peer, batch, batch.prompt_ids):
                 todo = rest

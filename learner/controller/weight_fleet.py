@@ -80,6 +80,8 @@ class FleetWeights:
         try:
             report = self.publisher.push(version, servers)
         except WeightSyncError as e:
+            if e.report is None:  # push() attaches what it did; without it there is nothing to go on
+                raise
             report = e.report
             for server, why in e.failures.items():
                 peer = self.pool.peers.get(server.encode())
