@@ -190,9 +190,11 @@ class Controller:
                     )
                 )
                 for e in chunk:
-                    if e.prompt_id not in unplaced:
-                        holder = self.pool.holder(e.prompt_id).name
-                        self.ledger.start_generation([e.prompt_id], holder, version=self.pool.policy_version)
+                    # No holder: its server took it, then failed a later send of this submit and
+                    # is dead with it (lost work the ledger ignores): it stays queued for the next turn.
+                    holder = self.pool.holder(e.prompt_id) if e.prompt_id not in unplaced else None
+                    if holder is not None:
+                        self.ledger.start_generation([e.prompt_id], holder.name, version=self.pool.policy_version)
                 if unplaced:
                     return
 

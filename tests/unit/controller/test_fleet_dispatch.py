@@ -6,7 +6,9 @@
 - ``ServicePool.holder`` answers from an index kept by ``send_work`` / ``complete`` / deaths,
   not by asking every peer;
 - a rollout server's one-prompt SampleBatch goes into the ledger uncopied, and token ids keep
-  the dtype they came in (int32) on their way to a reward service.
+  the dtype they came in (int32) on their way to a reward service;
+- a server lost later in the submit that placed prompts on it leaves them queued, not
+  placed on a dead server.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 
 from common import protocol as P
 from learner.controller.batches import concat_samples, split_by_prompt
-from learner.controller.controller import scored_samples
-from learner.controller.ledger import Entry
+from learner.controller.controller import Controller, scored_samples
+from learner.controller.ledger import Entry, PromptLedger, State
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
 from learner.controller.types import PromptItem
@@ -172,3 +174,47 @@ def test_scored_samples_copy_the_log_probs_out_of_the_received_batch():
     assert out[1].rollout_logprobs.tolist() == pytest.approx([-0.3, -0.4, -0.5])
     sb.logprobs.zero_()  # the received frame's memory is the batch's, not the samples'
     assert out[0].rollout_logprobs.tolist() == pytest.approx([0.0, -0.1, -0.2])
+
+
+class FailsTheSecondSend(StubEndpoint):
+    """``victim`` takes one PromptBatch, then is unreachable (it went away mid-dispatch)."""
+
+    def __init__(self, victim: bytes) -> None:
+        super().__init__()
+        self.victim, self.batches = victim, 0
+
+    def send(self, msg, to=None, timeout=None):
+        if to == self.victim and isinstance(msg, P.PromptBatch):
+            self.batches += 1
+            if self.batches > 1:
+                self.unreachable.add(to)
+        super().send(msg, to, timeout)
+
+
+def test_a_server_lost_later_in_the_same_submit_leaves_its_earlier_prompts_queued():
+    """submit() may send one server several chunks. When a later send to it fails, the pool
+    declares it dead with the prompts of its earlier chunk, which submit() had placed: they
+    have no holder, so dispatch leaves them queued (the next turn sends them elsewhere) rather
+    than failing on the missing holder."""
+    ep = FailsTheSecondSend(b"r000")
+    pool = ServicePool(ep, needs_preparation=())
+    for name, cap in (("r000", 8), ("r001", 1)):
+        pool.handle(
+            name.encode(),
+            P.Hello(role="rollout", name=name, capabilities=P.RolloutCapabilities(capacity=cap), call_id=1),
+        )
+    c = Controller(
+        RolloutClient(ep, pool), PromptLedger(generate_timeout_s=30, score_timeout_s=30), sampling=P.SamplingParams()
+    )
+    ids = c.add_prompts([PromptItem(tokens=[100 + i]) for i in range(6)])
+    # r000 (8 slots) gets 3, r001 (1 slot) 1, then r000 the last 2: that send fails.
+    c._dispatch_generation()
+    assert placements(ep) == [(b"r000", [0, 1, 2]), (b"r001", [3])]
+    assert not pool.peers[b"r000"].alive
+    assert [(pid, c.ledger.entries[pid].holder) for pid in ids if c.ledger.entries[pid].state is State.GENERATING] == [
+        (3, "r001")
+    ]
+    assert [e.prompt_id for e in c.ledger.queued()] == [0, 1, 2, 4, 5]
+    # The pool hands r000's prompts back as lost; the ledger has them queued already.
+    (lost,) = c.rollout.reap()
+    assert sorted(lost.keys) == [0, 1, 2] and c.ledger.lost(lost.keys, "gone") == []
