@@ -36,10 +36,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m learner.runtime.engine --build-ops
 	@touch $@
 
-# ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check (pyproject.toml [tool.ruff]).
+# ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check
+# (pyproject.toml [tool.ruff]); then mypy over common/ and learner/controller/ ([tool.mypy]).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
