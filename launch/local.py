@@ -8,7 +8,8 @@ the weight-transfer stores, gloo's connections (docs/security.md). Shows one pro
 everything on Ctrl-C, when the learner finishes or dies, or when the last process of a service
 kind dies — naming it and pointing at its log.
 A rollout or reward process that dies while others of its kind run is reported and the run
-goes on: the controller re-issues what it held.
+goes on: the controller re-issues what it held. With ``--external_services`` only the learner
+is started: it joins services that run already and leaves them running for the next one.
 
 There is no magic here: the same run by hand is one command per role in its own terminal
 (README, "The same run, by hand").
@@ -88,6 +89,13 @@ class LocalConfig:
         "ZeroMQ CURVE between the roles: keys made once in RUN_DIR/auth (python -m common.auth) and passed to "
         "every role as --auth_dir; peers without them are refused",
     )
+    external_services: bool = flag(
+        False,
+        "the rollout and reward services run already (started by hand, by an earlier launch.local or by Slurm) "
+        "and connect to --port: start only the learner, which waits for --rollout_servers and --reward_services "
+        "of them and leaves them running when it finishes (learner --keep_services). Their flags are their own: "
+        "--rollout_args, --reward_args and the learner's engine and reward flags do not reach them",
+    )
     restart_learner: int = flag(
         0,
         "restart a learner that fails up to N times, from its newest checkpoint (--load_checkpoint; give the "
@@ -99,6 +107,8 @@ class LocalConfig:
             raise ValueError(f"--threads_per_process must be >= 1, got {self.threads_per_process}")
         if self.restart_learner < 0:
             raise ValueError(f"--restart_learner must be >= 0, got {self.restart_learner}")
+        if self.external_services and not self.port:
+            raise ValueError("--external_services needs --port: the port the running services connect to")
         if self.learner_threads < 0:
             raise ValueError(
                 f"--learner_threads must be >= 1 (or 0: --threads_per_process), got {self.learner_threads}"
@@ -137,7 +147,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
     engine_extra = _rollout_flags_from_learner(learner)
     devices = _colocated_devices(cfg, learner)
     roles: list[Role] = []
-    for i in range(cfg.rollout_servers):
+    for i in range(0 if cfg.external_services else cfg.rollout_servers):
         roles.append(
             Role(
                 f"rollout-{i}",
@@ -163,7 +173,13 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
             )
         )
     reward_extra = _reward_flags_from_learner(learner)
-    for i in range(cfg.reward_services):
+    if cfg.external_services and (engine_extra or reward_extra or cfg.rollout_args or cfg.reward_args):
+        print(
+            "note: --external_services: the running services keep their own flags; these do not reach them: "
+            + shlex.join([*engine_extra, *reward_extra, *shlex.split(cfg.rollout_args), *shlex.split(cfg.reward_args)]),
+            file=sys.stderr,
+        )
+    for i in range(0 if cfg.external_services else cfg.reward_services):
         roles.append(
             Role(
                 f"reward-{i}",
@@ -201,6 +217,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         "--use_tensorboard",
         str(run / "tensorboard"),
         *auth,
+        *(["--keep_services"] if cfg.external_services else []),
         *shlex.split(cfg.learner_args),
     ]
     learner_env = dict(devices["learner"]) if devices else {}

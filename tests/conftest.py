@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
+# The whole suite's wall time on the developers' kind of host (2 cores, 24 GiB), in seconds:
+# docs/testing.md says how it was measured and how to keep it. Printed against each full run.
+BUDGET_S = 700
+_started = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if config.getoption("markexpr") or config.args != config.getini("testpaths"):
+        return  # a selection: the budget is the whole suite's
+    took = time.monotonic() - _started
+    verdict = "within" if took <= BUDGET_S else "OVER"
+    terminalreporter.write_line(
+        f"test suite: {took:.0f} s, {verdict} its budget of {BUDGET_S} s on a 2-core host (docs/testing.md)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
+    # The runs that join the session's shared fleet go last, one after another: the fleet is
+    # started for the first of them and stopped at the end, so it idles through no other test
+    # (and holds none of the memory a test starting its own vLLM needs).
+    items[:] = [i for i in items if "shared_fleet" not in i.fixturenames] + [
+        i for i in items if "shared_fleet" in i.fixturenames
+    ]
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # spare CPU-only runs the torch import
@@ -36,3 +59,24 @@ def restore_signal_handlers():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+@pytest.fixture(scope="session")
+def _fleet(tiny_model_dir, tmp_path_factory):
+    from helpers.shared_fleet import SharedFleet
+
+    fleet = SharedFleet(tiny_model_dir, tmp_path_factory.mktemp("shared_fleet"))
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture
+def shared_fleet(_fleet):
+    """The session's rollout server and reward service (tests/helpers/shared_fleet.py), for a run
+    that joins them (``local_cmd(..., fleet=shared_fleet)``). They outlive the run: a run that
+    ends well leaves them serving (``--keep_services``), and the test fails if it did not."""
+    died = _fleet.ensure()
+    if died:  # broken by an earlier test, which failed for it: this one gets a fresh service
+        print("shared fleet: started again after an earlier test:", "; ".join(died))
+    yield _fleet
+    assert _fleet.alive(), f"a shared service died during the test; logs in {_fleet.folder}"

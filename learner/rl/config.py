@@ -290,6 +290,13 @@ class ServiceFlags:
     min_rollout_servers: int = flag(1, "wait for this many rollout servers before the first step", group="services")
     min_reward_services: int = flag(1, "wait for this many reward services before the first step", group="services")
     wait_for_services_s: float = flag(600.0, "give up waiting for services after this long", group="services")
+    keep_services: bool = flag(
+        False,
+        "when training finishes, leave the services running instead of telling them to exit: they wait "
+        "--reconnect_timeout_s for the next learner at the same --controller_bind (a long-lived fleet that "
+        "successive runs join; the next learner pushes them its own weights before any prompt)",
+        group="services",
+    )
     peer_timeout_s: float = flag(
         30.0, "a service silent this long is declared dead; its work is re-issued", group="services"
     )

@@ -170,8 +170,9 @@ class Driver:
         After a failure (this rank's, or a peer rank's that broke a collective) they are not:
         services outlive the learner, waiting ``--reconnect_timeout_s`` for a restarted one that
         resumes from a checkpoint (``launch.local --restart_learner``, launch/grpo_70b.slurm);
-        a launcher that gives up on the learner ends them itself."""
-        if ok:
+        a launcher that gives up on the learner ends them itself. With ``--keep_services`` they
+        outlive a finished run too, for the next learner to join."""
+        if ok and not self.cfg.keep_services:
             self.controller.shutdown_services("training finished")
         self.controller.endpoint.close()
         self.sink.close()

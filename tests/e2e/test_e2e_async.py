@@ -3,7 +3,7 @@ reward service and DeepSpeed, the learner deliberately slowed (a test-only env v
 generation runs ahead: every trained sample is within --max_staleness 1 of the weights trained,
 most lag exactly 1 (the overlap is real), nothing is lost, and the run still learns. The same
 run shows the back-pressure: admitted-and-unfinished prompts reach (K + 1) x B and never pass
-it, and the rollout side waits (one run: each costs a vLLM start)."""
+it, and the rollout side waits (one run, on the session's shared fleet)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 B, G = 16, 8
 
 
-def _launch(tmp_path: Path, model: Path, *, steps: int, slow_s: float) -> subprocess.Popen:
+def _launch(tmp_path: Path, model: Path, fleet, *, steps: int, slow_s: float) -> subprocess.Popen:
     learner = [
         *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
         *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(G), "--rollout_batch_size", str(B)),
@@ -39,13 +39,13 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, slow_s: float) -> subpro
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
         *("--peer_timeout_s", "10", "--async_train", "--max_staleness", "1"),
     ]
-    cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", "1"])
+    cmd = local_cmd(tmp_path / "run", model, learner, fleet=fleet)
     return start(cmd, cpu_env(**{SLOW_LEARNER_ENV: str(slow_s)}))
 
 
-def test_async_k1_slow_learner_stays_within_the_bound_overlaps_and_pushes_back(tmp_path, tiny_model_dir):
+def test_async_k1_slow_learner_stays_within_the_bound_overlaps_and_pushes_back(tmp_path, tiny_model_dir, shared_fleet):
     steps = 8
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, slow_s=2.0)
+    proc = _launch(tmp_path, tiny_model_dir, shared_fleet, steps=steps, slow_s=2.0)
     out = finish(proc, 900)
     assert proc.returncode == 0, out[-4000:]
     run = tmp_path / "run"

@@ -10,6 +10,7 @@ real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -33,7 +34,9 @@ from helpers.e2e_launch import (
 pytestmark = pytest.mark.slow
 
 
-def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, extra=()) -> subprocess.Popen:
+def _launch(
+    tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, extra=(), fleet=None
+) -> subprocess.Popen:
     learner = [
         *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
         *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
@@ -43,6 +46,8 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers:
         *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(ASYNC_K)),
         *extra,
     ]
+    if fleet is not None:
+        return start(local_cmd(tmp_path / "run", model, learner, fleet=fleet), cpu_env())
     cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers)])
     return start(cmd, cpu_env())
 
@@ -86,17 +91,22 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
     assert sum(reissued) <= held[0] and rows[-1]["ledger/reissued"] >= sum(reissued), log[-3000:]
 
 
-def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir):
+def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir, shared_fleet):
+    """Also RLOO's advantages and GSPO's sequence-level ratio, with TIS (truncated importance
+    sampling, named here though async's default) through the real services: every loss finite,
+    the IS weights reported."""
     # Groups of 2 under a reward that is 0 or 1 with about even odds: about half are all-equal
     # and dropped, so every step needs refills from the stream.
     steps, b, g = 4, 8, 2
+    losses = ["--policy_loss_type", "gspo", "--is_correction", "tis"]
     proc = _launch(
         tmp_path,
         tiny_model_dir,
         steps=steps,
         b=b,
         g=g,
-        extra=["--generate_max_len", "4", "--dynamic_filtering", "--advantage_estimator", "rloo"],
+        extra=["--generate_max_len", "4", "--dynamic_filtering", "--advantage_estimator", "rloo", *losses],
+        fleet=shared_fleet,
     )
     out = finish(proc, 400)
     assert proc.returncode == 0, out[-4000:]
@@ -107,3 +117,6 @@ def test_dynamic_filtering_refills_from_the_stream(tmp_path, tiny_model_dir):
     assert filtered >= 1, rows[-1]
     # The refills are new prompts from the stream: more admitted than trained.
     assert rows[-1]["async/admitted"] >= steps * b + filtered
+    for m in rows:
+        assert math.isfinite(m["policy/policy_loss"]) and math.isfinite(m["policy/advantage_abs"]), m
+        assert "policy/is_weight_mean" in m, sorted(m)

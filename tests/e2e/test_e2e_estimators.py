@@ -1,19 +1,20 @@
 """End to end: estimators other than GRPO through launch.local with real vLLM, the reward
-service and DeepSpeed (slow: each run starts vLLM).
+service and DeepSpeed (slow; the run joins the session's shared fleet).
 
 * PPO with a critic (``--advantage_estimator gae``): the critic trains — its value loss
   falls — on the first-char-parity reward a tiny random model learns in a few steps. It runs
   with ``--packing_samples`` (every learner forward on packed rows: the critic's old values,
   the critic and policy training forwards), and the learner's packed log-probs agree with
   vLLM's (``rollout/logprob_diff``), which they would not if attention crossed samples.
-* Two representative critic-free configurations, 2 steps each (vLLM start-up dominates,
-  ~2 min a run on 2 CPU cores, so not one run per estimator): every estimator and loss
+* The critic-free estimators run through the real services in the other e2e runs, each with
+  loss options that run nowhere else end to end: GRPO (group_norm) in test_e2e_grpo.py and the
+  async runs, RLOO with dynamic filtering, GSPO and TIS in the async dynamic-filtering run,
+  Dr. GRPO with clip-higher and dual clip in the killed-server run. Every estimator and loss
   option also runs in-process on a real DeepSpeed engine in tests/unit/rl/test_estimators_step.py.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from helpers.e2e_launch import finish, local_cmd, metrics, start
 pytestmark = pytest.mark.slow
 
 
-def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str] = ()):
+def _launch(tmp_path: Path, model: Path, fleet, *, steps: int, extra_learner: list[str] = ()):
     from launch.demo_task import problems, write_jsonl
 
     train, _ = problems(0)
@@ -35,7 +36,7 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str]
         *("--actor_learning_rate", "3e-3", "--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0"),
         *("--peer_timeout_s", "5", *extra_learner),
     ]
-    proc = start(local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", "1"]))
+    proc = start(local_cmd(tmp_path / "run", model, learner, fleet=fleet))
     out = finish(proc, 600)
     assert proc.returncode == 0, out[-4000:]
     rows = [m for m in metrics(tmp_path / "run") if "rollout/reward" in m]
@@ -43,11 +44,12 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, extra_learner: list[str]
     return rows
 
 
-def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
+def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir, shared_fleet):
     steps = 6
     rows = _launch(
         tmp_path,
         tiny_model_dir,
+        shared_fleet,
         steps=steps,
         extra_learner=[
             "--advantage_estimator",
@@ -82,40 +84,3 @@ def test_ppo_with_critic_trains_the_critic(tmp_path, tiny_model_dir):
         saved.config.hidden_size + 1
     )  # the head the critic started from (learner.runtime.models)
     assert not torch.allclose(saved.score.weight, fresh), "the saved head is the untrained one"
-
-
-@pytest.mark.parametrize(
-    "flags",
-    [
-        [
-            "--advantage_estimator",
-            "rloo",
-            "--dynamic_filtering",
-            "--policy_loss_type",
-            "gspo",
-            "--is_correction",
-            "tis",
-        ],
-        [
-            "--advantage_estimator",
-            "dr_grpo",
-            "--loss_agg_mode",
-            "seq_mean_token_sum_norm",
-            "--eps_clip_low_high",
-            "0.2",
-            "0.28",
-            "--dual_clip",
-            "3",
-        ],
-    ],
-    ids=["rloo-dynamic_filtering-gspo-tis", "dr_grpo-clip_higher-dual_clip"],
-)
-def test_estimator_runs_through_real_services(tmp_path, tiny_model_dir, flags):
-    rows = _launch(tmp_path, tiny_model_dir, steps=2, extra_learner=flags)
-    for m in rows:
-        assert m["samples"] == 128
-        assert math.isfinite(m["policy/policy_loss"]) and math.isfinite(m["policy/advantage_abs"]), m
-    if "--dynamic_filtering" in flags:
-        assert all(m["filter/groups_kept"] == 16 for m in rows), rows
-    if "tis" in flags:
-        assert all("policy/is_weight_mean" in m for m in rows), rows[0].keys()

@@ -10,6 +10,7 @@ on the exact probability of a rewarded first token before and after, not on samp
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ def _launch(
     extra_learner: list[str] = (),
     extra_local: list[str] = (),
     env: dict[str, str] | None = None,
+    fleet=None,
 ):
     learner = [
         *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
@@ -43,6 +45,8 @@ def _launch(
         *("--init_kl_coef", "0", "--zero_stage", "2", "--seed", "0", "--peer_timeout_s", "5"),
         *extra_learner,
     ]
+    if fleet is not None:
+        return start(local_cmd(tmp_path / "run", model, learner, fleet=fleet, extra=extra_local), env)
     cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers), *extra_local])
     return start(cmd, env)
 
@@ -76,38 +80,25 @@ def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
     return total / len(prompts)
 
 
-def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
+def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir, shared_fleet):
     """Also the tracking and evaluation of a run: --eval_steps 5 evaluates at steps 0, 5, 10 and
     12 (the last), per data source, and metrics.jsonl, TensorBoard and the offline wandb run
     (read back with wandb's own reader) all hold those evaluations; wandb holds every key and
-    step of metrics.jsonl."""
+    step of metrics.jsonl. The run joins the session's shared fleet, which earlier runs trained
+    other weights into: it learns from its own (the first push), and leaves the fleet serving."""
     steps = 12
     evaluation = [
         *("--eval_dataset", str(_eval_prompts(tmp_path / "eval.jsonl")), "--eval_steps", "5"),
         *("--eval_n_samples_per_prompt", "2", "--use_wandb", "True", "--log_samples_steps", "5"),
     ]
-    # With CURVE on (launch.local --auth): every role holds the run's keys; the rest of the
-    # suite runs without, so both paths stay covered.
     env = cpu_env(**offline_env(tmp_path / "wandb_home"))
+    mark = shared_fleet.log_mark()
     proc = _launch(
-        tmp_path, tiny_model_dir, steps=steps, servers=1, extra_local=["--auth"], extra_learner=evaluation, env=env
+        tmp_path, tiny_model_dir, steps=steps, servers=1, extra_learner=evaluation, env=env, fleet=shared_fleet
     )
-    with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
-        out = finish(proc, 600)
+    out = finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
-    assert (run / "auth" / "authorized" / "peer.key").exists()
-    assert "--auth_dir" in (run / "logs" / "rollout-0.log").read_text().splitlines()[0]
-    # Nothing of the run listens beyond loopback (docs/security.md): not the controller, the
-    # learner's rendezvous store or its weight group's store (torch's own would listen on every
-    # interface), gloo, nor vLLM's sockets. The learner's ports seen include the controller's.
-    assert not [lst for lst in listening.seen if not lst.loopback], sorted(listening.seen, key=str)
-    learner_cmd = (run / "logs" / "learner.log").read_text().splitlines()[0]
-    controller_port = int(re.search(r"--controller_bind tcp://127\.0\.0\.1:(\d+)", learner_cmd).group(1))
-    learner_ports = {lst.port for lst in listening.seen if "learner.train_ppo" in lst.cmd}
-    assert controller_port in learner_ports and len(learner_ports) >= 3, sorted(listening.seen, key=str)
-    # The learner's Shutdown reached every service: none had to be killed by launch.local.
-    assert "did not exit within" not in out, out[-4000:]
     rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     print("rewards per step:", [m["rollout/reward"] for m in rows])
@@ -118,13 +109,12 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir):
     print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
     assert after > before + 0.1, (before, after)
     # vLLM and the learner agree on log-probs: the weights arrived and numerics match (fp32;
-    # measured ~5e-7).
+    # measured ~5e-7) -- from step 1, so the fleet's earlier weights were replaced by this run's.
     assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
     assert all(m["samples"] == 128 for m in rows)
-    # After each step the rollout server reported the new policy version.
-    log = (run / "logs" / "rollout-0.log").read_text()
-    versions = {int(v) for v in re.findall(r"policy version (\d+)", log)}
-    assert set(range(1, steps + 1)) <= versions, sorted(versions)
+    # After each step the rollout server reported the new policy version (its log since this run).
+    versions = {int(v) for v in re.findall(r"policy version (\d+)", shared_fleet.log_since(mark))}
+    assert set(range(0, steps + 1)) <= versions, sorted(versions)
     _check_tracking(run, steps)
 
 
@@ -151,29 +141,31 @@ def _check_tracking(run: Path, steps: int) -> None:
 
 
 def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny_model_dir):
+    """Two rollout servers of the run's own, one SIGKILLed mid-run: what it held is re-issued,
+    every step trains a full batch, the run ends well. The run's own fleet is also where what
+    needs every process of a run is checked: CURVE on (launch.local --auth; the rest of the
+    suite runs without, so both paths stay covered), nothing listening beyond loopback, the
+    Shutdown at the end reaching every service. And Dr. GRPO with clip-higher and dual clip
+    runs through the real services here (finite losses)."""
     steps = 6
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=2, extra_learner=["--generate_max_len", "24"])
+    dr_grpo = ["--advantage_estimator", "dr_grpo", "--loss_agg_mode", "seq_mean_token_sum_norm"]
+    dr_grpo += ["--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3"]
+    proc = _launch(
+        tmp_path,
+        tiny_model_dir,
+        steps=steps,
+        servers=2,
+        extra_learner=["--generate_max_len", "24", *dr_grpo],
+        extra_local=["--auth"],
+    )
     run = tmp_path / "run"
-    pids: dict[str, int] = {}
-    killed_at = None
     deadline = time.monotonic() + 600
-    lines = []
-    # Read the supervisor's output until both servers have started, then watch metrics and
-    # kill rollout-1 the moment step 2 is written: step 3's prompts are being generated.
-    while time.monotonic() < deadline and len(pids) < 3:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
-            pids[m.group(1)] = int(m.group(2))
-    while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-        if any(m.get("step", 0) >= 2 and "rollout/reward" in m for m in metrics(run)):
-            os.killpg(pids["rollout-1"], signal.SIGKILL)
-            killed_at = time.monotonic()
-        time.sleep(0.01)
-    assert killed_at is not None, "".join(lines)[-4000:]
-    out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
+    with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
+        lines = _kill_rollout_1_after_step_2(proc, run, deadline)
+        out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
     assert proc.returncode == 0, out[-4000:]
     assert "rollout-1 died" in out
+    _check_loopback_auth_and_shutdown(tmp_path / "run", listening, out)
     rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     # Every step trained exactly its 16 prompts x 8 samples: nothing lost, nothing twice.
@@ -188,3 +180,38 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
     reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", learner_log)]
     assert held, learner_log[-3000:]
     assert (sum(reissued) >= 1) == (held[0] >= 1) and last["ledger/reissued"] >= sum(reissued), learner_log[-3000:]
+    assert all(math.isfinite(m["policy/policy_loss"]) for m in rows), [m["policy/policy_loss"] for m in rows]
+
+
+def _kill_rollout_1_after_step_2(proc, run: Path, deadline: float) -> list[str]:
+    """Reads the supervisor's output until both servers have started, then watches metrics and
+    kills rollout-1 the moment step 2 is written: step 3's prompts are being generated. Returns
+    the output read."""
+    pids: dict[str, int] = {}
+    lines = []
+    while time.monotonic() < deadline and len(pids) < 3:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
+            pids[m.group(1)] = int(m.group(2))
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(m.get("step", 0) >= 2 and "rollout/reward" in m for m in metrics(run)):
+            os.killpg(pids["rollout-1"], signal.SIGKILL)
+            return lines
+        time.sleep(0.01)
+    pytest.fail("rollout-1 was never killed:\n" + "".join(lines)[-4000:])
+
+
+def _check_loopback_auth_and_shutdown(run: Path, listening: Watch, out: str) -> None:
+    assert (run / "auth" / "authorized" / "peer.key").exists()
+    assert "--auth_dir" in (run / "logs" / "rollout-0.log").read_text().splitlines()[0]
+    # Nothing of the run listens beyond loopback (docs/security.md): not the controller, the
+    # learner's rendezvous store or its weight group's store (torch's own would listen on every
+    # interface), gloo, nor vLLM's sockets. The learner's ports seen include the controller's.
+    assert not [lst for lst in listening.seen if not lst.loopback], sorted(listening.seen, key=str)
+    learner_cmd = (run / "logs" / "learner.log").read_text().splitlines()[0]
+    controller_port = int(re.search(r"--controller_bind tcp://127\.0\.0\.1:(\d+)", learner_cmd).group(1))
+    learner_ports = {lst.port for lst in listening.seen if "learner.train_ppo" in lst.cmd}
+    assert controller_port in learner_ports and len(learner_ports) >= 3, sorted(listening.seen, key=str)
+    # The learner's Shutdown reached every service left: none had to be killed by launch.local.
+    assert "did not exit within" not in out, out[-4000:]

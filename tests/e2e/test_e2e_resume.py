@@ -7,8 +7,10 @@ What is asserted, and what is not:
 - the prompts trained at every step (``data/prompts_crc``) are those of an uninterrupted
   run: the PromptStream's batch for that step, and equal to what the killed run trained at
   the steps it did after k;
-- the services kept their processes (one start each), rejoined the new controller, and the
-  first samples after the restart came from the resumed weights (policy version k);
+- the services (the session's shared fleet: tests/helpers/shared_fleet.py) kept their
+  processes, rejoined the new controller, and the first samples after the restart came from
+  the resumed weights (policy version k), not from the killed run's later ones nor from the
+  weights an earlier test's run left in them;
 - vLLM and the learner agree on log-probs after the restart (the resumed weights arrived);
 - with --seed_sampling (each prompt's seed from its stream position, not from the controller's
   prompt ids, which restart at 0) and fp32, the per-step rewards and losses of the steps the
@@ -32,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from helpers.e2e_launch import cpu_env, local_cmd, metrics, start
+from helpers.shared_fleet import SharedFleet
 from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
 pytestmark = pytest.mark.slow
@@ -76,15 +79,18 @@ def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
 
 
 def _run_killing_the_learner(
-    tmp_path: Path, model: Path, learner: list[str], env: dict[str, str] | None = None
+    tmp_path: Path, model: Path, learner: list[str], fleet: SharedFleet, env: dict[str, str] | None = None
 ) -> tuple[str, dict[int, dict]]:
-    """One launch.local run with ``--restart_learner 1``: the learner is SIGKILLed once step
-    KILL_AFTER is written, and restarted by the launcher; the run must end well. Returns the launcher's output and the
-    killed run's step rows (read before the resume trims them)."""
+    """One launch.local run with ``--restart_learner 1`` on the session's shared fleet: the
+    learner is SIGKILLed once step KILL_AFTER is written, and restarted by the launcher, while
+    the services stay up; the run must end well, and the services must have stayed the same
+    processes and rejoined the restarted learner. Returns the launcher's output and the killed
+    run's step rows (read before the resume trims them)."""
     run = tmp_path / "run"
     extra = ["--restart_learner", "1", "--quiet"]
     out_path = tmp_path / "launch.out"
-    proc = start(local_cmd(run, model, learner, extra=extra), env, out=out_path)
+    starts, marks = fleet.starts, {name: fleet.log_mark(name) for name in ("rollout-0", "reward-0")}
+    proc = start(local_cmd(run, model, learner, extra=extra, fleet=fleet), env, out=out_path)
     try:
         deadline = time.monotonic() + 600
         while not any(m.get("step", 0) >= KILL_AFTER and "rollout/reward" in m for m in metrics(run)):
@@ -101,19 +107,24 @@ def _run_killing_the_learner(
             proc.wait(60)
     out = out_path.read_text()
     assert proc.returncode == 0, out[-4000:]
+    assert out.count("started learner") == 2 and "restart 1 of 1" in out
+    # the services never restarted (one start each) and rejoined the new controller
+    assert fleet.starts == starts and fleet.alive()
+    for name, mark in marks.items():
+        text = fleet.log_since(mark, name)
+        assert "reconnected to the controller" in text or "welcomed again" in text, text[-3000:]
     return out, killed_run
 
 
-def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir):
+def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir, shared_fleet):
     """Also: both learners log to wandb (offline), and the resumed one continues the killed one's
     wandb run (the id is in the checkpoint)."""
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
     flags = [*_learner_flags(prompts), "--seed_sampling", "--use_wandb", "True"]
     env = cpu_env(**offline_env(tmp_path / "wandb_home"))
-    out, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, flags, env)
-    logs = run / "logs"
-    learner_log = (logs / "learner.log").read_text()
+    _, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, flags, shared_fleet, env)
+    learner_log = (run / "logs" / "learner.log").read_text()
     k = int(re.search(r"resumed from \S+step_(\d+): step (\d+)", learner_log).group(2))
     assert k % SAVE_EVERY == 0 and KILL_AFTER - SAVE_EVERY < k < STEPS, learner_log[-3000:]
 
@@ -134,12 +145,6 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
         diffs = {x: (killed_run[s][x], by_step[s].get(x)) for x in keys if x in killed_run[s]}
         assert all(b is not None and abs(a - b) <= 1e-4 for a, b in diffs.values()), (s, diffs)
         assert len(diffs) > 3, killed_run[s]
-    # the services never restarted: one start each, and they rejoined the new controller
-    assert out.count("started rollout-0") == 1 and out.count("started reward-0") == 1
-    assert out.count("started learner") == 2 and "restart 1 of 1" in out
-    for name in ("rollout-0", "reward-0"):
-        text = (logs / f"{name}.log").read_text()
-        assert "reconnected to the controller" in text or "welcomed again" in text, text[-3000:]
     # the first samples after the restart came from the resumed weights, and every step's
     # samples from the previous step's (lockstep), as in an uninterrupted run
     assert [m["rollout/min_policy_version"] for m in rows] == [s - 1 for s in range(1, STEPS + 1)]
@@ -173,7 +178,7 @@ def _positions(text: str) -> dict[int, list[int]]:
     return out
 
 
-def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(tmp_path, tiny_model_dir):
+def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(tmp_path, tiny_model_dir, shared_fleet):
     """--async_train: at each checkpoint prompts are in flight and groups wait in the feed. After
     a kill -9 and a restart from step k's checkpoint, the steps the killed run trained up to k
     and the resumed run's steps k+1.. together train every prompt of the stream exactly once
@@ -182,7 +187,7 @@ def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(t
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
     flags = [*_learner_flags(prompts), "--async_train", "--max_staleness", "1"]
-    out, _ = _run_killing_the_learner(tmp_path, tiny_model_dir, flags)
+    _run_killing_the_learner(tmp_path, tiny_model_dir, flags, shared_fleet)
     learner_log = (run / "logs" / "learner.log").read_text()
     m = re.search(r"resumed from (\S+step_(\d+)): step (\d+)", learner_log)
     k = int(m.group(3))
@@ -206,8 +211,6 @@ def test_a_killed_async_learner_resumes_without_skipping_or_repeating_a_prompt(t
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["samples"] == 32 and r["async/max_lag"] <= 1 for r in rows), rows
     assert rows[-1]["async/trained_groups"] == STEPS * 8  # the run's total, across the restart
-    assert out.count("started rollout-0") == 1 and out.count("started reward-0") == 1
-    assert out.count("started learner") == 2 and "restart 1 of 1" in out
 
 
 def test_a_resume_with_another_batch_size_fails_fast_naming_it(tmp_path, tiny_model_dir):

@@ -1,4 +1,5 @@
-"""Two ranks (gloo, no DeepSpeed) through learner.runtime.checkpoint; prints ``RESULT {json}``.
+"""Two ranks (gloo, no DeepSpeed) through learner.runtime.checkpoint; each writes
+``result_rank{r}.json`` into the folder it is given.
 
 Run under ``torchrun --standalone --nproc_per_node 2 tests/helpers/checkpoint_ranks.py CKPT_DIR``.
 Each rank's stand-in engine writes its own shard (as ZeRO does), rank 0 alone holds a "driver"
@@ -85,7 +86,8 @@ def main() -> None:
     except R.CheckpointError as e:
         result["refused"] = str(e)
     dist.barrier()
-    print("RESULT " + json.dumps(result), flush=True)
+    # A file per rank: two ranks printing to one pipe can interleave their lines.
+    (root / f"result_rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 

@@ -14,10 +14,14 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from helpers.paths import HELPERS
+
+if TYPE_CHECKING:
+    from helpers.shared_fleet import SharedFleet
 
 PARITY_REWARD = f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"
 TINY_ROLLOUT_ARGS = "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"
@@ -37,11 +41,18 @@ def local_cmd(
     rollout: str = TINY_ROLLOUT_ARGS,
     reward: str | None = PARITY_REWARD,
     extra: Sequence[str] = (),
+    fleet: SharedFleet | None = None,
 ) -> list[str]:
     """``python -m launch.local`` for one run: ``learner`` goes to ``--learner_args``,
     ``rollout``/``reward`` to the services (``reward=None``: the launcher's default),
-    ``extra`` are launcher flags (``--rollout_servers 2``, ``--restart_learner 1``, ...)."""
+    ``extra`` are launcher flags (``--rollout_servers 2``, ``--restart_learner 1``, ...).
+    ``fleet``: the run joins the session's shared services (tests/helpers/shared_fleet.py)
+    instead of starting its own, so ``rollout``/``reward`` must be the ones they run."""
     cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(run_dir), "--pretrain", str(model)]
+    if fleet is not None:
+        assert (rollout, reward) == (fleet.rollout_args, fleet.reward_args), "the shared fleet runs other flags"
+        assert str(model) == str(fleet.model), "the shared fleet serves another model"
+        return [*cmd, "--learner_args", " ".join(learner), *fleet.launcher_flags(), *extra]
     cmd += ["--rollout_args", rollout, *(["--reward_args", reward] if reward else [])]
     return [*cmd, "--learner_args", " ".join(learner), "--stop_timeout_s", "15", *extra]
 

@@ -91,6 +91,30 @@ def test_build_roles_wires_every_process_to_one_controller(tmp_path):
     assert ref[ref.index("--ref_pretrain") + 1] == "/m"
 
 
+def test_external_services_start_only_a_learner_that_waits_for_them_and_keeps_them(tmp_path, capsys):
+    """--external_services: the services run already (the test suite's shared fleet, a fleet
+    started by hand): only the learner starts, waits for as many as --rollout_servers and
+    --reward_services say, and leaves them running (--keep_services); flags meant for services
+    launch.local does not start are named, not silently dropped."""
+    cfg = LocalConfig(
+        run_dir=str(tmp_path),
+        pretrain="/m",
+        rollout_servers=2,
+        port=5999,
+        external_services=True,
+        rollout_args="--max_model_len 128",
+        learner_args=f"{DATA} --max_steps 3",
+    )
+    (learner,) = build_roles(cfg)
+    cmd = learner.cmd
+    assert learner.name == "learner" and "tcp://127.0.0.1:5999" in cmd and "--keep_services" in cmd
+    assert cmd[cmd.index("--min_rollout_servers") + 1] == "2" and cmd[cmd.index("--min_reward_services") + 1] == "1"
+    err = capsys.readouterr().err
+    assert "do not reach them" in err and "--max_model_len 128" in err and "--ref_pretrain /m" in err
+    with pytest.raises(ValueError, match="--external_services needs --port"):
+        LocalConfig(run_dir=str(tmp_path), pretrain="/m", external_services=True)
+
+
 def test_several_learner_ranks_rendezvous_without_torchruns_tcp_stores(tmp_path):
     """torchrun's --standalone stores listen on every interface: the ranks rendezvous through a
     file instead and rank 0 hosts their store on 127.0.0.1 (docs/security.md; the listening
