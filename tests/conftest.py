@@ -26,9 +26,13 @@ def pytest_collection_modifyitems(config, items):
     # The runs that join the session's shared fleet go last, one after another: the fleet is
     # started for the first of them and stopped at the end, so it idles through no other test
     # (and holds none of the memory a test starting its own vLLM needs).
-    items[:] = [i for i in items if "shared_fleet" not in i.fixturenames] + [
-        i for i in items if "shared_fleet" in i.fixturenames
-    ]
+    # Those that kill one of its servers (marked breaks_fleet) go after the rest of them.
+    def order(item) -> int:
+        if "shared_fleet" not in item.fixturenames:
+            return 0
+        return 2 if item.get_closest_marker("breaks_fleet") else 1
+
+    items.sort(key=order)  # stable: the order within each part is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return  # spare CPU-only runs the torch import
@@ -71,12 +75,14 @@ def _fleet(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def shared_fleet(_fleet):
-    """The session's rollout server and reward service (tests/helpers/shared_fleet.py), for a run
-    that joins them (``local_cmd(..., fleet=shared_fleet)``). They outlive the run: a run that
-    ends well leaves them serving (``--keep_services``), and the test fails if it did not."""
+def shared_fleet(_fleet, request):
+    """The session's rollout servers and reward service (tests/helpers/shared_fleet.py), for a
+    run that joins them (``local_cmd(..., fleet=shared_fleet)``). They outlive the run: a run
+    that ends well leaves them serving (``--keep_services``), and the test fails if it did not
+    (unless it is marked ``breaks_fleet``: it killed one itself)."""
     died = _fleet.ensure()
-    if died:  # broken by an earlier test, which failed for it: this one gets a fresh service
-        print("shared fleet: started again after an earlier test:", "; ".join(died))
+    if died:  # killed by a breaks_fleet test, or broken by an earlier one: started again
+        print("shared fleet: started again:", "; ".join(died))
     yield _fleet
-    assert _fleet.alive(), f"a shared service died during the test; logs in {_fleet.folder}"
+    if not request.node.get_closest_marker("breaks_fleet"):
+        assert _fleet.alive(), f"a shared service died during the test; logs in {_fleet.folder}"

@@ -2,8 +2,8 @@
 real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny model
 (back-pressure under a slowed learner is checked on the run of test_e2e_async.py):
 
-- a rollout server SIGKILLed mid-run (two servers): its prompts are re-issued, every step
-  trains a full batch, and the feed's accounting identity holds at every step;
+- one of the shared fleet's two rollout servers SIGKILLed mid-run: its prompts are re-issued,
+  every step trains a full batch, and the feed's accounting identity holds at every step;
 - dynamic filtering: all-equal groups are dropped and refilled from the same stream, every step
   trains a full batch, and the accounting identity (with the filtered groups) holds.
 """
@@ -11,9 +11,7 @@ real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -34,9 +32,7 @@ from helpers.e2e_launch import (
 pytestmark = pytest.mark.slow
 
 
-def _launch(
-    tmp_path: Path, model: Path, *, steps: int, b: int, g: int, servers: int = 1, extra=(), fleet=None
-) -> subprocess.Popen:
+def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, extra=(), fleet=None) -> subprocess.Popen:
     learner = [
         *("--prompt_data", str(addition_prompts(tmp_path / "prompts.jsonl")), "--input_key", "input"),
         *("--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(g), "--rollout_batch_size", str(b)),
@@ -46,38 +42,27 @@ def _launch(
         *("--peer_timeout_s", "10", "--async_train", "--max_staleness", str(ASYNC_K)),
         *extra,
     ]
-    if fleet is not None:
-        return start(local_cmd(tmp_path / "run", model, learner, fleet=fleet), cpu_env())
-    cmd = local_cmd(tmp_path / "run", model, learner, extra=["--rollout_servers", str(servers)])
-    return start(cmd, cpu_env())
+    return start(local_cmd(tmp_path / "run", model, learner, fleet=fleet), cpu_env())
 
 
-def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir):
+@pytest.mark.breaks_fleet
+def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir, shared_fleet):
     # Longer answers keep generation the slow side, so prompts are always in flight on both
     # servers when one is killed.
     steps, b, g = 5, 8, 4
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, servers=2, extra=["--generate_max_len", "24"])
+    extra = ["--generate_max_len", "24"]
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, extra=extra, fleet=shared_fleet)
     run = tmp_path / "run"
-    pids: dict[str, int] = {}
-    lines: list[str] = []
     deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and len(pids) < 3:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
-            pids[m.group(1)] = int(m.group(2))
     killed = False
     while not killed and time.monotonic() < deadline and proc.poll() is None:
         if any(m["step"] >= 2 for m in async_rows(run)):
-            os.killpg(pids["rollout-1"], signal.SIGKILL)
+            shared_fleet.kill("rollout-1")
             killed = True
         time.sleep(0.01)
-    assert killed, "".join(lines)[-4000:]
-    out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
+    out = finish(proc, max(60.0, deadline - time.monotonic()))
+    assert killed, out[-4000:]
     assert proc.returncode == 0, out[-4000:]
-    assert "rollout-1 died" in out, out[-4000:]
     rows = async_rows(run)
     check_async_steps_and_accounting(rows, steps, b, g)
     assert rows[-1]["pool/died"] == 1

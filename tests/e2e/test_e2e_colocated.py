@@ -6,6 +6,11 @@ not_supported) and DeepSpeed's states already live in host memory. The schedule 
 lockstep's order with gloo weights, each flag saying once why it cannot act, and learns as the
 lockstep run of ``test_e2e_grpo`` does (same job, same check: the exact probability of a
 rewarded first token before and after).
+
+This run has a fleet of its own (its server needs the sleep flags), so it is also where what
+needs every process of a run is checked: CURVE on (launch.local --auth; the rest of the suite
+runs without, so both paths stay covered), nothing listening beyond loopback, the learner's
+Shutdown reaching every service at the end.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import json
 import re
 
 import pytest
-from test_e2e_grpo import _launch, _rewarded_mass
+from test_e2e_grpo import _check_loopback_auth_and_shutdown, _launch, _rewarded_mass
 
 from helpers.e2e_launch import finish, metrics
+from helpers.listening import Watch
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +37,12 @@ COLOCATED = [
 
 def test_colocated_learns_on_cpu_and_each_flag_says_once_it_cannot_act(tmp_path, tiny_model_dir):
     steps = 12
-    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_learner=COLOCATED)
-    out = finish(proc, 600)
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=1, extra_learner=COLOCATED, extra_local=["--auth"])
+    with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
+        out = finish(proc, 600)
     run = tmp_path / "run"
     assert proc.returncode == 0, out[-4000:]
+    _check_loopback_auth_and_shutdown(run, listening, out)
     learner_log = (run / "logs" / "learner.log").read_text()
     rollout_log = (run / "logs" / "rollout-0.log").read_text()
     assert "schedule: colocated" in learner_log

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -140,32 +138,21 @@ def _check_tracking(run: Path, steps: int) -> None:
     ]  # fmt: skip
 
 
-def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny_model_dir):
-    """Two rollout servers of the run's own, one SIGKILLed mid-run: what it held is re-issued,
-    every step trains a full batch, the run ends well. The run's own fleet is also where what
-    needs every process of a run is checked: CURVE on (launch.local --auth; the rest of the
-    suite runs without, so both paths stay covered), nothing listening beyond loopback, the
-    Shutdown at the end reaching every service. And Dr. GRPO with clip-higher and dual clip
-    runs through the real services here (finite losses)."""
+@pytest.mark.breaks_fleet
+def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny_model_dir, shared_fleet):
+    """One of the shared fleet's two rollout servers SIGKILLed mid-run: what it held is
+    re-issued, every step trains a full batch, the run ends well on the other. And Dr. GRPO with
+    clip-higher and dual clip runs through the real services here (finite losses)."""
     steps = 6
     dr_grpo = ["--advantage_estimator", "dr_grpo", "--loss_agg_mode", "seq_mean_token_sum_norm"]
     dr_grpo += ["--eps_clip_low_high", "0.2", "0.28", "--dual_clip", "3"]
-    proc = _launch(
-        tmp_path,
-        tiny_model_dir,
-        steps=steps,
-        servers=2,
-        extra_learner=["--generate_max_len", "24", *dr_grpo],
-        extra_local=["--auth"],
-    )
+    extra = ["--generate_max_len", "24", *dr_grpo]
+    proc = _launch(tmp_path, tiny_model_dir, steps=steps, servers=2, extra_learner=extra, fleet=shared_fleet)
     run = tmp_path / "run"
     deadline = time.monotonic() + 600
-    with Watch(proc.pid) as listening:  # every process of the run, sampled as it goes
-        lines = _kill_rollout_1_after_step_2(proc, run, deadline)
-        out = "".join(lines) + finish(proc, max(60.0, deadline - time.monotonic()))
+    _kill_after_step_2(proc, run, deadline, shared_fleet)
+    out = finish(proc, max(60.0, deadline - time.monotonic()))
     assert proc.returncode == 0, out[-4000:]
-    assert "rollout-1 died" in out
-    _check_loopback_auth_and_shutdown(tmp_path / "run", listening, out)
     rows = [m for m in metrics(run) if "rollout/reward" in m]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     # Every step trained exactly its 16 prompts x 8 samples: nothing lost, nothing twice.
@@ -183,23 +170,15 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
     assert all(math.isfinite(m["policy/policy_loss"]) for m in rows), [m["policy/policy_loss"] for m in rows]
 
 
-def _kill_rollout_1_after_step_2(proc, run: Path, deadline: float) -> list[str]:
-    """Reads the supervisor's output until both servers have started, then watches metrics and
-    kills rollout-1 the moment step 2 is written: step 3's prompts are being generated. Returns
-    the output read."""
-    pids: dict[str, int] = {}
-    lines = []
-    while time.monotonic() < deadline and len(pids) < 3:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if m := re.match(r"started (\S+) \(pid (\d+)\)", line):
-            pids[m.group(1)] = int(m.group(2))
+def _kill_after_step_2(proc, run: Path, deadline: float, fleet) -> None:
+    """Kills the fleet's rollout-1 the moment step 2 is written: step 3's prompts are being
+    generated."""
     while time.monotonic() < deadline and proc.poll() is None:
         if any(m.get("step", 0) >= 2 and "rollout/reward" in m for m in metrics(run)):
-            os.killpg(pids["rollout-1"], signal.SIGKILL)
-            return lines
+            fleet.kill("rollout-1")
+            return
         time.sleep(0.01)
-    pytest.fail("rollout-1 was never killed:\n" + "".join(lines)[-4000:])
+    pytest.fail("rollout-1 was never killed:\n" + (proc.stdout.read() if proc.poll() is not None else "")[-4000:])
 
 
 def _check_loopback_auth_and_shutdown(run: Path, listening: Watch, out: str) -> None:

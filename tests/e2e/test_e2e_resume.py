@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from helpers.e2e_launch import cpu_env, local_cmd, metrics, start
-from helpers.shared_fleet import SharedFleet
+from helpers.shared_fleet import SERVICES, SharedFleet
 from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def _run_killing_the_learner(
     run = tmp_path / "run"
     extra = ["--restart_learner", "1", "--quiet"]
     out_path = tmp_path / "launch.out"
-    starts, marks = fleet.starts, {name: fleet.log_mark(name) for name in ("rollout-0", "reward-0")}
+    starts, marks = fleet.starts, {name: fleet.log_mark(name) for name in SERVICES}
     proc = start(local_cmd(run, model, learner, extra=extra, fleet=fleet), env, out=out_path)
     try:
         deadline = time.monotonic() + 600

@@ -1,4 +1,4 @@
-"""One rollout server and one reward service for the whole test session, that e2e runs join.
+"""Two rollout servers and one reward service for the whole test session, that e2e runs join.
 
 Starting vLLM is most of an e2e run's cost on 2 CPU cores (~35 s of a ~60-90 s run), and most
 runs need nothing of a fleet but that it serves: they differ in the learner's flags. So those
@@ -9,9 +9,11 @@ pushes its own weights to the servers before any prompt, and at the end leaves t
 ``--keep_services``). Between runs the services wait for the next learner, as they wait for a
 restarted one.
 
-What a fleet of its own is still for: a test that kills a service, counts joiners, checks
-every process of a run (listening sockets, CURVE keys, the Shutdown at the end), resumes a
-learner while its services stay up, or needs other service flags. docs/testing.md has the list.
+A test may kill one of the fleet's rollout servers (``kill``: the fault tests, marked
+``breaks_fleet`` so that they run after every other user of the fleet); the next test that
+asks for the fleet finds it dead and starts it again. What a fleet of its own is still for: a
+test that checks every process of a run (listening sockets, CURVE keys, the Shutdown at the
+end), counts joiners, or needs other service flags. docs/testing.md has the list.
 
 The fleet's services run the tests' defaults: ``TINY_ROLLOUT_ARGS`` and the first-char-parity
 reward function, on the session's tiny model. A service found dead when a run asks for the
@@ -34,6 +36,8 @@ from helpers.e2e_launch import PARITY_REWARD, TINY_ROLLOUT_ARGS, cpu_env
 from launch.local import loopback_env
 
 WAIT_S = 3600.0  # how long the services wait for the next learner (the whole session)
+ROLLOUTS = ("rollout-0", "rollout-1")
+SERVICES = (*ROLLOUTS, "reward-0")
 
 
 class SharedFleet:
@@ -43,7 +47,7 @@ class SharedFleet:
         self.controller = f"tcp://127.0.0.1:{self.port}"
         self.rollout_args, self.reward_args = TINY_ROLLOUT_ARGS, PARITY_REWARD
         self.procs: dict[str, subprocess.Popen] = {}
-        self.starts = 0  # service processes started: 2 for a session in which nothing broke
+        self.starts = 0  # service processes started: 3 for a session in which nothing was killed
 
     def _cmd(self, name: str) -> list[str]:
         common = ["--controller", self.controller, "--name", name]
@@ -74,7 +78,7 @@ class SharedFleet:
         """Starts what is not running (all of it, the first time); returns the names of services
         that had died since the last call (empty when the fleet was intact)."""
         died = []
-        for name in ("rollout-0", "reward-0"):
+        for name in SERVICES:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 continue
@@ -85,7 +89,12 @@ class SharedFleet:
 
     def launcher_flags(self) -> list[str]:
         """``launch.local`` flags of a run that joins this fleet."""
-        return ["--external_services", "--port", str(self.port), "--rollout_servers", "1", "--reward_services", "1"]
+        n = str(len(ROLLOUTS))
+        return ["--external_services", "--port", str(self.port), "--rollout_servers", n, "--reward_services", "1"]
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs a service's whole process group (vLLM's engine core too), as a crash would."""
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
 
     def log_mark(self, name: str = "rollout-0") -> int:
         """Where a service's log ends now: what a run wrote is what follows (``log_since``)."""

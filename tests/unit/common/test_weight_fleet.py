@@ -2,7 +2,7 @@
 
 The servers are in-process stand-ins running the real worker-side receive loop (the gloo relay
 included), as in ``test_weight_sync.py``; ``helpers.rollout_fakes`` has them. The same push
-through real vLLM servers is ``tests/unit/rollout_service/test_weight_fleet_servers.py``.
+through real vLLM servers is in ``tests/unit/rollout_service/test_rollout_service.py`` (parity).
 """
 
 from __future__ import annotations

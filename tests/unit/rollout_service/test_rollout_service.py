@@ -122,7 +122,10 @@ def stack(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    ctrl = Controller(model, peer_timeout_s=6.0, weight_timeout_s=60.0)
+    # Small buckets and relay pieces: several of each per push, so the fleet group's relay
+    # (the learner sends once, the first server relays to the second) really pipelines.
+    ctrl = Controller(model, peer_timeout_s=6.0, weight_timeout_s=60.0, bucket_bytes=256 * 1024)
+    ctrl.publisher.sender.relay_chunk_bytes = 64 * 1024
     logs = tmp_path_factory.mktemp("rollout-logs")
     ballast = None
     try:
@@ -180,17 +183,29 @@ def _assert_parity(model, prompts, got, version):
 
 
 def test_parity_with_transformers_after_two_successive_updates(stack):
-    """Weights perturbed and pushed twice; each time the service's greedy tokens and log-probs
-    equal transformers' for the new weights. The same prompts (and their cached prefix) are
-    served under v1 and then v2: stale KV from v1 would show up as a v2 mismatch."""
-    for version in (1, 2):
-        perturb(stack.model, seed=version)
-        report = stack.fleet.push(version)
-        assert sorted(report.updated) == ["ra", "rb"] and not report.failed
-        got = _run(stack, PROMPTS, GREEDY, first_id=version * 100, version=version)
+    """vLLM-CPU generates what transformers generates: on the weights loaded from disk (v0:
+    the model as the engine loaded it, fp32), then with the weights perturbed and pushed twice;
+    each time the service's greedy tokens and log-probs equal transformers' for those weights.
+    The same prompts (and their cached prefix) are served under v0, v1 and v2: stale KV from an
+    earlier version would show up as a mismatch. Each push goes through one fleet group to both
+    engines (one transfer from the learner), and the two then hold the same weights to the bit:
+    asked the same prompts one engine at a time, they answer identical tokens and log-probs."""
+    for version in (0, 1, 2):
+        if version:
+            perturb(stack.model, seed=version)
+            report = stack.fleet.push(version)
+            assert sorted(report.updated) == ["ra", "rb"] and not report.failed, report
+            # The fleet is in join order, which is whichever engine came up first.
+            assert sorted(report.fleet) == ["ra", "rb"] and not report.retried, report
+            assert stack.publisher.fleet_builds == 1  # the same two servers: the group is kept
+        got = _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 1000, version=version)
+        each = {s: _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 1010 + 5 * i, version=version, to=s)
+                for i, s in enumerate(("ra", "rb"))}  # fmt: skip
+        assert [x[0]["tokens"] for x in each["ra"].values()] == [x[0]["tokens"] for x in each["rb"].values()]
+        assert [x[0]["logprobs"] for x in each["ra"].values()] == [x[0]["logprobs"] for x in each["rb"].values()]
         _assert_parity(stack.model, PROMPTS, got, version)
         # Twice under the same version: now from the prefix cache, still the same answer.
-        again = _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 50, version=version)
+        again = _run(stack, PROMPTS, GREEDY, first_id=version * 100 + 1050, version=version)
         assert [s[0]["tokens"] for s in again.values()] == [s[0]["tokens"] for s in got.values()]
     for name in ("ra", "rb"):
         health = stack.client.call(name, P.GetHealth())
