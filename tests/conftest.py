@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-# The whole suite's wall time on the developers' kind of host (2 cores, 24 GiB), in seconds:
-# docs/testing.md says how it was measured and how to keep it. Printed against each full run.
-BUDGET_S = 700
+# The ceiling of the whole suite's wall time on the developers' kind of host (2 cores, 24 GiB),
+# in seconds; docs/testing.md says how it was measured, how to keep it, and the goal below it.
+BUDGET_S = 1100
 _started = time.monotonic()
 
 
