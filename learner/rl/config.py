@@ -413,6 +413,10 @@ class PPOConfig(
         super().__post_init__()  # CheckpointFlags'
         self.notices: list[str] = []  # not a flag: what the checks below changed or found inert
         self.check_optimizer()
+        if self.lora_rank != 0:  # the flag is OptimizerFlags', shared with the supervised trainers
+            raise ValueError(
+                "--lora_rank: LoRA for the RL learner is not built yet (issue 28); the supervised trainers take it"
+            )
         g = self.n_samples_per_prompt
         if g < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")

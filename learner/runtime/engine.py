@@ -41,6 +41,7 @@ from deepspeed.accelerator import get_accelerator
 
 from common.host_memory import keep_freed_memory
 from common.net import bind_address, free_port, tcp_store_server
+from learner.runtime import lora
 from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
@@ -459,6 +460,11 @@ def save_hf(
 
     module = unwrap(model)
     rank0 = is_rank0()
+    if lora.is_lora(module):  # ZeRO 0-2 only (the flags refuse LoRA at ZeRO-3): every rank holds it all
+        if rank0:
+            lora.save_lora_hf(module, tokenizer, path, dict(config_updates or {}))
+        barrier()
+        return
     state: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}  # tied parameters are one tensor, saved once
     for name, t in module.state_dict(keep_vars=True).items():

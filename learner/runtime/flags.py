@@ -40,6 +40,27 @@ class OptimizerFlags:
     flash_attn: bool = flag(
         False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
     )
+    # LoRA (learner.runtime.lora): the supervised trainers; train_ppo refuses --lora_rank > 0.
+    lora_rank: int = flag(0, "LoRA rank (0: train all weights); only the adapters train", group="lora")
+    lora_alpha: int = flag(16, "LoRA alpha: the adapter's output is scaled by alpha / rank", group="lora")
+    target_modules: list[str] = flag(
+        ["all-linear"], "module names LoRA adapts (all-linear: every linear layer but the output head)", group="lora"
+    )
+    lora_dropout: float = flag(0.0, "dropout on the LoRA adapters' input", group="lora")
+
+    def check_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora_rank must be >= 0 (0: off), got {self.lora_rank}")
+        if self.lora_rank == 0:
+            return
+        if self.lora_alpha <= 0:
+            raise ValueError(f"--lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not self.target_modules or not all(self.target_modules):
+            raise ValueError(f"--target_modules names no module: {self.target_modules}")
+        if self.zero_stage == 3:
+            raise ValueError("--lora_rank with --zero_stage 3 is not built yet; use --zero_stage 0, 1 or 2")
 
     def check_optimizer(self) -> None:
         if not 0 <= self.lr_warmup_ratio <= 1:

@@ -23,6 +23,7 @@ from learner.algorithms.kl import last_token_index
 from learner.algorithms.losses import log_probs_from_logits
 from learner.algorithms.sft_loss import IGNORE_INDEX
 from learner.runtime.engine import load_pretrained
+from learner.runtime.lora import base_hf_model
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,15 @@ class ScalarHeadModel(torch.nn.Module):
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        backbone = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        hf = base_hf_model(self.hf_model)  # under LoRA the peft model's HF model, adapters inside
+        backbone = getattr(hf, hf.base_model_prefix)
         return backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # (B, T, H)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (...) scalars, in fp32."""
-        return getattr(self.hf_model, self.head_name)(hidden).squeeze(-1).float()
+        return getattr(base_hf_model(self.hf_model), self.head_name)(hidden).squeeze(-1).float()
 
 
 class RewardModel(ScalarHeadModel):

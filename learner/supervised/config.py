@@ -84,6 +84,7 @@ class TrainerConfig(CheckpointFlags, OptimizerFlags, WandbFlags):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.check_optimizer()
+        self.check_lora()
         self.check_wandb()
         if self.input_template and "{}" not in self.input_template:
             raise ValueError(f"--input_template {self.input_template!r} has no {{}} for the input")

@@ -9,6 +9,7 @@ import torch
 
 from learner.algorithms.dpo_loss import dpo_loss
 from learner.runtime import engine as E
+from learner.runtime.lora import apply_lora
 from learner.runtime.models import forward_logits, sequence_logprobs
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.rm_data import collate_pairs, pair_sample
@@ -89,7 +90,7 @@ def run(cfg) -> None:
     check_resumable(cfg, DPOTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
+    model = apply_lora(E.load_causal_lm(cfg.pretrain, **cfg.model_options()), cfg)  # --lora_rank > 0
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     ref = E.load_causal_lm(
         cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16, flash_attn=cfg.flash_attn

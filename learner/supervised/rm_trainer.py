@@ -10,6 +10,7 @@ import torch
 
 from learner.algorithms.rm_loss import reward_model_loss
 from learner.runtime import engine as E
+from learner.runtime.lora import apply_lora
 from learner.runtime.models import load_reward_model
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.rm_data import collate_pairs, pair_sample
@@ -98,6 +99,7 @@ def run(cfg) -> None:
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
     model = load_reward_model(cfg.pretrain, tokenizer=tok, **cfg.model_options())
+    model = apply_lora(model, cfg)  # --lora_rank > 0: the adapters and the score head train
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = RMTrainer(cfg, engine, train, collate, evals)
     log.info(

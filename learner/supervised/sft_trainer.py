@@ -9,6 +9,7 @@ import torch
 
 from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
 from learner.runtime import engine as E
+from learner.runtime.lora import apply_lora
 from learner.runtime.models import check_packable, forward_logits
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.sft_data import collate_packed, collate_padded, sft_sample
@@ -72,6 +73,7 @@ def run(cfg) -> None:
     model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
     if cfg.packing_samples:
         check_packable(model, "SFT")  # before the engine: a refusal costs no DeepSpeed start-up
+    model = apply_lora(model, cfg)  # --lora_rank > 0: only the adapters reach the optimizer
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = SFTTrainer(cfg, engine, train, collate, evals)
     log.info(

@@ -1,0 +1,147 @@
+"""LoRA for the supervised trainers (``--lora_rank`` and its siblings in ``learner.runtime.flags``).
+
+``apply_lora`` wraps the loaded model with a peft ``LoraConfig`` before DeepSpeed sees it: the
+base weights are frozen, so only the adapter (and, for a reward model, its ``score`` head, kept
+trainable through peft's ``modules_to_save``) reaches the optimizer and DeepSpeed's optimizer
+state. Checkpoints need nothing of their own: the engine's module state holds the adapter and
+the optimizer state is the adapter's.
+
+``save_hf`` (``learner.runtime.engine``) writes a LoRA model as a plain HF model, the adapter
+merged out of place (``merged_state_dict``: the trained weights are not touched, so a save
+in the middle of a run changes nothing), and the adapter alone in ``<path>/adapter/`` with
+peft's ``save_pretrained``.
+
+ZeRO-3 is refused by the flags' check: it is not tested here (the partitioned base under
+``zero.Init`` and the merge's gather are not built).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("rayless.lora")
+
+ADAPTER_DIR = "adapter"
+
+
+def lora_config(cfg: Any, *, modules_to_save: list[str] | None = None):
+    from peft import LoraConfig
+
+    targets = cfg.target_modules
+    return LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        # "all-linear": every linear layer but the output head (peft's own choice)
+        target_modules=targets[0] if targets == ["all-linear"] else list(targets),
+        modules_to_save=modules_to_save,
+        bias="none",
+    )
+
+
+def _wrap(hf_model: torch.nn.Module, config: Any, cfg: Any) -> torch.nn.Module:
+    from peft import get_peft_model
+
+    try:
+        model = get_peft_model(hf_model, config)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model ..."
+        raise ValueError(f"--target_modules {' '.join(cfg.target_modules)}: {e}") from None
+    if cfg.gradient_checkpointing:
+        # Checkpointed blocks of a frozen base need an input that requires grad, or no
+        # gradient reaches the adapters inside them.
+        model.enable_input_require_grads()
+    return model
+
+
+def apply_lora(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
+    """``model`` (a causal LM, or a ``learner.runtime.models.ScalarHeadModel``) with LoRA
+    adapters per ``cfg`` (``--lora_rank`` > 0; else returned as is). A scalar-head model keeps
+    its class: its ``hf_model`` becomes the peft model, the head trained in full."""
+    if cfg.lora_rank <= 0:
+        return model
+    inner = getattr(model, "hf_model", None)
+    if isinstance(inner, torch.nn.Module):
+        head = model.head_name
+        model.hf_model = _wrap(inner, lora_config(cfg, modules_to_save=[head]), cfg)
+        wrapped = model.hf_model
+    else:
+        model = wrapped = _wrap(model, lora_config(cfg), cfg)
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in wrapped.parameters())
+    log.info(
+        "LoRA rank %d alpha %d on %s: %d of %d parameters train (%.2f%%)",
+        cfg.lora_rank,
+        cfg.lora_alpha,
+        cfg.target_modules,
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+    )
+    return model
+
+
+def is_lora(module: Any) -> bool:
+    if "peft" not in sys.modules:  # no peft model can exist; spares the import (RL runs)
+        return False
+    from peft import PeftModel
+
+    return isinstance(module, PeftModel)
+
+
+def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a peft model (its LoRA layers injected in place); ``module`` itself otherwise."""
+    return module.get_base_model() if is_lora(module) else module  # type: ignore[operator]
+
+
+def merged_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The plain HF state dict of ``peft_model`` with its active adapter merged, on CPU, out of
+    place: ``W + scale * B @ A`` per adapted layer, the trained copy of each ``modules_to_save``
+    module; LoRA's own tensors left out. Tied parameters stay one tensor under both names."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = peft_model.active_adapter
+    base = peft_model.get_base_model()
+    deltas = {
+        f"{name}.base_layer.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and adapter in module.lora_A
+    }
+    out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}
+    for name, t in base.state_dict(keep_vars=True).items():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        plain = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
+        if ".modules_to_save." in plain:
+            continue  # another adapter's copy
+        if name in deltas:
+            with torch.no_grad():
+                delta = deltas[name].get_delta_weight(adapter)
+                out[plain] = (t.detach().float() + delta.float()).to(t.dtype).cpu()
+            continue
+        key = id(t)
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        out[plain] = copies[key]
+    return out
+
+
+def save_lora_hf(
+    peft_model: Any, tokenizer: Any, path: str | os.PathLike, config_updates: dict[str, Any] | None = None
+) -> None:
+    """Rank 0: the merged plain HF model in ``path`` and the adapter in ``path/adapter``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = peft_model.get_base_model()
+    for key, value in (config_updates or {}).items():
+        setattr(base.config, key, value)
+    base.save_pretrained(path, state_dict=merged_state_dict(peft_model), safe_serialization=True)
+    peft_model.save_pretrained(path / ADAPTER_DIR, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

@@ -1,0 +1,298 @@
+"""LoRA on the supervised trainers (``--lora_rank``, ``learner.runtime.lora``) on the tiny model.
+
+The engine checks run this file as a worker script (a world of one, plain python; a process
+group and DeepSpeed's globals live once per process): an optimizer step moves only the
+adapters (and the reward model's score head), base weights bit-identical; the optimizer holds
+only those; the saved merged model, loaded with plain transformers, gives the peft model's
+outputs; a DeepSpeed checkpoint round trip restores the adapters and their optimizer state so
+the next step is the same. The trainer runs (``learner.train_sft``/``train_rm``/``train_dpo``
+with ``--lora_rank 8``) learn on the synthetic data.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import procs
+from helpers.procs import read_log, run_module
+
+# --------------------------------------------------------------------------- fast tests
+
+
+def test_bad_lora_flags_fail_naming_the_flag():
+    from common.config import parse
+    from learner.train_sft import SFTConfig
+
+    base = ["--pretrain", "m", "--dataset", "d.jsonl"]
+    for extra, match in [
+        (["--lora_rank", "-1"], "--lora_rank must be >= 0"),
+        (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0"),
+        (["--lora_rank", "8", "--lora_dropout", "1.5"], "--lora_dropout must be in"),
+        (["--lora_rank", "8", "--zero_stage", "3"], "--lora_rank with --zero_stage 3"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            parse(SFTConfig, base + extra, raise_errors=True)
+    cfg = parse(SFTConfig, base + ["--lora_rank", "8"], raise_errors=True)
+    assert cfg.target_modules == ["all-linear"] and cfg.lora_alpha == 16 and cfg.lora_dropout == 0.0
+
+
+def test_target_modules_naming_no_module_fails_naming_the_flag(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from learner.runtime.lora import apply_lora
+
+    cfg = SimpleNamespace(
+        lora_rank=4, lora_alpha=16, lora_dropout=0.0, target_modules=["no_such_proj"], gradient_checkpointing=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match=r"^--target_modules no_such_proj: .*not found"):
+        apply_lora(model, cfg)
+
+
+# --------------------------------------------------------------------------- engines (worker)
+
+
+@pytest.mark.slow
+def test_lora_step_moves_only_adapters_merged_save_matches_and_checkpoint_resumes(tiny_model_dir, tmp_path):
+    r = procs.run_worker(__file__, [str(tiny_model_dir), str(tmp_path)], timeout=300)
+    for kind in ("sft_zero0", "sft_zero2_bf16", "rm"):
+        k = r[kind]
+        assert k["base_changed"] == [], (kind, k["base_changed"][:5])  # bit-identical base weights
+        assert k["adapters_moved"] > 0 and k["adapters_unmoved"] == [], kind
+        assert k["optimizer_params"] == k["trainable"] < k["total"] // 10, kind  # only adapters optimized
+    assert r["rm"]["head_moved"]  # the score head trains in full
+    for kind in ("sft_zero0", "rm"):
+        assert r[kind]["merged_max_diff"] < 1e-5, r[kind]  # plain transformers = the peft model, fp32
+        assert r[kind]["adapter_saved"]
+    assert r["sft_zero0"]["resume_max_diff"] == 0.0 and r["sft_zero0"]["resume_optimizer_equal"], r["sft_zero0"]
+
+
+# --------------------------------------------------------------------------- trainer runs
+
+
+def _common(model, save, lr: str, *extra: str) -> list[str]:
+    return [
+        "--pretrain",
+        str(model),
+        "--apply_chat_template",
+        "--train_batch_size",
+        "16",
+        "--micro_train_batch_size",
+        "8",
+        "--learning_rate",
+        lr,
+        "--max_epochs",
+        "1",
+        "--max_len",
+        "64",
+        "--save_path",
+        str(save),
+        "--eval_at_start",
+        "--logging_steps",
+        "4",
+        "--lora_rank",
+        "8",
+        *extra,
+    ]
+
+
+def _pairs(paths) -> list[str]:
+    return [
+        "--dataset",
+        str(paths["pairs_train"]),
+        "--eval_dataset",
+        str(paths["pairs_eval"]),
+        "--prompt_key",
+        "prompt",
+        "--chosen_key",
+        "chosen",
+        "--rejected_key",
+        "rejected",
+    ]
+
+
+def _evals(save, key: str) -> list[float]:
+    return [r[key] for r in read_log(save) if key in r]
+
+
+@pytest.mark.slow
+def test_sft_with_lora_learns_and_saves_a_plain_model_and_its_adapter(tiny_model_dir, tmp_path):
+    from learner.supervised.synthetic_data import write_all
+
+    paths = write_all(tmp_path / "data", n_train=128, n_eval=32)
+    save = tmp_path / "sft"
+    data = ["--dataset", str(paths["sft_train"]), "--eval_dataset", str(paths["sft_eval"])]
+    data += ["--input_key", "input", "--output_key", "output", "--packing_samples", "--gradient_checkpointing"]
+    out = run_module("learner.train_sft", _common(tiny_model_dir, save, "3e-2", *data))
+    assert "LoRA rank 8 alpha 16" in out
+    losses = _evals(save, "eval/loss")
+    assert losses[-1] < 0.5 * losses[0], losses  # measured: see docs/trainers.md
+    assert (save / "model.safetensors").is_file() and (save / "adapter" / "adapter_model.safetensors").is_file()
+
+    from safetensors.torch import load_file
+
+    assert not any("lora" in k for k in load_file(save / "model.safetensors")), "the saved model is merged"
+
+
+@pytest.mark.slow
+def test_rm_with_lora_raises_accuracy(tiny_model_dir, tmp_path):
+    from learner.supervised.synthetic_data import write_all
+
+    paths = write_all(tmp_path / "data", n_train=128, n_eval=32)
+    save = tmp_path / "rm"
+    run_module("learner.train_rm", _common(tiny_model_dir, save, "1e-2", *_pairs(paths)))
+    acc = _evals(save, "eval/acc")
+    assert acc[-1] > acc[0] + 0.1, acc
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_raises_the_margin(tiny_model_dir, tmp_path):
+    from learner.supervised.synthetic_data import write_all
+
+    paths = write_all(tmp_path / "data", n_train=128, n_eval=32)
+    save = tmp_path / "dpo"
+    run_module("learner.train_dpo", _common(tiny_model_dir, save, "1e-2", *_pairs(paths), "--beta", "0.1"))
+    margins = _evals(save, "eval/reward_margin")
+    assert margins[0] == pytest.approx(0.0, abs=1e-4) and margins[-1] > 0.2, margins
+
+
+def _snapshot(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _step_report(engine, before) -> dict:
+    import torch
+
+    from common.weights.source import unwrap
+
+    module = unwrap(engine)
+    after = dict(module.named_parameters())
+    trainable = {n for n, p in after.items() if p.requires_grad}
+    changed = {n for n, p in after.items() if not torch.equal(p.detach(), before[n])}
+    return {
+        "base_changed": sorted(changed - trainable),
+        "adapters_moved": len(changed & trainable),
+        "adapters_unmoved": sorted(n for n in trainable - changed if "lora_A" not in n),  # A may stay with B = 0
+        "head_moved": any("modules_to_save" in n for n in changed),
+        "trainable": sum(after[n].numel() for n in trainable),
+        "total": sum(p.numel() for p in after.values()),
+        "optimizer_params": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"]),
+    }
+
+
+def _engine(model, *, bf16=False, zero_stage=0):
+    from learner.runtime import engine as E
+
+    return E.make_engine(
+        model,
+        zero_stage=zero_stage,
+        bf16=bf16,
+        train_batch_size=2,
+        micro_train_batch_size=2,
+        learning_rate=1e-2,
+        num_training_steps=10,
+        lr_scheduler="constant_with_warmup",
+        lr_warmup_ratio=0.0,
+    )
+
+
+def _lora_cfg(gradient_checkpointing=True):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=["all-linear"],
+        gradient_checkpointing=gradient_checkpointing,
+    )
+
+
+def _sft_step(engine, batch):
+    engine.backward(engine(**batch, labels=batch["input_ids"], use_cache=False).loss)
+    engine.step()
+
+
+def _worker(model_dir: str, out: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.weights.source import unwrap
+    from learner.algorithms.kl import last_token_index
+    from learner.runtime import engine as E
+    from learner.runtime.lora import apply_lora
+    from learner.runtime.models import load_reward_model
+
+    E.init_distributed()
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    batch = tok(["What is 2 + 3? Answer: 5", "What is 7 + 1? Answer: 8"], return_tensors="pt", padding=True)
+    result = {}
+
+    # SFT, fp32 (one rank: stage 0), gradient checkpointing on a frozen base
+    model = apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora_cfg())
+    eng = _engine(model)
+    before = _snapshot(unwrap(eng))
+    _sft_step(eng, batch)
+    r = _step_report(eng, before)
+    E.save_hf(eng, tok, Path(out) / "sft")
+    plain = AutoModelForCausalLM.from_pretrained(Path(out) / "sft", dtype=torch.float32)
+    eng.eval()
+    with torch.no_grad():
+        ours = eng(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        theirs = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    r["merged_max_diff"] = (ours - theirs).abs().max().item()
+    r["adapter_saved"] = (Path(out) / "sft" / "adapter" / "adapter_config.json").is_file()
+    eng.train()
+    # Checkpoint round trip: a second engine loaded from it takes the same next step.
+    E.save_checkpoint(eng, Path(out) / "ckpt", tag="step1")
+    again = _engine(apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora_cfg()))
+    E.load_checkpoint(again, Path(out) / "ckpt")
+    s1, s2 = eng.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
+    r["resume_optimizer_equal"] = s1.keys() == s2.keys() and all(
+        torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) and torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"])
+        for k in s1
+    )
+    _sft_step(eng, batch)
+    _sft_step(again, batch)
+    a, b = dict(unwrap(eng).named_parameters()), dict(unwrap(again).named_parameters())
+    r["resume_max_diff"] = max((a[n] - b[n]).abs().max().item() for n in a)
+    result["sft_zero0"] = r
+
+    # SFT, bf16 at ZeRO-2 (kept at stage 2 with one rank)
+    model = apply_lora(E.load_causal_lm(model_dir, zero_stage=2, bf16=True), _lora_cfg(False))
+    eng = _engine(model, bf16=True, zero_stage=2)
+    before = _snapshot(unwrap(eng))
+    _sft_step(eng, batch)
+    result["sft_zero2_bf16"] = _step_report(eng, before)
+
+    # RM: adapters and the score head
+    rm = apply_lora(load_reward_model(model_dir, tokenizer=tok), _lora_cfg(False))
+    eng = _engine(rm)
+    before = _snapshot(unwrap(eng))
+    rewards = eng(batch["input_ids"], batch["attention_mask"])
+    eng.backward(-torch.nn.functional.logsigmoid(rewards[0] - rewards[1]))
+    eng.step()
+    r = _step_report(eng, before)
+    E.save_hf(eng, tok, Path(out) / "rm")
+    plain = AutoModelForSequenceClassification.from_pretrained(Path(out) / "rm", dtype=torch.float32)
+    with torch.no_grad():
+        ours = eng(batch["input_ids"], batch["attention_mask"])
+        hidden = plain.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        last = last_token_index(batch["attention_mask"])
+        theirs = plain.score(hidden[torch.arange(2), last]).squeeze(-1)
+    r["merged_max_diff"] = (ours - theirs).abs().max().item()
+    r["adapter_saved"] = (Path(out) / "rm" / "adapter" / "adapter_config.json").is_file()
+    result["rm"] = r
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(_worker(sys.argv[1], sys.argv[2])), flush=True)
