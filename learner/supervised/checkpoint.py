@@ -35,6 +35,10 @@ MATCH_FIELDS = (
     "train_batch_size",
     "micro_train_batch_size",
     "zero_stage",
+    # LoRA: the adapters' shapes and what they mean (their scale is alpha / rank)
+    "lora_rank",
+    "lora_alpha",
+    "target_modules",
 )
 
 

@@ -129,15 +129,33 @@ def test_sft_with_lora_learns_and_saves_a_plain_model_and_its_adapter(tiny_model
     save = tmp_path / "sft"
     data = ["--dataset", str(paths["sft_train"]), "--eval_dataset", str(paths["sft_eval"])]
     data += ["--input_key", "input", "--output_key", "output", "--packing_samples", "--gradient_checkpointing"]
-    out = run_module("learner.train_sft", _common(tiny_model_dir, save, "3e-2", *data))
+    args = _common(tiny_model_dir, save, "3e-2", *data, "--save_steps", "4")
+    out = run_module("learner.train_sft", args)
     assert "LoRA rank 8 alpha 16" in out
     losses = _evals(save, "eval/loss")
     assert losses[-1] < 0.5 * losses[0], losses  # measured: see docs/trainers.md
     assert (save / "model.safetensors").is_file() and (save / "adapter" / "adapter_model.safetensors").is_file()
 
+    import torch
     from safetensors.torch import load_file
 
     assert not any("lora" in k for k in load_file(save / "model.safetensors")), "the saved model is merged"
+
+    # Resumed from its step-4 checkpoint (adapters, their Adam state, the LR schedule), the run
+    # logs steps 5-8 with the first run's losses and ends with its weights.
+    step4 = save / "checkpoints" / "step_00000004"
+    again = tmp_path / "again"
+    rerun = [a if a != str(save) else str(again) for a in args]
+    out = run_module("learner.train_sft", [*rerun, "--load_checkpoint", "--ckpt_path", str(step4)])
+    assert f"resumed from {step4}: step 4" in out
+    first = {r["step"]: r["train/loss"] for r in read_log(save) if "train/loss" in r}
+    second = {r["step"]: r["train/loss"] for r in read_log(again) if "train/loss" in r}
+    assert sorted(second) == [8] and second[8] == pytest.approx(first[8], rel=1e-5), (first, second)
+    a, b = load_file(save / "model.safetensors"), load_file(again / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Other LoRA settings cannot resume it, and say so before the model loads.
+    with pytest.raises(AssertionError, match="lora_rank: checkpoint 8, this run 4"):
+        run_module("learner.train_sft", [*rerun, "--lora_rank", "4", "--load_checkpoint", "--ckpt_path", str(step4)])
 
 
 @pytest.mark.slow
