@@ -12,7 +12,7 @@ an inference-only DeepSpeed engine; ``--ref_offload`` keeps its parameters in CP
 ``beta * log(pi/ref)``, their margin and the preference accuracy, on train and eval data.
 
 Differences from OpenRLHF's ``train_dpo``: losses are pure functions in
-``learner.algorithms.dpo_loss``; no packing or LoRA yet.
+``learner.algorithms.dpo_loss``; LoRA with ``--lora_rank`` (docs/trainers.md); no packing yet.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ reward service.
 
 Differences from OpenRLHF's ``train_rm``: the saved model is a plain transformers sequence
 classifier (OpenRLHF saves a custom class and needs its loader), head name ``score``;
-no packing, LoRA or ring attention yet.
+LoRA with ``--lora_rank`` (the score head trains in full); no packing or ring attention yet.
 """
 
 from __future__ import annotations

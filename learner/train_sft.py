@@ -15,7 +15,8 @@ saved in HF format to ``--save_path``.
 
 Differences from OpenRLHF's ``train_sft``: the loss is normalised by the optimizer step's
 global response-token count (OpenRLHF: per micro-batch); packing also works on CPU (SDPA
-block-diagonal mask) without flash-attn; no LoRA, ring attention or MoE aux loss yet.
+block-diagonal mask) without flash-attn; LoRA (``--lora_rank``) saves a merged model plus
+``SAVE_PATH/adapter`` (docs/trainers.md); no ring attention or MoE aux loss yet.
 """
 
 from __future__ import annotations
