@@ -40,7 +40,7 @@ def test_bad_lora_flags_fail_naming_the_flag():
     assert cfg.target_modules == ["all-linear"] and cfg.lora_alpha == 16 and cfg.lora_dropout == 0.0
 
 
-def test_target_modules_naming_no_module_fails_naming_the_flag(tiny_model_dir):
+def test_target_modules_naming_no_module_fails_naming_the_flag_and_named_ones_are_adapted(tiny_model_dir):
     from types import SimpleNamespace
 
     from transformers import AutoModelForCausalLM
@@ -53,6 +53,10 @@ def test_target_modules_naming_no_module_fails_naming_the_flag(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match=r"^--target_modules no_such_proj: .*not found"):
         apply_lora(model, cfg)
+    cfg.target_modules = ["q_proj", "v_proj"]  # named modules: only they are adapted
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg)
+    adapted = {n.split(".")[-4] for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "v_proj"}, adapted
 
 
 # --------------------------------------------------------------------------- engines (worker)
