@@ -8,7 +8,7 @@ import pytest
 
 # The ceiling of the whole suite's wall time on the developers' kind of host (2 cores, 24 GiB),
 # in seconds; docs/testing.md says how it was measured, how to keep it, and the goal below it.
-BUDGET_S = 1100
+BUDGET_S = 1200
 _started = time.monotonic()
 
 
