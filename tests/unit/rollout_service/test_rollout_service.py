@@ -261,12 +261,18 @@ def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack
     across_before = sum(stack.client.call(n, P.GetHealth()).stats["samples_across_updates"] for n in ("ra", "rb"))
     assert not stack.client.submit(ids, prompts, sampling, policy_version=v)
     stack.wait_until(lambda: in_flight() > 0, "prompts in flight")
-    t = time.monotonic() + 0.3
-    while time.monotonic() < t:  # let them sample their first tokens
-        stack.pump(0.05)
-    assert in_flight() > 0, "every sample finished within 0.3 s: lengthen them for this machine"
+    t = time.monotonic() + 0.05
+    while time.monotonic() < t:  # their first tokens: one engine step (a whole sample: ~0.6 s here)
+        stack.pump(0.01)
+    # Paused (vLLM's "keep"), the samples stop where they are: the update lands mid-sample on a
+    # host of any speed (a fixed wait raced the 240 tokens on a fast one), and resumes them.
+    for name in ("ra", "rb"):
+        stack.client.call(name, P.Pause())
+    assert in_flight() > 0, "every sample finished within 50 ms: lengthen them for this machine"
     perturb(stack.model, seed=v + 1)
     stack.fleet.push(v + 1)
+    for name in ("ra", "rb"):
+        stack.client.call(name, P.Resume())
     stack.wait_results(ids, timeout=300)
     versions = {}
     for pid in ids:
