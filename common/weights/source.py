@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from common.weights.lora import is_peft, merged_weight, plain_parameters
 from common.weights.wire import ParamMeta
 
 
@@ -41,6 +42,9 @@ class ModelWeights:
       ranks together; rank 0 copies them out while gathered (``keep=True``), other ranks only
       take part in the gather (``keep=False``).
     - Shapes come from ``ds_shape`` under ZeRO-3, so ``metadata()`` never gathers.
+    - A LoRA (peft) model is listed under its base model's names, and each adapted weight is
+      sent as ``W + (alpha / r) * B @ A``, computed in fp32 when it is sent (one tensor at a
+      time, out of place) and cast to the engine dtype (``common.weights.lora``).
 
     It keeps ``vllm.distributed.weight_transfer.base.WeightSource``'s contract (metadata and
     iteration agree element for element) without importing vLLM: a learner that only sends
@@ -53,7 +57,16 @@ class ModelWeights:
         self.module = unwrap(model)
         self.dtype = dtype
         self.keep = keep
-        self._params = list(self.module.named_parameters(remove_duplicate=False))
+        # A LoRA (peft) model is pushed as its base model with the adapter merged, computed per
+        # tensor as it is sent (common.weights.lora): the engines see no LoRA at all.
+        self._merge: dict[str, Any] = {}  # listed name -> the LoRA layer adapting it
+        if is_peft(self.module):
+            self._adapter = self.module.active_adapter
+            entries = plain_parameters(self.module)
+            self._params = [(n, p) for n, p, _ in entries]
+            self._merge = {n: layer for n, _, layer in entries if layer is not None}
+        else:
+            self._params = list(self.module.named_parameters(remove_duplicate=False))
         self.aliases: dict[str, str] = {}  # name -> the listed name of the same parameter
         if tied_once:
             first: dict[int, str] = {}
@@ -62,6 +75,9 @@ class ModelWeights:
                     self.aliases[name] = first[id(p)]
             self._params = [(n, p) for n, p in self._params if n not in self.aliases]
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
+        if self.zero3 and self._merge:
+            # The adapter's tensors would have to join each layer's gather: not built.
+            raise ValueError("pushing a LoRA model partitioned by ZeRO-3 is not built; use --zero_stage 0, 1 or 2")
 
     def metadata(self) -> list[ParamMeta]:
         return [
@@ -74,7 +90,9 @@ class ModelWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         if not self.zero3:
             for name, p in self._params:
-                yield name, p.detach().to(self.dtype or p.dtype)
+                layer = self._merge.get(name)
+                t = p.detach() if layer is None else merged_weight(p, layer, self._adapter)
+                yield name, t.to(self.dtype or p.dtype)
             return
         import deepspeed
 

@@ -145,11 +145,13 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
 
 
 def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_steps: int) -> Any:
-    """The DeepSpeed engine of a trained model (policy or critic) with train_ppo's optimizer flags."""
+    """The DeepSpeed engine of a trained model (policy or critic) with train_ppo's optimizer flags;
+    with --lora_rank, of its LoRA adapters (and the critic's value head) only."""
     from learner.runtime import engine as E
+    from learner.runtime.lora import apply_lora
 
     return E.make_engine(
-        model,
+        apply_lora(model, cfg),
         **cfg.engine_options(),
         train_batch_size=cfg.train_batch_size,
         micro_train_batch_size=cfg.micro_train_batch_size,

@@ -66,6 +66,9 @@ MATCH_FIELDS = (
     "micro_train_batch_size",
     "advantage_estimator",
     "zero_stage",
+    "lora_rank",  # an adapter of another shape (or none) cannot load the saved one
+    "lora_alpha",
+    "target_modules",
 )
 
 

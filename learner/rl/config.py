@@ -315,6 +315,13 @@ class ServiceFlags:
         aliases=("--vllm_sync_backend",),
         group="services",
     )
+    lora_sync: str = flag(
+        "merged",
+        "with --lora_rank: what a push sends. merged: W + (alpha/r)*B*A per layer, computed out of place in "
+        "fp32 and sent under the base model's names (the servers need nothing of their own)",
+        choices=("merged", "adapter"),
+        group="services",
+    )
     sync_host: str = flag(
         "",
         "address rollout servers reach this rank at for weight sync; its stores listen there when it is an IP "
@@ -413,10 +420,14 @@ class PPOConfig(
         super().__post_init__()  # CheckpointFlags'
         self.notices: list[str] = []  # not a flag: what the checks below changed or found inert
         self.check_optimizer()
-        if self.lora_rank != 0:  # the flag is OptimizerFlags', shared with the supervised trainers
+        self.check_lora()  # OptimizerFlags', shared with the supervised trainers
+        if self.lora_rank and self.lora_sync == "adapter":
             raise ValueError(
-                "--lora_rank: LoRA for the RL learner is not built yet (issue 28); the supervised trainers take it"
+                "--lora_sync adapter (vLLM serving the adapter, only the adapter pushed) is not built yet "
+                "(issue 28); --lora_sync merged pushes the merged weights"
             )
+        if not self.lora_rank and self.lora_sync != "merged":
+            self.notices.append(f"--lora_sync {self.lora_sync} has no effect without --lora_rank")
         g = self.n_samples_per_prompt
         if g < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")

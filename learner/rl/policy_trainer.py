@@ -68,6 +68,7 @@ from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
 from learner.rl.experience import collate, score_all_ranks
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
+from learner.runtime.lora import base_hf_model
 from learner.runtime.models import check_packable
 
 
@@ -102,7 +103,7 @@ def response_logprobs(
     padding. ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
     """
     T = batch["response"].shape[1]
-    keep = response_only and _takes_logits_to_keep(type(unwrap(model)))
+    keep = response_only and _takes_logits_to_keep(type(base_hf_model(unwrap(model))))  # peft passes it on
     packed = "logit_index" in batch
     if packed:
         # No attention mask: transformers then finds the samples' boundaries in the position ids.

@@ -40,7 +40,7 @@ class OptimizerFlags:
     flash_attn: bool = flag(
         False, "flash_attention_2 where available (CUDA + flash_attn); SDPA with a notice otherwise", group="deepspeed"
     )
-    # LoRA (learner.runtime.lora): the supervised trainers; train_ppo refuses --lora_rank > 0.
+    # LoRA (learner.runtime.lora): every trainer; train_ppo pushes the merged weights (--lora_sync).
     lora_rank: int = flag(0, "LoRA rank (0: train all weights); only the adapters train", group="lora")
     lora_alpha: int = flag(16, "LoRA alpha: the adapter's output is scaled by alpha / rank", group="lora")
     target_modules: list[str] = flag(

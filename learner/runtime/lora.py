@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from common.weights.lora import is_peft, merged_weight, plain_parameters
 
 log = logging.getLogger("rayless.lora")
 
@@ -87,11 +88,7 @@ def apply_lora(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
 
 
 def is_lora(module: Any) -> bool:
-    if "peft" not in sys.modules:  # no peft model can exist; spares the import (RL runs)
-        return False
-    from peft import PeftModel
-
-    return isinstance(module, PeftModel)
+    return is_peft(module)
 
 
 def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -101,34 +98,20 @@ def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
 
 def merged_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
     """The plain HF state dict of ``peft_model`` with its active adapter merged, on CPU, out of
-    place: ``W + scale * B @ A`` per adapted layer, the trained copy of each ``modules_to_save``
-    module; LoRA's own tensors left out. Tied parameters stay one tensor under both names."""
-    from peft.tuners.lora import LoraLayer
-
+    place: ``W + scale * B @ A`` per adapted layer (fp32 math, stored in the weight's dtype), the
+    trained copy of each ``modules_to_save`` module; LoRA's own tensors left out. Tied parameters
+    stay one tensor under both names."""
     adapter = peft_model.active_adapter
-    base = peft_model.get_base_model()
-    deltas = {
-        f"{name}.base_layer.weight": module
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and adapter in module.lora_A
-    }
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
-    for name, t in base.state_dict(keep_vars=True).items():
-        if ".lora_" in name or ".original_module." in name:
+    for name, p, layer in plain_parameters(peft_model, state_dict=True):
+        if layer is not None:
+            out[name] = merged_weight(p, layer, adapter).to(p.dtype).cpu()
             continue
-        plain = name.replace(".base_layer.", ".").replace(f".modules_to_save.{adapter}.", ".")
-        if ".modules_to_save." in plain:
-            continue  # another adapter's copy
-        if name in deltas:
-            with torch.no_grad():
-                delta = deltas[name].get_delta_weight(adapter)
-                out[plain] = (t.detach().float() + delta.float()).to(t.dtype).cpu()
-            continue
-        key = id(t)
+        key = id(p)
         if key not in copies:
-            copies[key] = t.detach().to("cpu", copy=True)
-        out[plain] = copies[key]
+            copies[key] = p.detach().to("cpu", copy=True)
+        out[name] = copies[key]
     return out
 
 

@@ -130,7 +130,7 @@ def check_packable(model: Any, role: str) -> None:
 
     ``model``: the engine or module (unwrapped to the HF model). Raises ValueError naming why.
     """
-    hf = unwrap(model)
+    hf = base_hf_model(unwrap(model))  # a LoRA model: the HF model peft wraps
     config = getattr(hf, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl not in PACKABLE_ATTENTION:

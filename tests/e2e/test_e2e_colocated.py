@@ -19,9 +19,9 @@ import json
 import re
 
 import pytest
-from test_e2e_grpo import _check_loopback_auth_and_shutdown, _launch, _rewarded_mass
+from test_e2e_grpo import _check_loopback_auth_and_shutdown, _launch
 
-from helpers.e2e_launch import finish, metrics
+from helpers.e2e_launch import finish, metrics, rewarded_mass
 from helpers.listening import Watch
 
 pytestmark = pytest.mark.slow
@@ -70,6 +70,6 @@ def test_colocated_learns_on_cpu_and_each_flag_says_once_it_cannot_act(tmp_path,
     assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
     # Learning, as the lockstep e2e test measures it.
     prompts = [json.loads(line)["input"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()[:50]]
-    before, after = _rewarded_mass(tiny_model_dir, prompts), _rewarded_mass(run / "model", prompts)
+    before, after = rewarded_mass(tiny_model_dir, prompts), rewarded_mass(run / "model", prompts)
     print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
     assert after > before + 0.1, (before, after)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, start
+from helpers.e2e_launch import addition_prompts, cpu_env, finish, local_cmd, metrics, rewarded_mass, start
 from helpers.listening import Watch
 from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
@@ -58,26 +58,6 @@ def _eval_prompts(path: Path) -> Path:
     return path
 
 
-def _rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
-    """Mean over prompts of the exact probability that the first response token is rewarded
-    (its text starts with an even code point), under the model in ``model_dir``. Exact, so
-    the assertion carries no sampling noise of its own."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    texts = [tok.decode([i]) for i in range(model.config.vocab_size)]
-    good = torch.tensor([bool(t) and ord(t[0]) % 2 == 0 for t in texts])
-    total = 0.0
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
-            probs = model(ids).logits[0, -1].softmax(-1)
-            total += float(probs[good].sum())
-    return total / len(prompts)
-
-
 def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir, shared_fleet):
     """Also the tracking and evaluation of a run: --eval_steps 5 evaluates at steps 0, 5, 10 and
     12 (the last), per data source, and metrics.jsonl, TensorBoard and the offline wandb run
@@ -103,7 +83,7 @@ def test_grpo_learns_through_real_services(tmp_path, tiny_model_dir, shared_flee
     # Learning, measured without sampling noise: the exact probability of a rewarded first
     # token under the trained policy vs the initial one, over 50 training prompts.
     prompts = [json.loads(line)["input"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()[:50]]
-    before, after = _rewarded_mass(tiny_model_dir, prompts), _rewarded_mass(run / "model", prompts)
+    before, after = rewarded_mass(tiny_model_dir, prompts), rewarded_mass(run / "model", prompts)
     print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
     assert after > before + 0.1, (before, after)
     # vLLM and the learner agree on log-probs: the weights arrived and numerics match (fp32;

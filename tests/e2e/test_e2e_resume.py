@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.e2e_launch import cpu_env, local_cmd, metrics, start
+from helpers.e2e_launch import cpu_env, local_cmd, metrics, rewarded_mass, start
 from helpers.shared_fleet import SERVICES, SharedFleet
 from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 
@@ -117,11 +117,15 @@ def _run_killing_the_learner(
 
 
 def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp_path, tiny_model_dir, shared_fleet):
-    """Also: both learners log to wandb (offline), and the resumed one continues the killed one's
+    """The policy trains LoRA adapters (--lora_rank 8): the checkpoint holds the adapter and its
+    optimizer state, the servers get the merged weights at every push (the resumed learner's
+    first push included), and the run learns with them.
+    Also: both learners log to wandb (offline), and the resumed one continues the killed one's
     wandb run (the id is in the checkpoint)."""
     prompts = _prompts(tmp_path)
     run = tmp_path / "run"
-    flags = [*_learner_flags(prompts), "--seed_sampling", "--use_wandb", "True"]
+    lora = ["--lora_rank", "8", "--lora_alpha", "16", "--actor_learning_rate", "1e-2"]  # LoRA's LR (docs/trainers.md)
+    flags = [*_learner_flags(prompts), *lora, "--seed_sampling", "--use_wandb", "True"]
     env = cpu_env(**offline_env(tmp_path / "wandb_home"))
     _, killed_run = _run_killing_the_learner(tmp_path, tiny_model_dir, flags, shared_fleet, env)
     learner_log = (run / "logs" / "learner.log").read_text()
@@ -148,7 +152,16 @@ def test_a_killed_learner_resumes_from_its_checkpoint_while_services_stay_up(tmp
     # the first samples after the restart came from the resumed weights, and every step's
     # samples from the previous step's (lockstep), as in an uninterrupted run
     assert [m["rollout/min_policy_version"] for m in rows] == [s - 1 for s in range(1, STEPS + 1)]
-    assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3
+    # The merged weights reached vLLM: its log-probs are the learner's (the full-weight level).
+    assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
+    assert learner_log.count("LoRA rank 8 alpha 16") == 2, learner_log[-3000:]  # both learners
+    # Learning: the saved model is plain HF (the adapter merged; loaded without peft), and its
+    # exact probability of a rewarded first token rose; the adapter alone is saved beside it.
+    texts = [json.loads(line)["input"] for line in prompts.read_text().splitlines()[:50]]
+    before, after = rewarded_mass(tiny_model_dir, texts), rewarded_mass(run / "model", texts)
+    print(f"rewarded first-token mass: {before:.3f} -> {after:.3f}")
+    assert after > before + 0.05, (before, after)
+    assert (run / "model" / "adapter" / "adapter_config.json").is_file()
     assert sorted(p.name for p in (run / "model" / "checkpoints").iterdir()) == [
         f"step_{s:08d}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)
     ]  # --max_ckpt_num 3

@@ -57,6 +57,26 @@ def local_cmd(
     return [*cmd, "--learner_args", " ".join(learner), "--stop_timeout_s", "15", *extra]
 
 
+def rewarded_mass(model_dir: Path, prompts: list[str]) -> float:
+    """Mean over prompts of the exact probability that the first response token is rewarded
+    (its text starts with an even code point), under the model in ``model_dir``. Exact, so
+    the assertion carries no sampling noise of its own."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    texts = [tok.decode([i]) for i in range(model.config.vocab_size)]
+    good = torch.tensor([bool(t) and ord(t[0]) % 2 == 0 for t in texts])
+    total = 0.0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
+            probs = model(ids).logits[0, -1].softmax(-1)
+            total += float(probs[good].sum())
+    return total / len(prompts)
+
+
 def cpu_env(**extra: str) -> dict[str, str]:
     """This environment plus what a multi-process run on 2 cores needs."""
     return dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **extra)

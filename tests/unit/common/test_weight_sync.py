@@ -327,3 +327,65 @@ def test_sync_host_follows_the_controllers_address(bind, sync_host, expected):
 
     got = _sync_host(SimpleNamespace(controller_bind=bind, sync_host=sync_host))
     assert got == (socket.gethostname() if expected is None else expected)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def _lora_model(model_dir):
+    """The tiny Qwen2 with rank-8 adapters on every linear layer, B nonzero (peft starts it at 0,
+    which would make any merge look right)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from learner.runtime.lora import apply_lora
+
+    cfg = SimpleNamespace(
+        lora_rank=8, lora_alpha=16, lora_dropout=0.0, target_modules=["all-linear"], gradient_checkpointing=False
+    )
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def test_a_lora_model_is_pushed_merged_under_the_base_names_and_its_weights_stay_untouched(tiny_model_dir):
+    """The merged push: base model names (no LoRA tensor on the wire), each adapted weight
+    W + (alpha/r) B A -- here alpha/r = 16/8 = 2, computed by hand below -- in fp32 then the
+    engine dtype; a plain HF model loaded with what a push delivered gives the PeftModel's
+    logits; the trained parameters are bit-identical after the push (nothing merged in place)."""
+    from transformers import AutoModelForCausalLM
+
+    peft_model = _lora_model(tiny_model_dir)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    src = ModelWeights(peft_model, torch.float32)
+    assert [m.name for m in src.metadata()] == [n for n, _ in plain.named_parameters(remove_duplicate=False)]
+    assert src.nbytes() == ModelWeights(plain, torch.float32).nbytes()  # the adapter adds no bytes
+
+    server = FakeServer("s")
+    pub = _publisher(peft_model, [server])
+    pub.push(1)
+    pub.close()
+    loaded = server.model.loaded
+    assert not [n for n in loaded if "lora" in n or "base_layer" in n]
+    plain.load_state_dict(loaded, strict=True)
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
+    with torch.no_grad():
+        want, got = peft_model(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert (want - got).abs().max().item() < 1e-5
+    assert all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters())
+
+    # By hand, one layer: W + 2 * B @ A, in fp32, then cast once to the engine dtype.
+    layer = peft_model.get_base_model().model.layers[0].self_attn.q_proj
+    w, a, b = layer.base_layer.weight, layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert not torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], w)
+    assert torch.allclose(loaded["model.layers.0.self_attn.q_proj.weight"], w + 2.0 * (b @ a), atol=1e-6, rtol=0)
+    bf16 = dict(ModelWeights(peft_model, torch.bfloat16))
+    assert bf16["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(bf16["model.layers.0.self_attn.q_proj.weight"], (w + 2.0 * (b @ a)).bfloat16())
+    assert torch.equal(bf16["model.norm.weight"], peft_model.get_base_model().model.norm.weight.bfloat16())

@@ -79,14 +79,20 @@ def test_rejected(kw, needle):
         cfg(**kw)
 
 
-def test_lora_is_refused_for_the_rl_learner_with_one_line_naming_the_flag():
-    """--lora_rank is the supervised trainers' (OptimizerFlags, shared): RL LoRA is not built."""
+def test_lora_flags_of_the_rl_learner_are_checked_and_adapter_sync_is_refused_by_name():
+    """--lora_rank is OptimizerFlags' (shared with the supervised trainers), checked the same
+    way; --lora_sync adapter is not built, and says so in one line."""
+    c = cfg(lora_rank=8, lora_alpha=32)
+    assert (c.lora_rank, c.lora_alpha, c.lora_sync, c.target_modules) == (8, 32, "merged", ["all-linear"])
+    with pytest.raises(ValueError, match="--lora_rank with --zero_stage 3 is not built yet"):
+        cfg(lora_rank=8, zero_stage=3)
+    with pytest.raises(ValueError, match=r"--lora_alpha must be > 0, got 0"):
+        cfg(lora_rank=8, lora_alpha=0)
     with pytest.raises(ValueError) as e:
-        cfg(lora_rank=8)
-    assert str(e.value) == (
-        "--lora_rank: LoRA for the RL learner is not built yet (issue 28); the supervised trainers take it"
-    )
-    assert cfg().lora_rank == 0  # the default is off, and accepted
+        cfg(lora_rank=8, lora_sync="adapter")
+    assert str(e.value).startswith("--lora_sync adapter (vLLM serving the adapter, only the adapter pushed)")
+    assert cfg(lora_sync="adapter").notices == ["--lora_sync adapter has no effect without --lora_rank"]
+    assert cfg().lora_rank == 0  # the default is off
 
 
 def test_gspo_switches_the_default_aggregation_with_a_notice(caplog):
