@@ -24,7 +24,7 @@ import msgspec
 
 from common.serialization import TensorEncoder, WireError, make_ext_hook
 
-PROTOCOL_VERSION = 2  # 2: typed Hello.capabilities and Ack.info
+PROTOCOL_VERSION = 3  # 2: typed Hello.capabilities and Ack.info; 3: agent episodes (PromptBatch.agent)
 
 # Default ceiling for one message (all frames). Experience batches are a few MB; weights do
 # not travel over ZMQ (they go over torch.distributed), so anything near this is a bug.
@@ -81,6 +81,10 @@ class RolloutCapabilities(Capabilities, tag="rollout"):
     gpu_memory_utilization: float | None = None  # the share of memory the engine was started with
     policy_version: int = 0  # the weights it holds (a server that outlived its learner may be ahead)
     platform: str = "cpu"  # "cpu" | "cuda"
+    # The agent it runs episodes with (--agent_func_path): "<file name>:<sha256 of the file, 12
+    # hex>"; empty: none. A learner that asks for agent episodes checks it is the one it names.
+    agent: str = ""
+    max_model_len: int = 0  # prompt plus response (an agent's whole episode) at most; 0: not said
 
 
 class RewardCapabilities(Capabilities, tag="reward"):
@@ -144,6 +148,23 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
 
 
+class AgentParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # Part of PromptBatch: run each sample as a multi-turn episode of the server's agent
+    # (rollout_service/agent.py, docs/agents.md). sampling.max_new_tokens caps one turn.
+    agent: str  # the agent the learner expects (RolloutCapabilities.agent); another is refused
+    max_len: int  # prompt plus every turn (actions and environment feedback), in tokens
+    max_turns: int = 0  # 0: the environment decides (done), within max_len
+    step_timeout_s: float = 60.0  # one reset() or step() of the environment
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2:
+            raise ValueError(f"agent.max_len must be >= 2, got {self.max_len}")
+        if self.max_turns < 0:
+            raise ValueError(f"agent.max_turns must be >= 0 (0: no limit), got {self.max_turns}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"agent.step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
 @register
 class PromptBatch(Message):
     # controller -> rollout server. Generate sampling.n samples for every prompt.
@@ -158,9 +179,15 @@ class PromptBatch(Message):
     # seeds[i] + 0..n-1), whatever sampling.seed says. The controller's choice, so that a
     # prompt keeps its seed across servers, retries and learner restarts (prompt ids do not).
     seeds: list[int] = []
+    # Agent episodes instead of single completions (None: plain generation), and the dataset's
+    # label of each prompt (empty, or one per prompt) that the agent's reset/step receive.
+    agent: AgentParams | None = None
+    labels: list[str] = []
 
     def __post_init__(self) -> None:
         _check_len("token_ids", self.token_ids, len(self.prompt_ids), "one per prompt id")
+        if self.labels:
+            _check_len("labels", self.labels, len(self.prompt_ids), "one per prompt id, or none")
         if self.seeds:
             _check_len("seeds", self.seeds, len(self.prompt_ids), "one per prompt id, or none")
             if any(not 0 <= s < SEED_LIMIT for s in self.seeds):
@@ -184,6 +211,14 @@ class SampleBatch(Message):
     policy_versions: list[int] = []  # (N,) version of the weights that *started* the sample
     prompt_token_ids: list[list[int]] | None = None  # (N,) optional echo of the prompt
     server: str = ""  # name of the server that produced the batch
+    # Agent episodes (PromptBatch.agent): the response is every token after the episode's
+    # prompt (prompt_token_ids, then required: an agent may rewrite the observation it starts
+    # from), the policy's actions and the environment's feedback interleaved.
+    action_mask: Tensor | None = None  # (L,) bool/uint8: 1 on tokens the policy sampled
+    agent_rewards: list[float] = []  # (N,) the agent's reward, summed over the turns
+    agent_scores: list[float] = []  # (N,) its score (dynamic filtering), else the reward
+    turns: list[int] = []  # (N,) actions taken
+    agent_logs: list[dict[str, float]] = []  # (N,) the last step's extra_logs (numbers only)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -205,6 +240,15 @@ class SampleBatch(Message):
             raise ValueError(f"response_ids has {_numel(self.response_ids)} tokens, response_lengths sum to {total}")
         if self.logprobs is not None and _numel(self.logprobs) != total:
             raise ValueError(f"logprobs has {_numel(self.logprobs)} entries, response_lengths sum to {total}")
+        if self.action_mask is not None:
+            _check_tensor("action_mask", self.action_mask, "int")
+            if _numel(self.action_mask) != total:
+                raise ValueError(f"action_mask has {_numel(self.action_mask)} entries, response_lengths sum to {total}")
+            if self.prompt_token_ids is None:
+                raise ValueError("action_mask (agent episodes) needs prompt_token_ids: the episode's own prompt")
+        for name in ("agent_rewards", "agent_scores", "turns", "agent_logs"):
+            if getattr(self, name):
+                _check_len(name, getattr(self, name), n, "one per sample")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -67,6 +67,13 @@ class RolloutConfig:
         "a refusal for memory is not retried)",
         group="engine",
     )
+    # -- agents
+    agent_func_path: str = flag(
+        "",
+        "an OpenRLHF-style agent file (AgentExecutor; docs/agents.md): prompts the learner sends as agent "
+        "episodes run through it here, every turn on this engine; plain prompts are served as always",
+        group="agents",
+    )
     # -- weights
     weight_transfer_backend: str = flag(
         "auto",

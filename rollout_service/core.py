@@ -83,12 +83,14 @@ class BadRequest(ValueError):
 
 @dataclass
 class GeneratedSample:
-    """One completion of a prompt as vLLM produced it, before any reward."""
+    """One completion of a prompt as vLLM produced it, before any reward; or one agent episode
+    (``episode`` set: its own prompt, action mask, reward, turns)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length" | "abort"
-    policy_version: int  # version of the weights that sampled the first token
+    policy_version: int  # version of the weights that sampled the first token (the first action's)
+    episode: Any = None  # rollout_service.agent.Episode of an agent sample
 
 
 @dataclass
@@ -96,6 +98,15 @@ class PromptResult:
     prompt_id: int
     prompt_token_ids: list[int]
     samples: list[GeneratedSample]  # sampling.n of them, by sample index
+
+
+class AgentFailed(Exception):
+    """An agent episode failed (the environment's fault, not the server's): the prompt is answered
+    with an error the controller re-issues."""
+
+
+def _fields(sp: P.SamplingParams) -> dict[str, Any]:
+    return {f: getattr(sp, f) for f in sp.__struct_fields__}
 
 
 @dataclass
@@ -154,7 +165,18 @@ class RolloutCore:
             "failed_updates": 0,
             "samples_across_updates": 0,  # kept in flight through an update: tokens of 2+ versions
             "aborted_by_controller": 0,  # prompts the controller dropped (P.Abort: too stale to train on)
+            "episodes": 0,  # agent episodes finished (each is a sample)
+            "agent_turns": 0,
+            "failed_episodes": 0,  # the environment raised, hung or answered garbage
+            # An episode's turns after its first: their input tokens and the share of them vLLM's
+            # prefix cache held (every turn of an episode runs on this engine: close to all of
+            # it, less what a weight update in between made stale).
+            "agent_later_turn_tokens": 0,
+            "agent_later_turn_cached": 0,
         }
+        self.agent: Any = None  # the --agent_func_path executor, loaded by start()
+        self.agent_identity = ""
+        self.tokenizer: Any = None  # the model's HF tokenizer, for agent episodes
 
     # ------------------------------------------------------------------ lifecycle
     def engine_args(self):
@@ -193,6 +215,14 @@ class RolloutCore:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self.cfg.agent_func_path:  # before the engine: a bad agent file fails in a second, naming it
+            from transformers import AutoTokenizer
+
+            from rollout_service.agent import load_agent
+
+            self.agent, self.agent_identity = load_agent(self.cfg.agent_func_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+            log.info("agent %s from %s", self.agent_identity, self.cfg.agent_func_path)
         if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
         # vLLM-CPU's memory check, before any of its processes exist: a refusal is one line.
@@ -268,6 +298,8 @@ class RolloutCore:
             gpu_memory_utilization=self.memory_share,
             policy_version=self.version,
             platform="cuda" if torch.cuda.is_available() else "cpu",
+            agent=self.agent_identity,
+            max_model_len=self.cfg.max_model_len,
         )
 
     # ------------------------------------------------------------------ generation
@@ -323,12 +355,125 @@ class RolloutCore:
         min_version: int = 0,
         *,
         seed: int | None = None,
+        agent: P.AgentParams | None = None,
+        label: str | None = None,
     ) -> PromptResult:
-        """All ``sampling.n`` samples of one prompt, once the last of them finishes."""
-        from vllm import TokensPrompt
-
+        """All ``sampling.n`` samples of one prompt, once the last of them finishes (with
+        ``agent``: ``sampling.n`` episodes of this server's agent)."""
         self.validate(token_ids, sampling)
         params = self._vllm_params(sampling, prompt_id, seed)
+        if agent is not None:
+            return await self._episodes(prompt_id, token_ids, sampling, params, min_version, agent, label)
+        out, admitted = await self._request(prompt_id, token_ids, params, min_version)
+        samples = [self._sample(o, admitted, sampling.logprobs) for o in sorted(out.outputs, key=lambda o: o.index)]
+        self.counters["prompts"] += 1
+        self.counters["samples"] += len(samples)
+        self.counters["aborted"] += sum(s.finish_reason == "abort" for s in samples)
+        self._meter.add(sum(len(s.token_ids) for s in samples))
+        return PromptResult(prompt_id, list(token_ids), samples)
+
+    async def _episodes(
+        self,
+        prompt_id: int,
+        token_ids: list[int],
+        sampling: P.SamplingParams,
+        params: Any,
+        min_version: int,
+        agent: P.AgentParams,
+        label: str | None,
+    ) -> PromptResult:
+        """``sampling.n`` episodes of this server's agent from one prompt, concurrently, every
+        turn on this engine (its prefix cache holds the episode's earlier turns). An episode
+        that fails (the environment raised, hung, answered garbage) fails the prompt: counted,
+        logged with its id, and answered as an error the controller re-issues (or drops)."""
+        from rollout_service.agent import EpisodeError, TurnEngine, run_episode
+
+        if self.agent is None:
+            raise BadRequest("agent episodes asked of a server that runs no agent (start it with --agent_func_path)")
+        if agent.agent != self.agent_identity:
+            raise BadRequest(f"the learner's agent is {agent.agent}; this server runs {self.agent_identity}")
+        if agent.max_len > self.cfg.max_model_len:
+            raise BadRequest(
+                f"agent.max_len {agent.max_len} exceeds this server's --max_model_len {self.cfg.max_model_len}"
+            )
+        if len(token_ids) >= agent.max_len:
+            raise BadRequest(f"prompt of {len(token_ids)} tokens leaves no room under agent.max_len {agent.max_len}")
+        prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+        async def request(toks: list[int], turn_params: Any) -> tuple[Any, int]:
+            out, admitted = await self._request(prompt_id, toks, turn_params, min_version)
+            o = out.outputs[0]
+            if len({span.version for span in getattr(o, "weight_versions", None) or []}) > 1:
+                self.counters["samples_across_updates"] += 1
+            self._meter.add(len(o.token_ids))
+            return out, admitted
+
+        async def one(i: int) -> GeneratedSample:
+            engine = TurnEngine(
+                request, self._turn_params, prompt_token_ids=token_ids, max_len=agent.max_len, max_turns=agent.max_turns
+            )
+            first = self._vllm_params(P.SamplingParams(**{**_fields(sampling), "n": 1}), prompt_id)
+            # vLLM seeds sample i of a request with seed + i; each episode is requests of n=1.
+            first.seed = None if params.seed is None else (params.seed + i) % P.SEED_LIMIT
+            ep = await run_episode(
+                self.agent,
+                engine,
+                prompt_text=prompt_text,
+                label=label,
+                sampling_params=first,
+                tokenizer=self.tokenizer,
+                step_timeout_s=agent.step_timeout_s,
+            )
+            lps = ep.logprobs if sampling.logprobs else None
+            return GeneratedSample(ep.response, lps, ep.finish_reason, ep.version, episode=ep)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(sampling.n)]
+        try:
+            samples = list(await asyncio.gather(*tasks))
+        except EpisodeError as e:
+            self.counters["failed_episodes"] += 1
+            log.warning("prompt %d: agent episode failed: %s", prompt_id, e)
+            raise AgentFailed(str(e)) from None
+        finally:
+            for t in tasks:
+                t.cancel()
+        self.counters["prompts"] += 1
+        self.counters["samples"] += len(samples)
+        self.counters["episodes"] += len(samples)
+        self.counters["agent_turns"] += sum(s.episode.turns for s in samples)
+        self.counters["agent_later_turn_tokens"] += sum(s.episode.later_turn_tokens for s in samples)
+        self.counters["agent_later_turn_cached"] += sum(s.episode.later_turn_cached for s in samples)
+        return PromptResult(prompt_id, list(token_ids), samples)
+
+    def _turn_params(self, sp: Any) -> Any:
+        """vLLM parameters of one agent turn from what the executor passes (ours, or one its
+        environment returned): the sampling choices kept; one sample, the sampled token's
+        log-prob, the final output only. Detokenized: the environment reads the action's text
+        (the episode itself is built from the token ids)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            repetition_penalty=sp.repetition_penalty,
+            max_tokens=sp.max_tokens,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            seed=sp.seed,
+            logprobs=0,
+            detokenize=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def _request(self, prompt_id: int, token_ids: list[int], params: Any, min_version: int) -> tuple[Any, int]:
+        """One vLLM request, admitted through the version gate; its final output and the
+        version it was admitted under."""
+        from vllm import TokensPrompt
+
         req_id = f"p{prompt_id}-{next(self._ids)}"
         while True:
             await self._admit(min_version)
@@ -356,12 +501,7 @@ class RolloutCore:
         finally:
             q.close()
             self._in_flight.pop(req_id, None)
-        samples = [self._sample(o, admitted, sampling.logprobs) for o in sorted(out.outputs, key=lambda o: o.index)]
-        self.counters["prompts"] += 1
-        self.counters["samples"] += len(samples)
-        self.counters["aborted"] += sum(s.finish_reason == "abort" for s in samples)
-        self._meter.add(sum(len(s.token_ids) for s in samples))
-        return PromptResult(prompt_id, list(token_ids), samples)
+        return out, admitted
 
     def _sample(self, o, admitted: int, want_logprobs: bool) -> GeneratedSample:
         toks = list(o.token_ids)

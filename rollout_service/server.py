@@ -41,15 +41,19 @@ from common.service import RECONNECT_SEND_S, STOP_SIGNALS, ExitCode, ServiceShel
 from common.transport import AsyncEndpoint, TransportError, default_name
 from common.vllm_memory import EngineStartRefused
 from rollout_service.config import RolloutConfig
-from rollout_service.core import BadRequest, NotSupported, PromptResult, RolloutCore
+from rollout_service.core import AgentFailed, BadRequest, NotSupported, PromptResult, RolloutCore
 
 log = logging.getLogger(__name__)
 
 
 def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
-    """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample)."""
+    """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample).
+    Agent episodes (every sample of a batch is one, or none is) add their own prompt, action
+    mask, reward, score, turns and logs."""
     pids, idx, lens, toks, lps, reasons, versions = [], [], [], [], [], [], []
     with_lp = all(s.logprobs is not None for r in results for s in r.samples)
+    episodes = [s.episode for r in results for s in r.samples]
+    agent = bool(episodes) and all(e is not None for e in episodes)
     for r in results:
         for i, s in enumerate(r.samples):
             pids.append(r.prompt_id)
@@ -60,6 +64,16 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
                 lps.extend(s.logprobs)
             reasons.append(s.finish_reason)
             versions.append(s.policy_version)
+    extra: dict = {}
+    if agent:
+        extra = dict(
+            prompt_token_ids=[list(e.prompt) for e in episodes],
+            action_mask=np.asarray([m for e in episodes for m in e.action_mask], dtype=np.uint8),
+            agent_rewards=[float(e.reward) for e in episodes],
+            agent_scores=[float(e.score) for e in episodes],
+            turns=[int(e.turns) for e in episodes],
+            agent_logs=[dict(e.extra_logs) for e in episodes],
+        )
     return P.SampleBatch(
         prompt_ids=pids,
         sample_indices=idx,
@@ -69,6 +83,7 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
         finish_reasons=reasons,
         policy_versions=versions,
         server=server,
+        **extra,
     )
 
 
@@ -146,8 +161,9 @@ class RolloutServer:
                 continue
             if isinstance(msg, P.PromptBatch):
                 seeds = msg.seeds or [None] * len(msg.prompt_ids)
-                for pid, toks, seed in zip(msg.prompt_ids, msg.token_ids, seeds, strict=True):
-                    serve = self._serve_prompt(pid, toks, msg.sampling, msg.policy_version, seed)
+                labels = msg.labels or [None] * len(msg.prompt_ids)
+                for pid, toks, seed, label in zip(msg.prompt_ids, msg.token_ids, seeds, labels, strict=True):
+                    serve = self._serve_prompt(pid, toks, msg.sampling, msg.policy_version, seed, msg.agent, label)
                     self._track(pid, self._spawn(serve))
             elif isinstance(msg, P.Abort):
                 self._abort(msg)
@@ -257,15 +273,25 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ work
     async def _serve_prompt(
-        self, pid: int, toks: list[int], sampling: P.SamplingParams, min_version: int, seed: int | None
+        self,
+        pid: int,
+        toks: list[int],
+        sampling: P.SamplingParams,
+        min_version: int,
+        seed: int | None,
+        agent: P.AgentParams | None = None,
+        label: str | None = None,
     ) -> None:
         session = self.shell.session
         try:
-            result = await self.core.generate(pid, toks, sampling, min_version, seed=seed)
+            result = await self.core.generate(pid, toks, sampling, min_version, seed=seed, agent=agent, label=label)
         except asyncio.CancelledError:
             raise
         except BadRequest as e:
             await self._send(P.Error(code="bad_request", message=f"prompt {pid}: {e}", prompt_ids=[pid]))
+            return
+        except AgentFailed as e:  # the environment's fault: the controller issues the prompt again
+            await self._send(P.Error(code="agent_failed", message=f"prompt {pid}: {e}", prompt_ids=[pid]))
             return
         except Exception as e:  # reported, then decided fatal or not
             if self.core.llm is not None and self.core.llm.errored:
@@ -289,7 +315,10 @@ class RolloutServer:
     async def _flush_later(self) -> None:
         await asyncio.sleep(self.cfg.coalesce_ms / 1000)
         batch, self._pending, self._flush_task = self._pending, [], None
-        await self._send(sample_batch(batch, self.name))
+        for agent in (False, True):  # a SampleBatch is all agent episodes or none
+            part = [r for r in batch if (r.samples[0].episode is not None) == agent]
+            if part:
+                await self._send(sample_batch(part, self.name))
 
     # ------------------------------------------------------------------ control calls
     async def _call(self, msg: P.Message) -> None:

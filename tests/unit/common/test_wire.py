@@ -250,3 +250,68 @@ def test_prompt_batch_seeds_are_checked_naming_the_field():
         P.PromptBatch(prompt_ids=[1, 2], token_ids=[[3], [4]], seeds=[5])
     with pytest.raises(ValueError, match=r"seeds must be in \[0, 2\*\*62\)"):
         P.PromptBatch(prompt_ids=[1], token_ids=[[3]], seeds=[-1])
+
+
+def agent_batch():
+    """Two agent episodes: responses [1 2 3] (action, feedback, action) and [4 5]."""
+    return P.SampleBatch(
+        prompt_ids=[7, 7],
+        sample_indices=[0, 1],
+        response_lengths=[3, 2],
+        response_ids=torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32),
+        logprobs=torch.tensor([-0.5, 0.0, -1.0, -0.25, 0.0]),
+        finish_reasons=["stop", "length"],
+        policy_versions=[3, 3],
+        prompt_token_ids=[[9, 9], [9, 9, 8]],
+        action_mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8),
+        agent_rewards=[1.5, 0.0],
+        agent_scores=[1.0, 0.0],
+        turns=[2, 1],
+        agent_logs=[{"tries": 2.0}, {}],
+        server="r0",
+    )
+
+
+def test_agent_fields_roundtrip_and_are_checked_naming_the_field():
+    b = agent_batch()
+    assert same(roundtrip(b), b)
+    pb = P.PromptBatch(
+        prompt_ids=[1, 2],
+        token_ids=[[5], [6]],
+        agent=P.AgentParams(agent="env.py:0123456789ab", max_len=64, max_turns=3, step_timeout_s=2.5),
+        labels=["12", '{"a": 1}'],
+    )
+    assert same(roundtrip(pb), pb)
+    with pytest.raises(ValueError, match="labels has 1 entries, expected 2"):
+        P.PromptBatch(prompt_ids=[1, 2], token_ids=[[5], [6]], labels=["x"])
+    for kw, needle in [
+        (dict(max_len=1), "agent.max_len must be >= 2"),
+        (dict(max_turns=-1), "agent.max_turns must be >= 0"),
+        (dict(step_timeout_s=0), "agent.step_timeout_s must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            P.AgentParams(**{"agent": "a", "max_len": 8, **kw})
+    fields = {f: getattr(b, f) for f in b.__struct_fields__}
+    for change, needle in [
+        (dict(action_mask=torch.ones(4, dtype=torch.uint8)), "action_mask has 4 entries, response_lengths sum to 5"),
+        (dict(action_mask=torch.ones(5)), "action_mask must hold int values"),
+        (dict(prompt_token_ids=None), "action_mask .agent episodes. needs prompt_token_ids"),
+        (dict(agent_rewards=[1.0]), "agent_rewards has 1 entries, expected 2"),
+        (dict(turns=[1, 2, 3]), "turns has 3 entries, expected 2"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            P.SampleBatch(**{**fields, **change})
+
+
+def test_agent_episodes_keep_their_fields_through_split_and_concat():
+    from learner.controller.batches import concat_samples, select_samples
+
+    b = agent_batch()
+    one = select_samples(b, [1])
+    assert one.action_mask.tolist() == [1, 0] and one.agent_rewards == [0.0] and one.turns == [1]
+    assert one.prompt_token_ids == [[9, 9, 8]] and one.agent_logs == [{}]
+    both = concat_samples([select_samples(b, [0]), one])
+    assert same(both.action_mask, b.action_mask) and both.agent_scores == b.agent_scores
+    assert both.prompt_token_ids == b.prompt_token_ids
+    with pytest.raises(ValueError, match="cannot join agent episodes and plain samples"):
+        concat_samples([b, sample_batch()])

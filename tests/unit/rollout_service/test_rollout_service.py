@@ -26,6 +26,7 @@ from common import protocol as P
 from common.tiny import ENDOFTEXT_ID, IM_END_ID
 from common.transport import RemoteError, free_port
 from common.vllm_memory import GIB, KV_SPACE_ENV, node_memory, refusal
+from helpers.paths import HELPERS
 from helpers.rollout_harness import ENV, REPO, Controller, Server, hf_greedy, hf_logprobs, perturb, samples_of
 
 pytestmark = pytest.mark.slow
@@ -35,6 +36,7 @@ GREEDY = P.SamplingParams(temperature=0.0, max_new_tokens=16)
 # Prompts of 150+ tokens sharing a 140-token prefix: longer than a KV block, so the prefix
 # cache holds full blocks that a later request (and a later *version*) could hit.
 PREFIX = [1] + [(7 * i) % 700 + 3 for i in range(139)]
+AGENT_FILE = HELPERS / "agent_three_turns.py"  # ra runs it (for the prompts that ask for episodes)
 PROMPTS = [PREFIX + [10 + k, 20 + k, 30 + k, 40 + k, 50 + k, 60 + k, 70 + k, 80 + k, 90 + k, 100 + k] for k in range(4)]
 
 
@@ -131,7 +133,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     try:
         ctrl.late_port = free_port()
         ballast, ctrl.pressure = hold_memory()
-        ctrl.start("ra", logs, "--idle_spin_s", "0.05")
+        ctrl.start("ra", logs, "--idle_spin_s", "0.05", "--agent_func_path", str(AGENT_FILE))
         ctrl.start("rb", logs, env={KV_SPACE_ENV: None})  # unset: vLLM checks the share
         ctrl.servers.append(
             Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200")
@@ -244,6 +246,65 @@ def test_a_seed_is_per_prompt_and_reproducible_on_any_server(stack):
         )
         assert [s["tokens"] for s in again[pid]] == [s["tokens"] for s in first[900]], server
         stack.results.pop(pid)
+
+
+def test_agent_episodes_on_the_real_engine_are_token_exact(stack):
+    """ra runs an agent (tests/helpers/agent_three_turns.py: three actions, " ok" after the first
+    two). Each episode's sequence is its prompt, then actions as vLLM sampled them and the
+    feedback's tokens as the tokenizer encodes them (the server checks every turn's input is a
+    prefix of it); the mask is 1 exactly on the actions; the learner's log-probs of the action
+    tokens, computed by transformers over the whole sequence, equal vLLM's (fp32); the agent's
+    rewards are summed; and the later turns find the earlier ones in vLLM's prefix cache (the
+    prompts are longer than one 128-token KV block, the CPU backend's)."""
+    from transformers import AutoTokenizer
+
+    v = stack.pool.policy_version
+    tok = AutoTokenizer.from_pretrained(stack.model.name_or_path)
+    feedback = tok(" ok", add_special_tokens=False)["input_ids"]
+    agent = P.AgentParams(agent=stack.client.peer("ra").capabilities.agent, max_len=240, max_turns=3)
+    sampling = P.SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=5, logprobs=True)
+    ids = [700, 701]
+    prompts = [PREFIX + [200, 201], PREFIX + [202, 203]]
+    before = stack.client.call("ra", P.GetHealth()).stats
+    batch = P.PromptBatch(
+        prompt_ids=ids, token_ids=prompts, sampling=sampling, policy_version=v, agent=agent, labels=["a", "b"]
+    )
+    stack.ep.send(batch, to=b"ra")
+    stack.wait_results(ids, timeout=300)
+    worst = 0.0
+    for pid, prompt in zip(ids, prompts, strict=True):
+        b = stack.results[pid]
+        rows = [i for i, p in enumerate(b.prompt_ids) if p == pid]
+        assert len(rows) == 2
+        responses, lps = b.split_responses(), b.split_logprobs()
+        masks = torch.as_tensor(b.action_mask).split(b.response_lengths)
+        for i in rows:
+            assert b.prompt_token_ids[i] == prompt and b.turns[i] == 3 and b.agent_rewards[i] == 3.0
+            assert b.policy_versions[i] == v and b.agent_logs[i] == {"turn": 3.0}
+            resp, lp, mask = responses[i].tolist(), lps[i], masks[i].bool()
+            # actions (each up to 12 tokens, a stop token kept where it stopped) and " ok" twice
+            segments, k = [], 0
+            while k < len(resp):
+                j = k
+                while j < len(resp) and bool(mask[j]) == bool(mask[k]):
+                    j += 1
+                segments.append((bool(mask[k]), resp[k:j]))
+                k = j
+            assert [m for m, _ in segments] == [True, False, True, False, True], segments
+            assert segments[1][1] == feedback and segments[3][1] == feedback
+            for _, action in segments[0::2]:
+                assert len(action) == 12 or action[-1] in STOP, action
+            want = torch.tensor(hf_logprobs(stack.model, prompt, resp))
+            diff = (lp[mask] - want[mask]).abs().max().item()
+            worst = max(worst, diff)
+            assert (lp[~mask] == 0).all()
+    print(f"agent episodes: learner vs vLLM log-probs of the action tokens, max |diff| {worst:.2e}")
+    assert worst < 1e-4
+    after = stack.client.call("ra", P.GetHealth()).stats
+    later = after["agent_later_turn_tokens"] - before["agent_later_turn_tokens"]
+    cached = after["agent_later_turn_cached"] - before["agent_later_turn_cached"]
+    print(f"agent episodes: later turns' prefix-cache hit {cached / later:.2f} of {later:.0f} tokens")
+    assert cached / later > 0.5
 
 
 def test_in_flight_samples_keep_running_and_say_which_version_started_them(stack):
