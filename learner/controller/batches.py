@@ -45,7 +45,33 @@ def select_samples(b: SampleBatch, rows: list[int]) -> SampleBatch:
         policy_versions=[b.policy_versions[r] for r in rows] if b.policy_versions else [],
         prompt_token_ids=[b.prompt_token_ids[r] for r in rows] if b.prompt_token_ids is not None else None,
         server=b.server,
+        **_agent_rows(b, rows),
     )
+
+
+_AGENT_LISTS = ("agent_rewards", "agent_scores", "turns", "agent_logs")
+
+
+def _agent_rows(b: SampleBatch, rows: list[int]) -> dict:
+    """The agent fields of rows ``rows`` (none for a batch of plain samples)."""
+    if b.action_mask is None:
+        return {}
+    out: dict = {name: [getattr(b, name)[r] for r in rows] for name in _AGENT_LISTS if getattr(b, name)}
+    out["action_mask"] = _take_flat(b.action_mask, b.response_lengths, rows)
+    return out
+
+
+def _agent_concat(batches: list[SampleBatch]) -> dict:
+    """The agent fields of ``concat_samples``: all batches are agent episodes, or none is."""
+    agent = [b.action_mask is not None for b in batches]
+    if not any(agent):
+        return {}
+    if not all(agent):
+        raise ValueError("cannot join agent episodes and plain samples in one batch")
+    out: dict = {name: [x for b in batches for x in getattr(b, name)] for name in _AGENT_LISTS}
+    out["action_mask"] = _cat([b.action_mask for b in batches])
+    out["prompt_token_ids"] = [t for b in batches for t in (b.prompt_token_ids or [])]
+    return out
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -70,6 +96,7 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
         server=",".join(sorted({b.server for b in batches})),
+        **_agent_concat(batches),
     )
 
 

@@ -24,6 +24,7 @@ learner trains while the data path runs).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from common.protocol import Abort, Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
+from common.protocol import Abort, AgentParams, Error, SampleBatch, SamplingParams, ScoredBatch, Shutdown
 from common.transport import CallTimeout, Endpoint, PeerUnavailable, RemoteError
 from learner.controller.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.controller.ledger import Entry, PromptLedger, State
@@ -62,6 +63,9 @@ class Controller:
         max_prompts_per_request: int = 16,
         sync_joiners_in_pump: bool = True,
         detokenize: Callable[[list[list[int]]], list[str]] | None = None,
+        agent: AgentParams | None = None,
+        agent_scores_locally: bool = False,
+        drop_failed_episodes: bool = False,
     ) -> None:
         self.rollout = rollout
         self.endpoint: Endpoint = rollout.endpoint
@@ -76,9 +80,17 @@ class Controller:
         # Function rewards read text (OpenRLHF's `queries` = prompt + response); the controller
         # has the policy's tokenizer, so it decodes here once instead of in every reward service.
         self.detokenize = detokenize
+        # Agent episodes (docs/agents.md): every prompt runs as one on the rollout servers, and
+        # the agent's reward is the reward; with agent_scores_locally no reward service is
+        # asked (no reference model: KL off), the episodes are done when they arrive.
+        self.agent = agent
+        self.agent_scores_locally = agent_scores_locally
+        # --agent_failure drop: a prompt whose episode failed is dropped like a group whose
+        # scoring failed (counted, left out of the batch) instead of being issued again.
+        self.drop_failed_episodes = drop_failed_episodes
         self._sampling_of: dict[int, SamplingParams] = {}  # prompt id -> how it is sampled
         self._next_id = 0
-        self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0}
+        self.counters = {"stale_samples": 0, "failed_samples": 0, "error_replies": 0, "failed_episodes": 0}
 
     @property
     def policy_version(self) -> int:
@@ -102,6 +114,11 @@ class Controller:
             n_roll, n_rew = len(self.pool.alive("rollout")), len(self.pool.alive("reward"))
             if n_roll >= min_rollout and n_rew >= min_reward:
                 return
+            if self.pool.refused:  # a service this run cannot use: said now, not after the wait
+                raise ServicesMissing(
+                    "refused at the handshake: "
+                    + "; ".join(f"{name}: {why}" for name, why in sorted(self.pool.refused.items()))
+                )
             if time.monotonic() > deadline:
                 raise ServicesMissing(
                     f"after {timeout_s:.0f} s only {n_roll}/{min_rollout} rollout server(s) and {n_rew}/{min_reward} "
@@ -144,12 +161,56 @@ class Controller:
             for pid, sub in split_by_prompt(msg).items():
                 if sub.policy_versions and min(sub.policy_versions) < self.pool.policy_version:
                     self.counters["stale_samples"] += len(sub)
-                self.ledger.generated(pid, sub, peer.name)
+                if self.ledger.generated(pid, sub, peer.name) and self.agent_scores_locally:
+                    self._score_episodes(pid, sub)
         elif isinstance(msg, Error):  # a rollout server refusing prompts (call id 0)
             self.pool.complete(identity, msg.prompt_ids)
-            self._on_error(peer.name, msg, msg.prompt_ids)
+            if msg.code == AGENT_FAILED:
+                self.counters["failed_episodes"] += len(msg.prompt_ids)
+            if msg.code == AGENT_FAILED and self.drop_failed_episodes:
+                self._drop_episodes(peer.name, msg)
+            else:
+                self._on_error(peer.name, msg, msg.prompt_ids)
         else:  # includes a late ScoredBatch whose request was given up: the ledger re-issued it
             log.debug("ignoring %s from %s", type(msg).__name__, peer.name)
+
+    def _score_episodes(self, pid: int, sub: SampleBatch) -> None:
+        """A prompt's agent episodes need no reward service: the agent's rewards are its scores."""
+        if sub.action_mask is None or not sub.agent_rewards:
+            self._on_error(
+                sub.server, Error(code="bad_request", message="plain samples where agent episodes were asked"), [pid]
+            )
+            return
+        names = sorted({k for logs in sub.agent_logs for k in logs})
+        scored = ScoredBatch(
+            prompt_ids=list(sub.prompt_ids),
+            sample_indices=list(sub.sample_indices),
+            rewards=torch.tensor(sub.agent_rewards, dtype=torch.float32),
+            scores=torch.tensor(sub.agent_scores or sub.agent_rewards, dtype=torch.float32),
+            extra_logs={k: [float(logs.get(k, float("nan"))) for logs in sub.agent_logs] for k in names},
+            server=AGENT_SCORER,
+        )
+        self.ledger.start_scoring([pid], AGENT_SCORER)
+        self.ledger.scored(pid, scored, AGENT_SCORER)
+
+    def _drop_episodes(self, peer: str, err: Error) -> None:
+        """The prompts of failed episodes end as failed groups (``to_rollout`` and the async feed
+        count and leave them out), with the server's message as the reason."""
+        log.warning("%s: %s (dropped: --agent_failure drop)", peer, err.message)
+        for pid in err.prompt_ids:
+            e = self.ledger.entries.get(pid)
+            if e is None or not self.ledger.generated(pid, None, peer):  # a late or duplicate answer
+                continue
+            n = self._sampling_of[pid].n
+            failed = ScoredBatch(
+                prompt_ids=[pid] * n,
+                sample_indices=list(range(n)),
+                rewards=torch.full((n,), float("nan")),
+                failed=[f"agent episode failed: {err.message}"] * n,
+                server=AGENT_SCORER,
+            )
+            self.ledger.start_scoring([pid], AGENT_SCORER)
+            self.ledger.scored(pid, failed, AGENT_SCORER)
 
     def _on_scored(self, peer: str, msg: ScoredBatch) -> None:
         entries = self.ledger.entries
@@ -187,6 +248,8 @@ class Controller:
                         sampling,
                         policy_version=self.pool.policy_version,
                         seeds=None if unseeded else [e.payload.seed for e in chunk],
+                        agent=self.agent,
+                        labels=[label_text(e.payload.label) for e in chunk] if self.agent else None,
                     )
                 )
                 for e in chunk:
@@ -213,9 +276,11 @@ class Controller:
             if self.detokenize is not None:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
                 queries = [p + r for p, r in zip(prompts, responses, strict=True)]
+            # An agent episode's own prompt: its environment may have rewritten the first observation.
+            episode_prompts = samples.prompt_token_ids if samples.action_mask is not None else None
             req = build_score_request(
                 samples,
-                [e.payload.tokens for e in per_sample],
+                episode_prompts if episode_prompts is not None else [e.payload.tokens for e in per_sample],
                 prompts,
                 [e.payload.label for e in per_sample],
                 queries,
@@ -329,6 +394,17 @@ class Controller:
         return CollectResult(Rollout(samples, group_size), kept, failed_groups, reasons)
 
 
+AGENT_SCORER = "agent"  # the "reward service" of episodes scored by their own agent
+AGENT_FAILED = "agent_failed"  # rollout server -> controller Error code: an episode failed (not the server)
+
+
+def label_text(label: Any) -> str:
+    """A dataset label as the agent receives it: text as is, anything else as JSON."""
+    if label is None:
+        return ""
+    return label if isinstance(label, str) else json.dumps(label)
+
+
 def scored_samples(e: Entry) -> list[ScoredSample]:
     """A done ledger entry's samples, by sample index, joined with their scores."""
     sb, sc = e.samples, e.scores
@@ -347,6 +423,8 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
             n = sb.response_lengths[sb.sample_indices.index(idx)]
             ref_offsets[idx] = (acc, n)
             acc += n
+    agent = sb.action_mask is not None
+    masks = sb.action_mask.bool().split(sb.response_lengths) if agent else None
     out = []
     for i in order:
         idx = sb.sample_indices[i]
@@ -358,13 +436,16 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
             ScoredSample(
                 prompt_id=e.prompt_id,
                 sample_index=idx,
-                prompt=list(e.payload.tokens),
+                prompt=list(sb.prompt_token_ids[i]) if agent else list(e.payload.tokens),
                 response=resp[i].tolist(),
                 rollout_logprobs=lps[i],
                 ref_logprobs=ref,
-                reward=float(sc.rewards[score_row[idx]]),
+                # an agent's reward is the reward (a reward service scores the reference only)
+                reward=float(sb.agent_rewards[i]) if agent else float(sc.rewards[score_row[idx]]),
                 finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
                 policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
+                action_mask=masks[i].clone() if masks is not None else None,
+                turns=sb.turns[i] if agent and sb.turns else 0,
             )
         )
     return out

@@ -77,12 +77,17 @@ class ServicePool:
         peer_timeout_s: float = 30.0,
         needs_preparation: Iterable[str] = ("rollout",),
         welcome_config: Callable[[Hello], dict[str, Any]] | None = None,
+        admit: Callable[[Hello], Error | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.endpoint = endpoint
         self.peer_timeout_s = peer_timeout_s
         self.needs_preparation = set(needs_preparation)
         self.welcome_config = welcome_config or (lambda hello: {})
+        # The run's own check of a Hello after the protocol's (e.g. the agent a rollout server
+        # runs): an Error refuses the peer, which never gets work.
+        self.admit = admit or (lambda hello: None)
+        self.refused: dict[str, str] = {}  # peer name -> why its last Hello was refused
         self._version: int | None = None  # the weights the rollout fleet holds; None before the first push
         self.clock = clock
         self.peers: dict[bytes, Peer] = {}
@@ -148,9 +153,10 @@ class ServicePool:
         return msg
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        err = version_error(hello)
+        err = version_error(hello) or self.admit(hello)
         if err is not None:
             self.counters["rejected_hello"] += 1
+            self.refused[hello.name] = err.message
             log.error("rejected %s: %s", hello.name, err.message)
             self.endpoint.reply(hello, err, to=identity)
             return

@@ -149,11 +149,14 @@ class RolloutClient:
         *,
         policy_version: int = 0,
         seeds: Sequence[int] | None = None,
+        agent: P.AgentParams | None = None,
+        labels: Sequence[str] | None = None,
     ) -> list[int]:
         """Spreads prompts over the ready servers by free capacity (least loaded first, an even
         share each). ``seeds``: one per prompt (``PromptBatch.seeds``) or None. Returns the
         prompt ids no server had room for; submit them again later."""
         per_prompt: Sequence[int | None] = [None] * len(prompt_ids) if seeds is None else seeds
+        label_of = dict(zip(prompt_ids, labels, strict=True)) if labels is not None else None
         todo = list(zip(prompt_ids, token_ids, per_prompt, strict=True))
         # The servers with room, least relative load first (ties by name, as ServicePool.pick),
         # found once per call: asking the pool per chunk costs a pass over the fleet per prompt
@@ -170,6 +173,8 @@ class RolloutClient:
                 sampling=sampling,
                 policy_version=policy_version,
                 seeds=[s for _, _, s in chunk if s is not None],  # every prompt's, or none (seeds=None)
+                agent=agent,
+                labels=[label_of[p] for p, _, _ in chunk] if label_of is not None else [],
             )
             if self.pool.send_work(peer, batch, batch.prompt_ids):
                 todo = rest

@@ -44,6 +44,15 @@ class ScoredSample:
     reward: float
     finish_reason: str = "stop"
     policy_version: int = 0  # the weights that sampled the first token
+    # Agent episodes: (T_i,) bool, True on the tokens the policy sampled (False on environment
+    # feedback, which is context only); None: every response token is the policy's.
+    action_mask: torch.Tensor | None = None
+    turns: int = 0  # the episode's actions (0: not an agent sample)
+
+    @property
+    def action_len(self) -> int:
+        """The policy's tokens in the response (an agent's environment feedback not counted)."""
+        return len(self.response) if self.action_mask is None else int(self.action_mask.sum())
 
 
 @dataclass

@@ -7,12 +7,13 @@ Called once by ``learner.rl.run``; each builder takes the resolved ``PPOConfig``
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from common.protocol import RewardCapabilities, SamplingParams
+from common.protocol import Error, Hello, RewardCapabilities, RolloutCapabilities, SamplingParams
 from learner.rl.config import PPOConfig
 
 log = logging.getLogger("learner")
@@ -91,7 +92,7 @@ def build_rank0(
 
     endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
     try:
-        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s)
+        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s, admit=agent_admission(cfg))
         rollout = RolloutClient(endpoint, pool)
         fleet = FleetWeights(pool, make_publisher(cfg, engine, rank=0, control=rollout))
         controller = Controller(
@@ -101,6 +102,9 @@ def build_rank0(
             weights=fleet,
             sync_joiners_in_pump=rank0_syncs_joiners(cfg, world_size),
             detokenize=decode,
+            agent=cfg.agent_params(),
+            agent_scores_locally=bool(cfg.agent_func_path) and not cfg.kl_needed,
+            drop_failed_episodes=cfg.agent_failure == "drop",
         )
         seed = cfg.seed if cfg.seed_sampling else None
         stream = PromptStream(train_items, cfg.rollout_batch_size, seed=seed)
@@ -181,3 +185,38 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     for source, why in want:
         if not any(source in s for s in sources.values()):
             raise RunError(f"{why} (connected reward services and their sources: {sources})")
+    if cfg.agent_func_path and cfg.kl_needed:
+        scoring = {name: sorted(s - {"ref"}) for name, s in sources.items() if s - {"ref"}}
+        if scoring:  # the episodes go to them for the reference's log-probs: nothing else may score
+            raise RunError(
+                "--agent_func_path: the agent's rewards are the reward, but reward services that score the "
+                f"episodes also reward them ({scoring}); start them with --ref_pretrain only (docs/agents.md)"
+            )
+
+
+def agent_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:
+    """The pool's check of a rollout server's Hello in an agent run (``--agent_func_path``): it
+    must run the same agent file (name and content hash) and fit a whole episode (``--max_len``).
+    A refused server gets no work, at start-up (the run stops, naming it) or joining later."""
+    want = cfg.agent_params()
+
+    def admit(hello: Hello) -> Error | None:
+        caps = hello.capabilities
+        if want is None or hello.role != "rollout":
+            return None
+        agent = caps.agent if isinstance(caps, RolloutCapabilities) else ""
+        if agent != want.agent:
+            return Error(
+                code="bad_request",
+                message=f"{hello.name} runs agent {agent or 'none'}; this run's --agent_func_path "
+                f"{cfg.agent_func_path} is {want.agent}: start it with the same --agent_func_path",
+            )
+        if isinstance(caps, RolloutCapabilities) and 0 < caps.max_model_len < want.max_len:
+            return Error(
+                code="bad_request",
+                message=f"{hello.name} has --max_model_len {caps.max_model_len}, below this run's --max_len "
+                f"{want.max_len} (an episode: prompt plus every turn): lower --max_len or raise --max_model_len",
+            )
+        return None
+
+    return admit

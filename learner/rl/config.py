@@ -8,6 +8,7 @@ is which processes you start and where (see README's multi-terminal recipe).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from common.config import flag
 from common.weights import known_backends
@@ -281,6 +282,73 @@ class ScheduleFlags:
 
 
 @dataclass
+class AgentFlags:
+    """Multi-turn agent episodes in the rollout servers (docs/agents.md; OpenRLHF's names)."""
+
+    agent_func_path: str = flag(
+        "",
+        "an agent file (OpenRLHF's AgentExecutor contract): every prompt runs as a multi-turn episode on the "
+        "rollout servers, which load the same file (launch.local passes it on); the agent's rewards are the reward",
+        group="agents",
+    )
+    max_len: int = flag(
+        0,
+        "an episode's cap: prompt plus every turn, in tokens (0: --prompt_max_len + --generate_max_len)",
+        group="agents",
+    )
+    agent_max_turns: int = flag(0, "actions per episode at most (0: the environment decides)", group="agents")
+    agent_step_timeout_s: float = flag(
+        60.0, "one reset() or step() of the environment; an episode past it fails (see --agent_failure)", group="agents"
+    )
+    agent_failure: str = flag(
+        "retry",
+        "a prompt whose episode failed (the environment raised, hung or answered garbage): retry (issue it "
+        "again, up to 5 times, then stop the run naming it) or drop (leave its group out, counted)",
+        choices=("retry", "drop"),
+        group="agents",
+    )
+
+    def check_agent(self) -> None:
+        if self.max_len < 0:
+            raise ValueError(f"--max_len must be >= 0 (0: --prompt_max_len + --generate_max_len), got {self.max_len}")
+        if not self.max_len:
+            self.max_len = self.prompt_max_len + self.generate_max_len
+        if not self.agent_func_path:
+            return
+        if not self.agent_func_path.endswith(".py"):
+            raise ValueError(f"--agent_func_path {self.agent_func_path}: an agent is a Python file (.py)")
+        if self.agent_max_turns < 0:
+            raise ValueError(f"--agent_max_turns must be >= 0 (0: the environment decides), got {self.agent_max_turns}")
+        if not self.agent_step_timeout_s > 0:
+            raise ValueError(f"--agent_step_timeout_s must be > 0, got {self.agent_step_timeout_s}")
+        if self.reward_pretrain:
+            raise ValueError(
+                "--agent_func_path with --reward_pretrain: the agent's rewards are the reward; adding a reward "
+                "model's on top is not built (docs/agents.md)"
+            )
+        self.agent_params()  # the file is read now: a missing one fails here, naming the flag
+        if not self.kl_needed and self.min_reward_services:
+            self.min_reward_services = 0
+            self.notices.append(
+                "--agent_func_path without KL: the agent scores its episodes, no reward service is waited for"
+            )
+
+    def agent_params(self) -> Any:
+        """The ``AgentParams`` every prompt batch carries, or None without an agent."""
+        if not self.agent_func_path:
+            return None
+        from common.agent_file import agent_identity
+        from common.protocol import AgentParams
+
+        return AgentParams(
+            agent=agent_identity(self.agent_func_path),
+            max_len=self.max_len,
+            max_turns=self.agent_max_turns,
+            step_timeout_s=self.agent_step_timeout_s,
+        )
+
+
+@dataclass
 class ServiceFlags:
     """The processes and the wire (rayless's own)."""
 
@@ -399,6 +467,7 @@ class OpenRLHFCompatFlags:
 class PPOConfig(
     OpenRLHFCompatFlags,
     LoggingFlags,
+    AgentFlags,
     ServiceFlags,
     ScheduleFlags,
     SamplingFlags,
@@ -428,6 +497,7 @@ class PPOConfig(
             )
         if not self.lora_rank and self.lora_sync != "merged":
             self.notices.append(f"--lora_sync {self.lora_sync} has no effect without --lora_rank")
+        self.check_agent()
         g = self.n_samples_per_prompt
         if g < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {g}")

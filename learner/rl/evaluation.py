@@ -17,8 +17,10 @@ prompt and a sample passing when its reward is above ``--eval_pass_threshold`` t
     eval/S/pass@1            = mean over S's samples of [r > tau]       (each prompt weighs the same: n each)
     eval/S/pass@n            = mean over S's prompts of [max_j r_j > tau]  (n > 1 only)
     eval/S/reward            = mean reward
-    eval/S/response_length   = mean response tokens
-    eval/S/truncated_frac    = share of samples cut at --generate_max_len (finish reason "length")
+    eval/S/response_length   = mean response tokens (an agent's: the policy's, feedback not counted)
+    eval/S/truncated_frac    = share of samples cut at --generate_max_len (finish reason "length";
+                               an agent episode: cut by --max_len or --agent_max_turns)
+    eval/S/turns             = mean actions per episode (agent runs only)
 
 and over every source ``eval/accuracy`` (pass@1 of all samples: what launch.local's progress
 line and the demo read), ``eval/pass@n``, ``eval/reward``, ``eval/response_length``,
@@ -89,10 +91,13 @@ def _summary(prefix: str, groups: Sequence[Sequence[ScoredSample]], threshold: f
     out = {
         f"{prefix}/pass@1": sum(s.reward > threshold for s in samples) / len(samples),
         f"{prefix}/reward": sum(s.reward for s in samples) / len(samples),
-        f"{prefix}/response_length": sum(len(s.response) for s in samples) / len(samples),
+        # the policy's tokens: an agent's environment feedback is not its answer's length
+        f"{prefix}/response_length": sum(s.action_len for s in samples) / len(samples),
         f"{prefix}/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         f"{prefix}/prompts": float(len(groups)),
     }
+    if any(s.turns for s in samples):
+        out[f"{prefix}/turns"] = sum(s.turns for s in samples) / len(samples)
     if n > 1:
         out[f"{prefix}/pass@{n}"] = sum(any(s.reward > threshold for s in g) for g in groups) / len(groups)
     return out

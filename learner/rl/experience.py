@@ -48,7 +48,7 @@ def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, tor
     for i, s in enumerate(samples):
         t = len(s.response)
         response[i, :t] = torch.tensor(s.response, dtype=torch.long)
-        action_mask[i, :t] = True
+        action_mask[i, :t] = True if s.action_mask is None else s.action_mask[:t]
         rollout_lp[i, :t] = s.rollout_logprobs[:t]
         if s.ref_logprobs is not None:
             ref_lp[i, :t] = s.ref_logprobs[:t]
@@ -71,12 +71,14 @@ def collate(
     resp = _response_tensors(samples, pad_id)
     if packed:
         input_ids, position_ids = packed_row([[*s.prompt, *s.response] for s in samples])
-        out = dict(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            logit_index=response_logit_index([len(s.prompt) for s in samples], [len(s.response) for s in samples]),
-            **resp,
-        )
+        cols = response_logit_index([len(s.prompt) for s in samples], [len(s.response) for s in samples])
+        if any(s.action_mask is not None for s in samples):  # agent episodes: the policy's tokens only
+            keep = [
+                s.action_mask.bool() if s.action_mask is not None else torch.ones(len(s.response), dtype=torch.bool)
+                for s in samples
+            ]
+            cols = cols[torch.cat(keep)]
+        out = dict(input_ids=input_ids, position_ids=position_ids, logit_index=cols, **resp)
         return {k: v.to(device) for k, v in out.items()}
     n, T = resp["response"].shape
     P = max(len(s.prompt) for s in samples)
@@ -142,7 +144,7 @@ def score_all_ranks(
     return full
 
 
-_META_COLS = 6  # prompt_len, response_len, prompt_id, sample_index, policy_version, finish code
+_META_COLS = 7  # prompt_len, response_len, prompt_id, sample_index, policy_version, finish code, turns
 
 
 def _pack(rollout: Rollout) -> list[torch.Tensor]:
@@ -156,6 +158,7 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
                 x.sample_index,
                 x.policy_version,
                 FINISH_CODES.get(x.finish_reason, 2),
+                x.turns,
             ]
             for x in s
         ],
@@ -166,14 +169,17 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
     has_ref = all(x.ref_logprobs is not None for x in s)
     ref = torch.cat([x.ref_logprobs.float().reshape(-1) for x in s]) if s and has_ref else torch.zeros(0)
     rewards = torch.tensor([x.reward for x in s], dtype=torch.float32)
-    return [meta, tokens, lp, ref, rewards]
+    # The agent samples' action masks (all ones for the others), one entry per response token.
+    masks = [x.action_mask.float() if x.action_mask is not None else torch.ones(len(x.response)) for x in s]
+    mask = torch.cat(masks) if s else torch.zeros(0)
+    return [meta, tokens, lp, ref, rewards, mask]
 
 
 def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
-    meta, tokens, lp, ref, rewards = tensors
+    meta, tokens, lp, ref, rewards, mask = tensors
     codes = {v: k for k, v in FINISH_CODES.items()}
     samples, tok_off, lp_off = [], 0, 0
-    for i, (p, t, pid, idx, ver, fin) in enumerate(meta.tolist()):
+    for i, (p, t, pid, idx, ver, fin, turns) in enumerate(meta.tolist()):
         prompt = tokens[tok_off : tok_off + p].tolist()
         response = tokens[tok_off + p : tok_off + p + t].tolist()
         tok_off += p + t
@@ -188,6 +194,8 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
                 float(rewards[i]),
                 codes.get(fin, "abort"),
                 ver,
+                action_mask=mask[lp_off : lp_off + t].bool() if turns else None,
+                turns=turns,
             )
         )
         lp_off += t
@@ -203,9 +211,9 @@ def broadcast_rollout(
         return rollout
     is_src = dist.get_rank() == src
     parts = _pack(rollout) if is_src else None
-    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 5, dtype=torch.long, device=device)
+    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 6, dtype=torch.long, device=device)
     dist.broadcast(sizes, src)
-    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32]
+    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32, torch.float32]
     out = []
     for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes, strict=True)):
         buf = parts[i].reshape(-1).to(device) if is_src else torch.empty(n, dtype=dt, device=device)

@@ -40,6 +40,22 @@ def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, 
         "pool/died": controller.pool.counters["died"],
         "pool/rollout_servers": len(controller.pool.alive("rollout")),
         "samples": n_samples,
+        **agent_metrics(controller, batch.rollout.samples),
+    }
+
+
+def agent_metrics(controller: Any, samples: list[Any]) -> dict[str, float]:
+    """Agent episodes' shape (none without an agent): actions per episode, environment tokens
+    per episode (context, not trained: rollout/response_len counts the policy's tokens only),
+    and the episodes that failed so far (the environment raised, hung or answered garbage)."""
+    episodes = [s for s in samples if s.turns]
+    if not episodes:
+        return {}
+    env = [len(s.response) - s.action_len for s in episodes]
+    return {
+        "agent/turns": sum(s.turns for s in episodes) / len(episodes),
+        "agent/env_tokens": sum(env) / len(episodes),
+        "agent/failed_episodes": controller.counters["failed_episodes"],
     }
 
 

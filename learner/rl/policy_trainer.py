@@ -208,7 +208,8 @@ class PolicyTrainer:
         cfg = self.cfg
         r = rollout.rewards()  # (N,)
         if cfg.overlong_buffer_len > 0:
-            lengths = torch.tensor([len(s.response) for s in rollout.samples])
+            # the policy's tokens only: an agent's environment feedback is not the answer's length
+            lengths = torch.tensor([s.action_len for s in rollout.samples])
             r = overlong_penalty(r, lengths, cfg.generate_max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
         if cfg.stop_properly_penalty_coef >= 0:
             truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])

@@ -22,8 +22,11 @@ from learner.controller.types import PromptItem
 class FakeService(threading.Thread):
     """A rollout or reward service: answers work until stopped; `die()` = silent SIGKILL."""
 
-    def __init__(self, address, name, role, capacity=4, hold=False):
+    def __init__(self, address, name, role, capacity=4, hold=False, agent=False):
         super().__init__(daemon=True)
+        self.agent = agent  # answer PromptBatches as agent episodes (see _episodes)
+        self.batches: list[P.PromptBatch] = []
+        self.score_prompts: list[list[int]] = []  # prompt tokens of each sample a ScoreRequest carried
         self.ep = Endpoint.connect(address, name=name)
         self.name, self.role, self.capacity = name, role, capacity
         self.hold = hold  # take work and never answer (a hung server)
@@ -47,7 +50,11 @@ class FakeService(threading.Thread):
             if isinstance(msg, P.PromptBatch):
                 self.seen += msg.prompt_ids
                 self.seeds += zip(msg.prompt_ids, msg.seeds or [None] * len(msg.prompt_ids), strict=True)
+                self.batches.append(msg)
                 if self.hold:
+                    continue
+                if self.agent:
+                    self.ep.send(self._episodes(msg))
                     continue
                 n = msg.sampling.n
                 pids = [p for p in msg.prompt_ids for _ in range(n)]
@@ -69,6 +76,7 @@ class FakeService(threading.Thread):
             elif isinstance(msg, P.ScoreRequest):
                 s = msg.samples
                 self.seen += s.prompt_ids
+                self.score_prompts += [list(t) for t in s.prompt_token_ids or []]
                 rewards = torch.tensor([float(i) for i in s.sample_indices])  # reward = sample index
                 failed = [("bad label" if lab == "poison" else None) for lab in msg.labels]
                 self.ep.reply(
@@ -91,6 +99,30 @@ class FakeService(threading.Thread):
 
     def die(self):
         self.stop.set()
+
+    def _episodes(self, msg: P.PromptBatch) -> P.SampleBatch:
+        """Sample i of prompt p: the episode's prompt is the prompt + [55] (its environment
+        rewrote the first observation); response [p, 900, 901, i]: an action, two environment
+        tokens, an action (mask 1 0 0 1); log-probs -0.5 on actions, 0 on the environment;
+        2 turns; reward i + 0.5, score i, one extra log."""
+        n = msg.sampling.n
+        rows = [(p, toks, i) for p, toks in zip(msg.prompt_ids, msg.token_ids, strict=True) for i in range(n)]
+        return P.SampleBatch(
+            prompt_ids=[p for p, _, _ in rows],
+            sample_indices=[i for _, _, i in rows],
+            response_lengths=[4] * len(rows),
+            response_ids=torch.tensor([[p, 900, 901, i] for p, _, i in rows]).reshape(-1),
+            logprobs=torch.tensor([[-0.5, 0.0, 0.0, -0.5] for _ in rows]).reshape(-1),
+            finish_reasons=["stop"] * len(rows),
+            policy_versions=[0] * len(rows),
+            prompt_token_ids=[[*toks, 55] for _, toks, _ in rows],
+            action_mask=torch.tensor([[1, 0, 0, 1] for _ in rows], dtype=torch.uint8).reshape(-1),
+            agent_rewards=[i + 0.5 for _, _, i in rows],
+            agent_scores=[float(i) for _, _, i in rows],
+            turns=[2] * len(rows),
+            agent_logs=[{"tries": 2.0}] * len(rows),
+            server=self.name,
+        )
 
 
 @pytest.fixture
@@ -201,3 +233,77 @@ def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctr
     r.join(5)
     w.join(5)
     assert not r.is_alive() and not w.is_alive()  # they got it and exited
+
+
+AGENT = P.AgentParams(agent="env.py:0123456789ab", max_len=64, max_turns=3, step_timeout_s=5.0)
+
+
+def _agent_controller(scores_locally: bool):
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
+    c = Controller(
+        RolloutClient(ep, pool),
+        PromptLedger(generate_timeout_s=30, score_timeout_s=30),
+        sampling=P.SamplingParams(n=2, max_new_tokens=4),
+        max_prompts_per_request=2,
+        agent=AGENT,
+        agent_scores_locally=scores_locally,
+    )
+    return c, ep
+
+
+def _check_episodes(samples, rollout_server):
+    assert [(s.prompt_id, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(2)]
+    s = samples[3]  # prompt 1, sample 1
+    assert s.prompt == [101, 7, 55], "the episode's own prompt, not the dataset's"
+    assert s.response == [1, 900, 901, 1] and s.action_mask.tolist() == [True, False, False, True]
+    assert s.reward == 1.5 and s.turns == 2  # the agent's reward, whatever a reward service says
+    assert s.rollout_logprobs.tolist() == [-0.5, 0.0, 0.0, -0.5]
+    batches = rollout_server.batches
+    assert batches and all(b.agent == AGENT for b in batches)
+    labels = {p: lab for b in batches for p, lab in zip(b.prompt_ids, b.labels, strict=True)}
+    assert labels == {0: "x", 1: '{"answer": 1}', 2: ""}  # text as is, else JSON; none -> empty
+
+
+def _agent_items():
+    its = items(3)
+    its[1].label = {"answer": 1}
+    its[2].label = None
+    return its
+
+
+def test_agent_episodes_are_scored_by_their_agent_without_a_reward_service():
+    """KL off: no reward service is asked; the agent's rewards, scores and logs are the episode's
+    scores; each sample keeps its action mask and the prompt its environment started from."""
+    c, ep = _agent_controller(scores_locally=True)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True)
+    r.start()
+    try:
+        c.wait_for_services(1, 0, timeout_s=10)
+        res = c.collect(_agent_items(), timeout_s=20)
+        _check_episodes(res.rollout.samples, r)
+        (e,) = [e for e in res.entries if e.prompt_id == 1]
+        assert e.scores.scores.tolist() == [0.0, 1.0] and e.scores.extra_logs == {"tries": [2.0, 2.0]}
+    finally:
+        r.die()
+        ep.close(0)
+
+
+def test_agent_episodes_with_kl_go_to_the_reward_service_with_their_own_prompts():
+    """KL on: the reward service scores the episodes (the reference's log-probs) on the prompt the
+    episode started from; the reward stays the agent's."""
+    c, ep = _agent_controller(scores_locally=False)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True)
+    rw = FakeService(ep.address, "rw0", "reward")
+    r.start()
+    rw.start()
+    try:
+        c.wait_for_services(1, 1, timeout_s=10)
+        res = c.collect(_agent_items(), timeout_s=20)
+        _check_episodes(res.rollout.samples, r)
+        assert sorted(map(tuple, rw.score_prompts)) == sorted((100 + p, 7, 55) for p in range(3) for _ in range(2))
+        assert res.rollout.samples[3].ref_logprobs.tolist() == [0.5, -0.0, -0.0, 0.5]
+    finally:
+        r.die()
+        rw.die()
+        ep.close(0)

@@ -175,3 +175,26 @@ def test_cli_errors_name_the_flag(capsys):
         ],
     )
     assert c.clip_low_high == (0.2, 0.28)
+
+
+def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
+    """--agent_func_path is read at the flags' check: the identity every prompt batch carries is
+    the file's name and content hash; without KL no reward service is waited for (the agent
+    scores), and a reward model on top of the agent is refused (not built)."""
+    with pytest.raises(ValueError, match=r"--agent_func_path .*nope.py: cannot read the agent file"):
+        cfg(agent_func_path=str(tmp_path / "nope.py"))
+    with pytest.raises(ValueError, match="an agent is a Python file"):
+        cfg(agent_func_path=str(tmp_path / "env.txt"))
+    env = tmp_path / "env.py"
+    env.write_text("class AgentExecutor: ...\n")
+    c = cfg(agent_func_path=str(env), agent_max_turns=3, max_len=96, init_kl_coef=0.0)
+    params = c.agent_params()
+    assert params.agent.startswith("env.py:") and len(params.agent.split(":")[1]) == 12
+    assert (params.max_len, params.max_turns, params.step_timeout_s) == (96, 3, 60.0)
+    assert c.min_reward_services == 0 and any("no reward service is waited for" in n for n in c.notices)
+    env.write_text("class AgentExecutor: pass\n")  # another version of the file: another identity
+    assert cfg(agent_func_path=str(env)).agent_params().agent != params.agent
+    assert cfg(agent_func_path=str(env), init_kl_coef=0.01).min_reward_services == 1  # the reference scores
+    with pytest.raises(ValueError, match="--agent_func_path with --reward_pretrain"):
+        cfg(agent_func_path=str(env), reward_pretrain="rm")
+    assert cfg().max_len == cfg().prompt_max_len + cfg().generate_max_len and cfg().agent_params() is None
