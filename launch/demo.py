@@ -43,6 +43,12 @@ class DemoConfig:
     async_train: bool = flag(
         False, "GRPO with the async schedule (--async_train, --max_staleness 1, docs/async.md) instead of lockstep"
     )
+    task: str = flag(
+        "single",
+        "single: one answer per prompt, scored by the task's reward_func; agent: multi-turn episodes of "
+        "launch/demo_agent_task.py (a wrong answer gets the environment's feedback and a second try; tiny model)",
+        choices=("single", "agent"),
+    )
 
 
 PRESETS = {
@@ -83,6 +89,24 @@ PRESETS = {
         cpu_cores="phases",
     ),
 }
+
+# --task agent (tiny model): the same prompts and SFT warm start, as two-try episodes.
+AGENT_PRESET = dict(
+    agent="demo_agent_task",
+    task_text="reverse 4-digit strings, a second try after the environment's 'no'; 200 held-out strings",
+    # a turn: 4 digits and the end token (+1 spare); the feedback repeats the 5-token question
+    # the held-out success rate counts a right second try (reward 0.5) as solved
+    agent_args=[
+        "--agent_max_turns",
+        "2",
+        "--max_len",
+        "32",
+        "--agent_step_timeout_s",
+        "30",
+        "--eval_pass_threshold",
+        "0.4",
+    ],
+)
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -135,6 +159,10 @@ def prepare_model(cfg: DemoConfig, run: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(DemoConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.demo")
     preset = dict(PRESETS[cfg.model])
+    if cfg.task == "agent":
+        if cfg.model != "tiny":
+            raise SystemExit("launch.demo: --task agent runs on the tiny model (--model tiny)")
+        preset.update(AGENT_PRESET)
     if cfg.sft_epochs:
         preset["sft_epochs"] = cfg.sft_epochs
     if cfg.grpo_steps:
@@ -142,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.lr:
         preset["lr"] = cfg.lr
     # Async gets its own folder by default, so that its result sits beside lockstep's.
-    run = Path(cfg.run_dir or f"runs/demo-{cfg.model}{'-async' if cfg.async_train else ''}").resolve()
+    suffix = ("-agent" if cfg.task == "agent" else "") + ("-async" if cfg.async_train else "")
+    run = Path(cfg.run_dir or f"runs/demo-{cfg.model}{suffix}").resolve()
     if cfg.fresh and run.exists():
         import shutil
 
@@ -268,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
+    reward_services = 1
+    if cfg.task == "agent":  # the agent's rewards are the reward: no reward service (KL is off)
+        learner_args += ["--agent_func_path", str(HERE / f"{preset['agent']}.py"), *preset["agent_args"]]
+        reward_args, reward_services = [], 0
     # Lockstep: vLLM and the reward service wait while the learner trains, so the learner may use
     # every core (learner_threads 0): SmolLM2's step is 1.35x faster on 2 threads than on 1 here.
     # Not for the tiny model: its ~0.1 s training is faster on one thread beside vLLM's one core
@@ -297,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             str(threads),
             "--cpu_cores",
             cpu_cores,
+            "--reward_services",
+            str(reward_services),
         ]
     )
     if code != 0:

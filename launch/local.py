@@ -272,6 +272,8 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
         out.append("--enforce_eager")
     if learner.colocate_all_models and learner.vllm_enable_sleep:
         out.append("--enable_sleep")
+    if learner.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
+        out += ["--agent_func_path", os.path.abspath(learner.agent_func_path)]
     return out
 
 

@@ -2,8 +2,10 @@
 real vLLM, the reward service and DeepSpeed. Each run is a few steps of the tiny model
 (back-pressure under a slowed learner is checked on the run of test_e2e_async.py):
 
-- one of the shared fleet's two rollout servers SIGKILLed mid-run: its prompts are re-issued,
-  every step trains a full batch, and the feed's accounting identity holds at every step;
+- one of the shared fleet's two rollout servers SIGKILLed mid-run, with every prompt a multi-turn
+  agent episode (``examples/agents/agent_func.py``): the episodes it held are re-issued whole,
+  every step trains a full batch within the staleness bound (an episode's version is its first
+  action's), and the feed's accounting identity holds at every step;
 - dynamic filtering: all-equal groups are dropped and refilled from the same stream, every step
   trains a full batch, and the accounting identity (with the filtered groups) holds.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers.e2e_launch import (
+    AGENT_EXAMPLE,
     ASYNC_K,
     addition_prompts,
     async_rows,
@@ -47,10 +50,10 @@ def _launch(tmp_path: Path, model: Path, *, steps: int, b: int, g: int, extra=()
 
 @pytest.mark.breaks_fleet
 def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir, shared_fleet):
-    # Longer answers keep generation the slow side, so prompts are always in flight on both
-    # servers when one is killed.
+    # Agent episodes of up to three turns of 24 tokens keep generation the slow side, so
+    # episodes are always in flight on both servers when one is killed.
     steps, b, g = 5, 8, 4
-    extra = ["--generate_max_len", "24"]
+    extra = ["--generate_max_len", "24", "--agent_func_path", str(AGENT_EXAMPLE), "--max_len", "120"]
     proc = _launch(tmp_path, tiny_model_dir, steps=steps, b=b, g=g, extra=extra, fleet=shared_fleet)
     run = tmp_path / "run"
     deadline = time.monotonic() + 400
@@ -66,6 +69,8 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir, 
     rows = async_rows(run)
     check_async_steps_and_accounting(rows, steps, b, g)
     assert rows[-1]["pool/died"] == 1
+    assert all(m["agent/turns"] >= 1 for m in rows) and any(m["agent/turns"] > 1 for m in rows), rows
+    assert rows[-1]["agent/failed_episodes"] == 0
     log = (run / "logs" / "learner.log").read_text()
     reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", log)]
     print("re-issued", reissued, "aborted", rows[-1]["async/aborted"], "stale", rows[-1]["async/dropped_stale"])

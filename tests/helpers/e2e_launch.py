@@ -18,13 +18,16 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from helpers.paths import HELPERS
+from helpers.paths import HELPERS, ROOT
 
 if TYPE_CHECKING:
     from helpers.shared_fleet import SharedFleet
 
 PARITY_REWARD = f"--reward_func {HELPERS / 'reward_first_char_parity.py'}"
 TINY_ROLLOUT_ARGS = "--dtype float32 --max_model_len 128 --enforce_eager --seed 0"
+# The agent file the e2e agent runs train with: written for OpenRLHF, used unchanged. The shared
+# fleet's rollout servers load it (they serve plain prompts as before).
+AGENT_EXAMPLE = ROOT / "examples" / "agents" / "agent_func.py"
 
 
 def addition_prompts(path: Path) -> Path:

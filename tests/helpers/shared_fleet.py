@@ -15,8 +15,8 @@ asks for the fleet finds it dead and starts it again. What a fleet of its own is
 test that checks every process of a run (listening sockets, CURVE keys, the Shutdown at the
 end), counts joiners, or needs other service flags. docs/testing.md has the list.
 
-The fleet's services run the tests' defaults: ``TINY_ROLLOUT_ARGS`` and the first-char-parity
-reward function, on the session's tiny model. A service found dead when a run asks for the
+The fleet's services run the tests' defaults: ``TINY_ROLLOUT_ARGS`` with the e2e agent file
+(``AGENT_EXAMPLE``) and the first-char-parity reward function, on the session's tiny model. A service found dead when a run asks for the
 fleet (a previous run broke it) is started again, and the run is told, so one failure does not
 fail every later test.
 """
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from common.net import free_port
-from helpers.e2e_launch import PARITY_REWARD, TINY_ROLLOUT_ARGS, cpu_env
+from helpers.e2e_launch import AGENT_EXAMPLE, PARITY_REWARD, TINY_ROLLOUT_ARGS, cpu_env
 from launch.local import loopback_env
 
 WAIT_S = 3600.0  # how long the services wait for the next learner (the whole session)
@@ -45,7 +45,10 @@ class SharedFleet:
         self.model, self.folder = model, folder
         self.port = free_port()
         self.controller = f"tcp://127.0.0.1:{self.port}"
-        self.rollout_args, self.reward_args = TINY_ROLLOUT_ARGS, PARITY_REWARD
+        # With an agent file: a learner that asks for agent episodes (--agent_func_path, the same
+        # file) gets them; the others send plain prompts, served as always.
+        self.rollout_args = f"{TINY_ROLLOUT_ARGS} --agent_func_path {AGENT_EXAMPLE}"
+        self.reward_args = PARITY_REWARD
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts = 0  # service processes started: 3 for a session in which nothing was killed
 
