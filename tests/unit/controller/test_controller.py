@@ -4,6 +4,7 @@ Real vLLM and reward processes are exercised in the end-to-end tests; here the s
 threads speaking the real protocol over real sockets, so the fault cases are quick and exact.
 """
 
+import contextlib
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch
 
 from common import protocol as P
 from common.transport import Endpoint, handshake
-from learner.controller.controller import Controller
+from learner.controller.controller import Controller, ServicesMissing
 from learner.controller.ledger import PromptLedger
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
@@ -22,9 +23,10 @@ from learner.controller.types import PromptItem
 class FakeService(threading.Thread):
     """A rollout or reward service: answers work until stopped; `die()` = silent SIGKILL."""
 
-    def __init__(self, address, name, role, capacity=4, hold=False, agent=False):
+    def __init__(self, address, name, role, capacity=4, hold=False, agent=False, fail_episodes=()):
         super().__init__(daemon=True)
         self.agent = agent  # answer PromptBatches as agent episodes (see _episodes)
+        self.fail_episodes = set(fail_episodes)  # prompt ids whose episodes fail, the first time each
         self.batches: list[P.PromptBatch] = []
         self.score_prompts: list[list[int]] = []  # prompt tokens of each sample a ScoreRequest carried
         self.ep = Endpoint.connect(address, name=name)
@@ -54,7 +56,13 @@ class FakeService(threading.Thread):
                 if self.hold:
                     continue
                 if self.agent:
-                    self.ep.send(self._episodes(msg))
+                    for pid in [p for p in msg.prompt_ids if p in self.fail_episodes]:
+                        self.fail_episodes.discard(pid)
+                        err = P.Error(code="agent_failed", message=f"prompt {pid}: step() returned no 'done'")
+                        self.ep.send(P.Error(code=err.code, message=err.message, prompt_ids=[pid]))
+                        msg = _without(msg, pid)
+                    if msg.prompt_ids:
+                        self.ep.send(self._episodes(msg))
                     continue
                 n = msg.sampling.n
                 pids = [p for p in msg.prompt_ids for _ in range(n)]
@@ -123,6 +131,17 @@ class FakeService(threading.Thread):
             agent_logs=[{"tries": 2.0}] * len(rows),
             server=self.name,
         )
+
+
+def _without(msg: P.PromptBatch, pid: int) -> P.PromptBatch:
+    keep = [i for i, p in enumerate(msg.prompt_ids) if p != pid]
+    return P.PromptBatch(
+        prompt_ids=[msg.prompt_ids[i] for i in keep],
+        token_ids=[msg.token_ids[i] for i in keep],
+        sampling=msg.sampling,
+        agent=msg.agent,
+        labels=[msg.labels[i] for i in keep] if msg.labels else [],
+    )
 
 
 @pytest.fixture
@@ -238,7 +257,7 @@ def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctr
 AGENT = P.AgentParams(agent="env.py:0123456789ab", max_len=64, max_turns=3, step_timeout_s=5.0)
 
 
-def _agent_controller(scores_locally: bool):
+def _agent_controller(scores_locally: bool, drop_failed: bool = False):
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
     c = Controller(
@@ -248,6 +267,7 @@ def _agent_controller(scores_locally: bool):
         max_prompts_per_request=2,
         agent=AGENT,
         agent_scores_locally=scores_locally,
+        drop_failed_episodes=drop_failed,
     )
     return c, ep
 
@@ -306,4 +326,53 @@ def test_agent_episodes_with_kl_go_to_the_reward_service_with_their_own_prompts(
     finally:
         r.die()
         rw.die()
+        ep.close(0)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_failed_episode_is_issued_again_or_dropped_as_the_flag_says(drop):
+    """--agent_failure retry: the prompt whose episode failed comes back from the queue and the
+    batch is whole; drop: its group is left out and counted, with the server's message."""
+    c, ep = _agent_controller(scores_locally=True, drop_failed=drop)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True, fail_episodes={1})
+    r.start()
+    try:
+        c.wait_for_services(1, 0, timeout_s=10)
+        res = c.collect(_agent_items(), timeout_s=20)
+        assert c.counters["failed_episodes"] == 1
+        if drop:
+            assert [e.prompt_id for e in res.entries] == [0, 2] and res.failed_groups == 1
+            assert "agent episode failed: prompt 1: step() returned no 'done'" in res.reasons[0]
+            assert c.ledger.counters["reissued"] == 0
+        else:
+            _check_episodes(res.rollout.samples, r)
+            assert c.ledger.counters["reissued"] == 1 and res.failed_groups == 0
+            assert r.seen.count(1) == 2  # the failed prompt was handed out twice
+    finally:
+        r.die()
+        ep.close(0)
+
+
+def test_a_service_the_run_refuses_stops_the_wait_for_services_at_once_naming_why():
+    ep = Endpoint.bind("tcp://127.0.0.1:0")
+    refuse = P.Error(code="bad_request", message="r0 runs agent none; this run's --agent_func_path env.py is ...")
+    pool = ServicePool(ep, peer_timeout_s=1.0, admit=lambda hello: refuse if hello.role == "rollout" else None)
+    ledger = PromptLedger(generate_timeout_s=30, score_timeout_s=30)
+    c = Controller(RolloutClient(ep, pool), ledger, sampling=P.SamplingParams(max_new_tokens=4))
+    svc = Endpoint.connect(ep.address, name="r0")
+
+    def hello():
+        with contextlib.suppress(Exception):  # refused: what the test checks is the learner's side
+            handshake(svc, "rollout", P.RolloutCapabilities(capacity=1), timeout=5)
+
+    t = threading.Thread(target=hello, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServicesMissing, match="refused at the handshake: r0: r0 runs agent none"):
+            c.wait_for_services(1, 0, timeout_s=120)
+        assert time.monotonic() - t0 < 30 and pool.alive() == []
+    finally:
+        t.join(10)
+        svc.close(0)
         ep.close(0)

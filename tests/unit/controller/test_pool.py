@@ -116,6 +116,20 @@ def test_version_mismatch_rejected(setup):
     assert pool.alive() == [] and pool.counters["rejected_hello"] == 1
 
 
+def test_the_runs_own_check_refuses_a_peer_and_says_why(setup):
+    ctrl, _, clock, svcs = setup
+
+    def admit(hello):
+        return P.Error(code="bad_request", message=f"{hello.name} runs no agent") if hello.role == "rollout" else None
+
+    pool = ServicePool(ctrl, peer_timeout_s=5.0, clock=clock, admit=admit)
+    _, _, out = join(ctrl, pool, svcs, "r0")
+    assert "r0 runs no agent" in str(out["e"])
+    assert pool.alive() == [] and pool.refused == {"r0": "r0 runs no agent"}
+    join(ctrl, pool, svcs, "rw0", role="reward")
+    assert [p.name for p in pool.alive()] == ["rw0"]
+
+
 def test_results_from_unknown_peer_are_not_returned(setup):
     ctrl, pool, clock, svcs = setup
     assert pool.handle(b"ghost", P.Heartbeat(name="ghost")) is None

@@ -198,3 +198,26 @@ def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
     with pytest.raises(ValueError, match="--agent_func_path with --reward_pretrain"):
         cfg(agent_func_path=str(env), reward_pretrain="rm")
     assert cfg().max_len == cfg().prompt_max_len + cfg().generate_max_len and cfg().agent_params() is None
+
+
+def test_agent_admission_refuses_another_agent_or_too_short_a_server_by_name(tmp_path):
+    """The pool's check of a Hello in an agent run (learner.rl.build.agent_admission): the same
+    file (by content) and room for a whole episode; reward services and plain runs pass."""
+    from common import protocol as P
+    from learner.rl.build import agent_admission
+
+    env = tmp_path / "env.py"
+    env.write_text("class AgentExecutor: ...\n")
+    c = cfg(agent_func_path=str(env), max_len=96, init_kl_coef=0.0)
+    admit = agent_admission(c)
+    want = c.agent_params().agent
+
+    def hello(agent: str, max_model_len: int = 128, role: str = "rollout") -> P.Hello:
+        caps = P.RolloutCapabilities(agent=agent, max_model_len=max_model_len) if role == "rollout" else None
+        return P.Hello(role=role, name="r0", capabilities=caps or P.RewardCapabilities())
+
+    assert admit(hello(want)) is None and admit(hello("", role="reward")) is None
+    assert "r0 runs agent none; this run's --agent_func_path" in admit(hello("")).message
+    assert "r0 runs agent env.py:000000000000" in admit(hello("env.py:000000000000")).message
+    assert "--max_model_len 64, below this run's --max_len 96" in admit(hello(want, 64)).message
+    assert agent_admission(cfg())(hello("")) is None  # no agent: any rollout server will do
