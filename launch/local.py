@@ -179,7 +179,14 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
             + shlex.join([*engine_extra, *reward_extra, *shlex.split(cfg.rollout_args), *shlex.split(cfg.reward_args)]),
             file=sys.stderr,
         )
-    for i in range(0 if cfg.external_services else cfg.reward_services):
+    n_reward = cfg.reward_services
+    if learner.agent_func_path and not learner.kl_needed and not reward_extra and not cfg.reward_args:
+        # The agent's rewards are the reward and no reference model is needed: a reward service
+        # would have nothing to do (docs/agents.md).
+        if n_reward and not cfg.external_services:
+            print("note: --agent_func_path without KL: the agent scores its episodes, no reward service started")
+        n_reward = 0 if not cfg.external_services else n_reward
+    for i in range(0 if cfg.external_services else n_reward):
         roles.append(
             Role(
                 f"reward-{i}",
@@ -211,7 +218,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
         "--min_rollout_servers",
         str(cfg.rollout_servers),
         "--min_reward_services",
-        str(cfg.reward_services),
+        str(n_reward),
         "--metrics_file",
         str(run / "metrics.jsonl"),
         "--use_tensorboard",

@@ -285,3 +285,23 @@ def test_a_wandb_key_in_the_learner_flags_stays_out_of_the_logs_and_the_saved_co
     assert _supervise([learner], cfg) == 0
     log = learner.log.read_text()
     assert log.startswith("$ ") and "--use_wandb '<redacted>'" in log and key not in log
+
+
+def test_an_agent_run_gives_every_rollout_server_the_agent_file_and_starts_no_idle_reward_service(tmp_path, capsys):
+    """--agent_func_path reaches every rollout server (the episodes run there); without KL the
+    agent's rewards are the reward and a reward service would have nothing to do: none starts
+    and the learner waits for none. With KL the reference still needs one."""
+    env = tmp_path / "env.py"
+    env.write_text("class AgentExecutor: ...\n")
+    agent = f"{DATA} --agent_func_path {env} --max_len 64"
+    roles = build_roles(
+        LocalConfig(run_dir=str(tmp_path), pretrain="/m", rollout_servers=2, learner_args=f"{agent} --init_kl_coef 0")
+    )
+    assert [r.name for r in roles] == ["rollout-0", "rollout-1", "learner"]
+    for r in roles[:2]:
+        assert r.cmd[r.cmd.index("--agent_func_path") + 1] == str(env)
+    assert roles[-1].cmd[roles[-1].cmd.index("--min_reward_services") + 1] == "0"
+    assert "the agent scores its episodes, no reward service started" in capsys.readouterr().out
+    roles = build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=f"{agent} --init_kl_coef 0.01"))
+    (reward,) = [r for r in roles if r.kind == "reward"]
+    assert "--ref_pretrain" in reward.cmd and "--reward_func" not in reward.cmd
