@@ -12,7 +12,8 @@ logs as tensors), and an ``AgentExecutor`` built on ``MultiTurnAgentExecutor``. 
 The environment is a toy for the plumbing, which a small random model can still learn from:
 each action is judged by its first character (an even code point is "right"); a right action
 ends the episode, a wrong one gets OpenRLHF-style feedback and another try, at most three.
-The reward of each step is 1 (right) or 0, summed over the episode as OpenRLHF does.
+A right step is worth 1 and a wrong one costs 0.5, summed over the episode as OpenRLHF does:
+right at once 1.0, at the second try 0.5, at the third 0.0, never -1.5.
 """
 
 from typing import Any, Dict
@@ -39,7 +40,7 @@ class AgentInstance(AgentInstanceBase):
         self.tries += 1
         right = is_right(states["action_text"])
         done = right or self.tries >= MAX_TRIES
-        reward = torch.tensor(1.0 if right else 0.0)
+        reward = torch.tensor(1.0 if right else -0.5)
         feedback = "\n\nHuman: [CORRECT]\n" if right else "\n\nHuman: [INCORRECT]\nTry again.\n\nAssistant: "
         return {
             "rewards": reward,  # for the advantages
@@ -47,7 +48,7 @@ class AgentInstance(AgentInstanceBase):
             "environment_feedback": "" if done else feedback,
             "done": done,
             "sampling_params": states.get("sampling_params", None),
-            "extra_logs": {"tries": torch.tensor(float(self.tries)), "right": reward},
+            "extra_logs": {"tries": torch.tensor(float(self.tries)), "right": torch.tensor(float(right))},
         }
 
 

@@ -41,22 +41,24 @@ def local_cmd(
     model: Path | str,
     learner: Sequence[str],
     *,
-    rollout: str = TINY_ROLLOUT_ARGS,
+    rollout: str | None = None,
     reward: str | None = PARITY_REWARD,
     extra: Sequence[str] = (),
     fleet: SharedFleet | None = None,
 ) -> list[str]:
     """``python -m launch.local`` for one run: ``learner`` goes to ``--learner_args``,
-    ``rollout``/``reward`` to the services (``reward=None``: the launcher's default),
+    ``rollout``/``reward`` to the services (``rollout=None``: ``TINY_ROLLOUT_ARGS``, or the fleet's;
+    ``reward=None``: the launcher's default),
     ``extra`` are launcher flags (``--rollout_servers 2``, ``--restart_learner 1``, ...).
     ``fleet``: the run joins the session's shared services (tests/helpers/shared_fleet.py)
     instead of starting its own, so ``rollout``/``reward`` must be the ones they run."""
     cmd = [sys.executable, "-m", "launch.local", "--run_dir", str(run_dir), "--pretrain", str(model)]
     if fleet is not None:
-        assert (rollout, reward) == (fleet.rollout_args, fleet.reward_args), "the shared fleet runs other flags"
+        assert rollout in (None, fleet.rollout_args), "the shared fleet's rollout servers run other flags"
+        assert reward == fleet.reward_args, "the shared fleet's reward service runs other flags"
         assert str(model) == str(fleet.model), "the shared fleet serves another model"
         return [*cmd, "--learner_args", " ".join(learner), *fleet.launcher_flags(), *extra]
-    cmd += ["--rollout_args", rollout, *(["--reward_args", reward] if reward else [])]
+    cmd += ["--rollout_args", rollout or TINY_ROLLOUT_ARGS, *(["--reward_args", reward] if reward else [])]
     return [*cmd, "--learner_args", " ".join(learner), "--stop_timeout_s", "15", *extra]
 
 
