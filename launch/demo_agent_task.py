@@ -19,7 +19,7 @@ from typing import Any
 from launch.demo_task import problems, write_jsonl  # noqa: F401 - the same split as the plain demo
 from rollout_service.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 
-SECOND_TRY_REWARD = 0.25
+SECOND_TRY_REWARD = 0.5
 
 
 def answer(action_text: str) -> str:
