@@ -32,3 +32,22 @@ def test_smollm2_task_first_integer_reward():
     out = t.reward_func([p + "19\n3+4=7", p + " 19", p + "18", p + "x"], [p] * 4, ["19"] * 4)
     # the first integer counts (the model goes on with the next shot); a wrong or missing one does not
     assert out["rewards"].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_agent_task_rewards_a_first_try_fully_and_a_second_try_by_half():
+    import asyncio
+
+    from launch.demo_agent_task import SECOND_TRY_REWARD, AgentInstance
+
+    async def episode(*answers):
+        env = AgentInstance()
+        await env.reset({"observation": "4721>", "label": "1274"})
+        return [await env.step({"action_text": a, "label": "1274"}) for a in answers]
+
+    (right,) = asyncio.run(episode("1274"))
+    assert (right["rewards"], right["done"], right["environment_feedback"]) == (1.0, True, "")
+    wrong, second = asyncio.run(episode("1247", " 1274"))
+    assert (wrong["rewards"], wrong["done"], wrong["environment_feedback"]) == (0.0, False, " no 4721>")
+    assert (second["rewards"], second["done"]) == (SECOND_TRY_REWARD, True) and second["extra_logs"]["accuracy"] == 1.0
+    _, last = asyncio.run(episode("1", "2"))
+    assert (last["rewards"], last["done"], last["extra_logs"]) == (0.0, True, {"accuracy": 0.0, "first_try": 0.0})
