@@ -115,9 +115,13 @@ class TurnEngine:
         prompt_token_ids: list[int],
         max_len: int,
         max_turns: int = 0,
+        decode: Callable[[list[int]], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._request, self._to_params, self._clock = request, to_params, clock
+        # The action's text, when the engine did not detokenize (cheaper: one decode per turn
+        # instead of vLLM's incremental one per token, in the process that runs the episodes).
+        self._decode = decode
         self.prompt_token_ids = list(prompt_token_ids)  # the learner's prompt (agent_api uses it)
         self.max_len, self.max_turns = max_len, max_turns
         self.turns: list[Turn] = []
@@ -159,6 +163,8 @@ class TurnEngine:
             self._idle_since = self._clock()
         o = out.outputs[0]
         action = list(o.token_ids)
+        if self._decode is not None and not o.text:
+            o.text = self._decode(action)
         if len(o.logprobs or []) != len(action):
             self.engine_error = RuntimeError(f"vLLM returned {len(o.logprobs or [])} logprobs for {len(action)} tokens")
             raise self.engine_error

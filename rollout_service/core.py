@@ -410,7 +410,12 @@ class RolloutCore:
 
         async def one(i: int) -> GeneratedSample:
             engine = TurnEngine(
-                request, self._turn_params, prompt_token_ids=token_ids, max_len=agent.max_len, max_turns=agent.max_turns
+                request,
+                self._turn_params,
+                prompt_token_ids=token_ids,
+                max_len=agent.max_len,
+                max_turns=agent.max_turns,
+                decode=self._action_text,
             )
             first = self._vllm_params(P.SamplingParams(**{**_fields(sampling), "n": 1}), prompt_id)
             # vLLM seeds sample i of a request with seed + i; each episode is requests of n=1.
@@ -445,11 +450,16 @@ class RolloutCore:
         self.counters["agent_later_turn_cached"] += sum(s.episode.later_turn_cached for s in samples)
         return PromptResult(prompt_id, list(token_ids), samples)
 
+    def _action_text(self, token_ids: list[int]) -> str:
+        """An action as the environment reads it: as vLLM's own detokenizer would give it
+        (special tokens such as EOS left out)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def _turn_params(self, sp: Any) -> Any:
         """vLLM parameters of one agent turn from what the executor passes (ours, or one its
         environment returned): the sampling choices kept; one sample, the sampled token's
-        log-prob, the final output only. Detokenized: the environment reads the action's text
-        (the episode itself is built from the token ids)."""
+        log-prob, the final output only. Not detokenized by vLLM: the environment's action text
+        is decoded once per turn (``_action_text``); the episode is built from the token ids."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -465,7 +475,7 @@ class RolloutCore:
             stop_token_ids=list(sp.stop_token_ids or []),
             seed=sp.seed,
             logprobs=0,
-            detokenize=True,
+            detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 

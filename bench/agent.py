@@ -1,0 +1,154 @@
+"""The agent loop's cost: episodes against plain generation of the same tokens on the same engine.
+
+One ``RolloutCore`` (the rollout server's socket-free core, a real vLLM ``AsyncLLM``) on the
+tiny model, with ``bench/agent_env.py`` as its agent. In alternating rounds, the same P prompts
+x n samples are generated as:
+
+* plain: one request per prompt, up to K x T new tokens per sample;
+* agent, zero-cost environment: episodes of K turns of up to T tokens (each turn a request of
+  its own, its input the episode so far; the environment answers at once, with no feedback);
+* agent, slow environment: the same, each step waiting ``--step_s`` (default 50 ms; awaited by
+  an ``async def step``, or with ``--blocking`` slept in a plain ``def`` the server runs in a
+  thread).
+
+Reported per variant: generated tokens/s (the policy's tokens only) and episodes/s; the medians
+of the per-round ratios are the numbers to read. Goals (issue 26): zero-cost agent / plain
+>= 0.9 (the loop adds little), slow / zero-cost >= 0.8 at 16+ concurrent episodes (waiting on
+environments overlaps generation). The later turns' prefix-cache hit rate is printed too (the
+CPU backend caches whole 128-token blocks: the prompts are long enough to fill one).
+
+Run: ``python bench/agent.py [--rounds 4] [--prompts 16] [--n 2] [--turns 3] [--turn_tokens 48]
+[--step_s 0.05] [--blocking]`` (needs vllm; prints a JSON summary line last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _setup import prepare
+
+REPO = prepare(tests=True)
+ENV_FILE = REPO / "bench" / "agent_env.py"
+
+
+async def _run(core, prompts, sampling, agent=None) -> dict:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(
+        *(core.generate(10_000 + i, p, sampling, agent=agent, label="") for i, p in enumerate(prompts))
+    )
+    wall = time.perf_counter() - t0
+    samples = [s for r in results for s in r.samples]
+    if agent is None:
+        tokens = sum(len(s.token_ids) for s in samples)
+    else:
+        tokens = sum(sum(s.episode.action_mask) for s in samples)
+    return {"s": wall, "tokens_per_s": tokens / wall, "episodes_per_s": len(samples) / wall, "tokens": tokens}
+
+
+async def main_async(args) -> dict:
+    from common import protocol as P
+    from common.tiny import build_tiny_model
+    from rollout_service.config import RolloutConfig
+    from rollout_service.core import RolloutCore
+
+    model = build_tiny_model(Path(tempfile.gettempdir()) / "rayless-bench-tiny")
+    cfg = RolloutConfig(
+        model=str(model),
+        controller="tcp://127.0.0.1:1",
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=64,
+        seed=0,
+        agent_func_path=str(ENV_FILE),
+    )
+    core = RolloutCore(cfg)
+    await core.start()
+    rng = random.Random(0)
+    vocab = core.llm.model_config.get_vocab_size()
+    prompts = [[1] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)] for _ in range(args.prompts)]
+    k, t = args.turns, args.turn_tokens
+    agent = P.AgentParams(
+        agent=core.agent_identity, max_len=args.prompt_len + k * t + 1, max_turns=k, step_timeout_s=60
+    )
+    os.environ["RAYLESS_BENCH_TURNS"] = str(k)
+    os.environ["RAYLESS_BENCH_BLOCKING"] = "1" if args.blocking else "0"
+    # the episodes' turns stop on the tokens the plain samples stop on: none but the length
+    plain_sp = P.SamplingParams(n=args.n, temperature=1.0, max_new_tokens=k * t, stop_token_ids=[])
+    turn_sp = P.SamplingParams(n=args.n, temperature=1.0, max_new_tokens=t, stop_token_ids=[])
+
+    async def variant(name: str) -> dict:
+        if name == "plain":
+            return await _run(core, prompts, plain_sp)
+        os.environ["RAYLESS_BENCH_STEP_S"] = "0" if name == "agent" else str(args.step_s)
+        return await _run(core, prompts, turn_sp, agent)
+
+    await variant("plain")  # warm-up: first-use costs out of the rounds
+    await variant("agent")
+    rounds = []
+    names = ["plain", "agent", "slow_env"]
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        before = dict(core.counters)
+        got = {name: await variant(name) for name in order}
+        later = core.counters["agent_later_turn_tokens"] - before["agent_later_turn_tokens"]
+        cached = core.counters["agent_later_turn_cached"] - before["agent_later_turn_cached"]
+        got["prefix_hit"] = cached / later if later else float("nan")
+        rounds.append(got)
+        print(
+            f"round {r}: plain {got['plain']['tokens_per_s']:.0f} tok/s, agent {got['agent']['tokens_per_s']:.0f}, "
+            f"slow env {got['slow_env']['tokens_per_s']:.0f} ({got['slow_env']['episodes_per_s']:.1f} episodes/s); "
+            f"later turns' prefix-cache hit {got['prefix_hit']:.2f}",
+            flush=True,
+        )
+    await core.shutdown()
+
+    def med(f) -> float:
+        return statistics.median(f(g) for g in rounds)
+
+    return {
+        "prompts": args.prompts,
+        "n": args.n,
+        "concurrent_episodes": args.prompts * args.n,
+        "turns": k,
+        "turn_tokens": t,
+        "step_s": args.step_s,
+        "blocking_step": args.blocking,
+        "plain_tokens_per_s": med(lambda g: g["plain"]["tokens_per_s"]),
+        "agent_tokens_per_s": med(lambda g: g["agent"]["tokens_per_s"]),
+        "slow_env_tokens_per_s": med(lambda g: g["slow_env"]["tokens_per_s"]),
+        "agent_over_plain": med(lambda g: g["agent"]["tokens_per_s"] / g["plain"]["tokens_per_s"]),
+        "slow_env_over_agent": med(lambda g: g["slow_env"]["tokens_per_s"] / g["agent"]["tokens_per_s"]),
+        "later_turn_prefix_hit": med(lambda g: g["prefix_hit"]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=2, help="episodes per prompt (concurrent episodes: prompts x n)")
+    ap.add_argument("--prompt_len", type=int, default=120)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn_tokens", type=int, default=48)
+    ap.add_argument("--step_s", type=float, default=0.05, help="the slow environment's step")
+    ap.add_argument("--blocking", action="store_true", help="the slow step sleeps in a plain def (a thread)")
+    summary = asyncio.run(main_async(ap.parse_args()))
+    print(
+        f"agent loop / plain generation: {summary['agent_over_plain']:.2f} (goal >= 0.9); "
+        f"{summary['step_s'] * 1000:.0f} ms environment / zero-cost: {summary['slow_env_over_agent']:.2f} "
+        f"(goal >= 0.8) at {summary['concurrent_episodes']} concurrent episodes"
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
