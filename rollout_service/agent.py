@@ -153,7 +153,7 @@ class TurnEngine:
         self._busy += 1
         try:
             out, admitted = await self._request(token_ids, params)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, EpisodeError):  # EpisodeError: the request refused the agent's input
             raise
         except Exception as e:
             self.engine_error = e

@@ -400,7 +400,11 @@ class RolloutCore:
             raise BadRequest(f"prompt of {len(token_ids)} tokens leaves no room under agent.max_len {agent.max_len}")
         prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+        vocab = self.llm.model_config.get_vocab_size()
+
         async def request(toks: list[int], turn_params: Any) -> tuple[Any, int]:
+            if any(not (isinstance(t, int) and 0 <= t < vocab) for t in toks):
+                raise EpisodeError(f"the agent asked to generate from token ids outside the vocabulary [0, {vocab})")
             out, admitted = await self._request(prompt_id, toks, turn_params, min_version)
             o = out.outputs[0]
             if len({span.version for span in getattr(o, "weight_versions", None) or []}) > 1:

@@ -432,6 +432,20 @@ def test_an_abort_mid_episode_stops_its_requests_and_a_failure_is_the_agents(cor
     assert core.counters["failed_episodes"] == 1
 
 
+def test_token_ids_outside_the_vocabulary_fail_the_episode_not_the_server(core):
+    class OutOfVocab(MultiTurnAgentExecutor):
+        def __init__(self):
+            super().__init__(TwoTries)
+
+        async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):
+            await llm_engine.generate([1, 10**6], sampling_params)
+
+    core.agent = OutOfVocab()
+    with pytest.raises(AgentFailed, match="outside the vocabulary"):
+        run(core.generate(1, [1, 2], SP, agent=AGENT, label=""))
+    assert core.counters["failed_episodes"] == 1 and not core.llm.prompts
+
+
 def test_the_core_refuses_agent_requests_it_cannot_serve(core):
     with pytest.raises(BadRequest, match="this server runs two.py"):
         run(core.generate(1, [1, 2], SP, agent=P.AgentParams(agent="other.py:ffffffffffff", max_len=40)))
