@@ -121,3 +121,16 @@ class FakeLLM:
 
     async def reset_prefix_cache(self):
         return not self.running  # vLLM refuses while requests hold KV blocks
+
+
+def core_on_fake_llm():
+    """A ``RolloutCore`` (max_model_len 64, gloo) driving a ``FakeLLM`` at weight version 0."""
+    from rollout_service.config import RolloutConfig
+    from rollout_service.core import RolloutCore
+
+    c = RolloutCore(
+        RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
+    )
+    c.llm = FakeLLM()
+    c.llm.version = "0"
+    return c

@@ -20,11 +20,10 @@ import torch
 from common import protocol as P
 from common.agent_file import agent_identity
 from helpers.agent_fakes import CharTokenizer, ScriptedRequest, ids, same_params
-from helpers.fake_llm import FakeLLM
+from helpers.fake_llm import core_on_fake_llm
 from rollout_service.agent import EpisodeError, TurnEngine, build_episode, load_agent, run_episode
 from rollout_service.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
-from rollout_service.config import RolloutConfig
-from rollout_service.core import AgentFailed, BadRequest, RolloutCore
+from rollout_service.core import AgentFailed, BadRequest
 
 EOS = CharTokenizer.eos_token_id
 
@@ -353,11 +352,7 @@ SP = P.SamplingParams(temperature=1.0, max_new_tokens=3, n=2, logprobs=True)
 
 @pytest.fixture
 def core():
-    c = RolloutCore(
-        RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
-    )
-    c.llm = FakeLLM()
-    c.llm.version = "0"
+    c = core_on_fake_llm()
     c.agent, c.agent_identity, c.tokenizer = TwoTriesExecutor(), AGENT.agent, CharTokenizer()
     return c
 

@@ -17,18 +17,14 @@ import pytest
 from common import protocol as P
 from common.transport import AsyncEndpoint, Endpoint
 from helpers.fake_controller import welcome_then
-from helpers.fake_llm import VOCAB, FakeLLM
+from helpers.fake_llm import VOCAB, core_on_fake_llm
 from rollout_service.config import RolloutConfig
 from rollout_service.core import BadRequest, NotSupported, RolloutCore
 
 
 @pytest.fixture
 def core():
-    c = RolloutCore(
-        RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
-    )
-    c.llm = FakeLLM()
-    c.llm.version = "0"
+    c = core_on_fake_llm()
     return c
 
 
