@@ -3,12 +3,17 @@ test-slurm`), the script unedited: environment overrides only (tiny model, CPU, 
 `--nodes=2`. Each node runs its learner rank (torchrun, c10d rendezvous on node1, gloo), its
 rollout server and its reward service side by side, the colocated layout; on CPU the sleep
 flags cannot act and say so once, and the run trains every step in lockstep's order.
+
+Its prompts run as agent episodes (``AGENT_FUNC_PATH``, the e2e agent file written for
+OpenRLHF): the script gives the file to the learner and every rollout server, and its reward
+services serve the reference model only (KL is on: the episodes go to them for the reference's
+log-probs, while the agent's rewards are the reward). The one run of the suite with agents and KL.
 """
 
 from __future__ import annotations
 
 import pytest
-from slurm_jobs import cpu_run_env, metrics, submit, tails, wait
+from slurm_jobs import ROOT, cpu_run_env, metrics, submit, tails, wait
 
 pytestmark = pytest.mark.slurm
 
@@ -18,7 +23,7 @@ JOB_TIMEOUT_S = 480
 
 def test_grpo_colocated_script_runs_learner_and_services_on_every_node(tmp_path, tiny_model_dir):
     env = cpu_run_env(tmp_path, tiny_model_dir, steps=STEPS)
-    env.update(VLLM_GPU_MEMORY_UTILIZATION="0.5")
+    env.update(VLLM_GPU_MEMORY_UTILIZATION="0.5", AGENT_FUNC_PATH=str(ROOT / "examples" / "agents" / "agent_func.py"))
     submit_dir = tmp_path / "submit"
     job = submit("grpo_colocated.slurm", 2, env, submit_dir)
     fields = wait(job, JOB_TIMEOUT_S)
@@ -37,6 +42,10 @@ def test_grpo_colocated_script_runs_learner_and_services_on_every_node(tmp_path,
     rows = metrics(save)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), why
     assert all(r["samples"] == 16 for r in rows), [r["samples"] for r in rows]
+    # Agent episodes, scored by their agent, with the reference's KL from the reward services.
+    assert all(r["agent/turns"] >= 1 for r in rows) and all(r["policy/kl_to_ref"] >= 0 for r in rows), rows
+    for log in services[:2]:
+        assert "agent agent_func.py:" in log.read_text(), tails(log)  # each server loaded the file
     assert "global_ranks=[1]" in learner[1].read_text(), tails(learner[1])
     rank0 = learner[0].read_text()
     assert "schedule: colocated" in rank0, tails(learner[0])
