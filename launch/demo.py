@@ -43,6 +43,10 @@ class DemoConfig:
     async_train: bool = flag(
         False, "GRPO with the async schedule (--async_train, --max_staleness 1, docs/async.md) instead of lockstep"
     )
+    lora_rank: int = flag(
+        0, "GRPO with LoRA adapters of this rank (--lora_rank; 0: full weights); pair it with --lr (docs/trainers.md)"
+    )
+    lora_alpha: int = flag(0, "LoRA's alpha (0: 2 x --lora_rank)")
     task: str = flag(
         "single",
         "single: one answer per prompt, scored by the task's reward_func; agent: multi-turn episodes of "
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         preset["lr"] = cfg.lr
     # Async gets its own folder by default, so that its result sits beside lockstep's.
     suffix = ("-agent" if cfg.task == "agent" else "") + ("-async" if cfg.async_train else "")
+    suffix += f"-lora{cfg.lora_rank}" if cfg.lora_rank else ""
     run = Path(cfg.run_dir or f"runs/demo-{cfg.model}{suffix}").resolve()
     if cfg.fresh and run.exists():
         import shutil
@@ -297,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         "--peer_timeout_s",
         "60",
         *(["--async_train"] if cfg.async_train else []),
+        *(
+            ["--lora_rank", str(cfg.lora_rank), "--lora_alpha", str(cfg.lora_alpha or 2 * cfg.lora_rank)]
+            if cfg.lora_rank
+            else []
+        ),
     ]
     rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]

@@ -47,16 +47,24 @@ def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, 
 def agent_metrics(controller: Any, samples: list[Any]) -> dict[str, float]:
     """Agent episodes' shape (none without an agent): actions per episode, environment tokens
     per episode (context, not trained: rollout/response_len counts the policy's tokens only),
-    and the episodes that failed so far (the environment raised, hung or answered garbage)."""
+    the episodes that failed so far (the environment raised, hung or answered garbage), and the
+    prefix-cache hit rate of later turns the rollout servers report."""
     episodes = [s for s in samples if s.turns]
     if not episodes:
         return {}
     env = [len(s.response) - s.action_len for s in episodes]
-    return {
+    out = {
         "agent/turns": sum(s.turns for s in episodes) / len(episodes),
         "agent/env_tokens": sum(env) / len(episodes),
         "agent/failed_episodes": controller.counters["failed_episodes"],
     }
+    # The rollout servers' own count, from their last heartbeats (run totals): the share of later
+    # turns' input that vLLM's prefix cache held.
+    stats = [p.stats for p in controller.pool.alive("rollout")]
+    later = sum(st.get("agent_later_turn_tokens", 0.0) for st in stats)
+    if later:
+        out["agent/prefix_cache_hit"] = sum(st.get("agent_later_turn_cached", 0.0) for st in stats) / later
+    return out
 
 
 def log_step(step: int, total_steps: int, metrics: dict[str, Any]) -> None:

@@ -110,3 +110,26 @@ def test_masks_and_turns_survive_the_broadcast_to_other_ranks():
             assert torch.equal(t.action_mask, s.action_mask)
     batch = collate(back.samples, 0)
     assert batch["action_mask"][0].tolist() == MASK and batch["action_mask"][1].all()
+
+
+def test_agent_metrics_count_turns_environment_tokens_failures_and_prefix_hits():
+    from types import SimpleNamespace
+
+    from learner.rl.metrics import agent_metrics
+
+    peers = [SimpleNamespace(stats={"agent_later_turn_tokens": 300.0, "agent_later_turn_cached": 256.0}),
+             SimpleNamespace(stats={"agent_later_turn_tokens": 100.0, "agent_later_turn_cached": 0.0})]  # fmt: skip
+    controller = SimpleNamespace(
+        counters={"failed_episodes": 2}, pool=SimpleNamespace(alive=lambda role: peers if role == "rollout" else [])
+    )
+    m = agent_metrics(controller, _rollout().samples)  # 2 turns, 3 environment tokens of 6 each
+    assert m == {
+        "agent/turns": 2.0,
+        "agent/env_tokens": 3.0,
+        "agent/failed_episodes": 2,
+        "agent/prefix_cache_hit": 256 / 400,
+    }
+    plain = _rollout().samples
+    for s in plain:
+        s.action_mask, s.turns = None, 0
+    assert agent_metrics(controller, plain) == {}
