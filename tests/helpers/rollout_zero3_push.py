@@ -9,6 +9,7 @@ every tensor the receiver loaded equals the checkpoint's full tensor.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -98,13 +99,18 @@ def main() -> None:
             flush=True,
         )
         pub.close()
-    # Both ranks leave together and take their process group down themselves: a rank exiting
-    # with the group alive while its peer still talks to it can abort in gloo's teardown
-    # ("terminate called without an active exception", seen once under CI load).
+    # Both ranks leave together, and without the interpreter's teardown: after a push in which a
+    # server died on purpose, destroying the gloo groups whose pairs that death broke can abort a
+    # rank in gloo's C++ destructors ("terminate called without an active exception", exit code
+    # -6; seen twice under CI load, in rank 1, after the work was done and checked). What this
+    # helper reports is the push. Whether a learner's own exit after a failed fleet push can
+    # abort the same way is not examined here.
     import torch.distributed as dist
 
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
