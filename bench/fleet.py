@@ -150,7 +150,10 @@ def main() -> None:
     ap.add_argument("--no_core", action="store_true", help="skip the single-thread measure of the controller's CPU")
     ap.add_argument("--full", action="store_true", help=f"N in {FULL_SERVERS}")
     ap.add_argument(
-        "--gc_freeze", action="store_true", help="gc.freeze() in the controller's process after its imports"
+        "--gc_freeze",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() in the controller's process after its imports, as learner/rl/run.py does before training",
     )
     ap.add_argument("--json", default="", help="write every result here")
     ap.add_argument("--profile", default="", help="folder for a cProfile of each configuration")

@@ -2,7 +2,7 @@
 
 The same stand-in processes as the controller's run (``Fleet(raw=True)``: bare DEALERs that
 answer every message with frames encoded once) and the same message sizes: each prompt goes
-out as a PromptBatch of one prompt; each SampleBatch's tensor frames go on to a reward stand-in
+out as a PromptBatch of one prompt; each SampleBatch's token-id frame goes on to a reward stand-in
 behind a ScoreRequest header encoded once (with the prompt tokens, text and labels of its G
 samples); the ScoredBatch that comes back frees a place. At most ``bound`` prompts are out at
 once, ``per_server`` at each server, as in the controller's run. No protocol objects, ledger or
@@ -64,6 +64,7 @@ def relay_run(cfg: RunConfig) -> dict[str, Any]:
         ids, lps = sample_arrays(cfg.group, cfg.tokens)
         sb = sample_batch([0], cfg.group, cfg.tokens, ids, lps, 0, "raw")
         sb.prompt_token_ids = [tokens] * cfg.group
+        sb.logprobs = None  # as the controller: a reward service is sent tokens, not the sampler's log-probs
         req = P.ScoreRequest(samples=sb, prompts=["x" * (4 * cfg.prompt_tokens)] * cfg.group, labels=["42"] * cfg.group)
         head = [bytes(memoryview(f)) for f in codec.encode(req)[:2]]
         # As the controller, at most ``bound`` prompts out at once (generating or scoring), at
@@ -98,8 +99,9 @@ def relay_run(cfg: RunConfig) -> dict[str, Any]:
                 totals["in"] += sum(size(f) for f in frames[1:])
                 ident = frames[0].bytes
                 if ident in rollout_set:
-                    router.send_multipart([next_reward(), *head, *frames[3:]], copy=False)
-                    totals["out"] += head_bytes + sum(size(f) for f in frames[3:])
+                    # frames: identity, type, header, response ids, log-probs: the ids go on
+                    router.send_multipart([next_reward(), *head, frames[3]], copy=False)
+                    totals["out"] += head_bytes + size(frames[3])
                     free.append(ident)
                 else:
                     outstanding -= 1

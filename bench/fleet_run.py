@@ -194,8 +194,8 @@ class _Checks:
             if idx != list(range(self.group)):
                 self.problems.append(f"prompt {pid}: sample indices {idx}")
             for s in group:
-                if s.response[0] != pid % VOCAB:
-                    self.problems.append(f"prompt {pid}: holds a sample of prompt {s.response[0]}")
+                if int(s.response[0]) != pid % VOCAB:
+                    self.problems.append(f"prompt {pid}: holds a sample of prompt {int(s.response[0])}")
 
 
 class _FaultPlan:

@@ -363,7 +363,11 @@ def limit_worker(job: dict) -> None:
         rewards = task.reward_func([r["input"] + t for t in texts], [r["input"]] * GROUP, [r["label"]] * GROUP)
         for j, c in enumerate(o.outputs):
             lp = torch.zeros(len(c.token_ids))  # vLLM's log-probs only feed a logged metric
-            samples.append(ScoredSample(i, j, p, list(c.token_ids), lp, None, float(rewards["rewards"][j])))
+            samples.append(
+                ScoredSample(
+                    i, j, p, torch.tensor(c.token_ids, dtype=torch.int32), lp, None, float(rewards["rewards"][j])
+                )
+            )
     rollout = Rollout(samples, GROUP)
     del llm
     gc.collect()

@@ -25,16 +25,17 @@ import torch
 __all__ = ["packed_row", "response_logit_index", "unpack_to_padded"]
 
 
-def packed_row(seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_row(seqs: Sequence[Sequence[int] | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and position ids of one packed row.
 
     Args:
-        seqs: B token-id sequences (each non-empty).
+        seqs: B token-id sequences (each non-empty): lists or 1-D integer tensors.
     Returns:
         ``(input_ids (1, L), position_ids (1, L))``, int64; position ids run 0 .. len - 1 within
         each sequence.
     """
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # (L,)
+    parts = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in seqs]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # (L,)
     pos = torch.cat([torch.arange(len(s), dtype=torch.long) for s in seqs]) if seqs else ids  # (L,)
     return ids.unsqueeze(0), pos.unsqueeze(0)
 

@@ -25,11 +25,16 @@ def _offsets(lengths: list[int]) -> list[int]:
 def _take_flat(
     flat: torch.Tensor | None, lengths: list[int], rows: list[int], offs: list[int] | None = None
 ) -> torch.Tensor | None:
-    """The rows ``rows`` of a flat (columnar) tensor with rows of ``lengths``, as a new tensor.
-    ``offs``: ``_offsets(lengths)``, when the caller takes many row sets of one tensor."""
+    """The rows ``rows`` of a flat (columnar) tensor with rows of ``lengths``: a view when the
+    rows are consecutive (a prompt's samples, as services return them), else a new tensor. A view
+    keeps the whole of ``flat`` alive while it lives (a received frame: until every prompt it
+    held is trained or dropped). ``offs``: ``_offsets(lengths)``, when the caller takes many row
+    sets of one tensor."""
     if flat is None:
         return None
     offs = _offsets(lengths) if offs is None else offs
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return flat[offs[rows[0]] : offs[rows[-1]] + lengths[rows[-1]]]
     parts = [flat[offs[r] : offs[r] + lengths[r]] for r in rows]
     return torch.cat(parts) if parts else flat[:0]
 
@@ -79,9 +84,10 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
+def concat_samples(batches: list[SampleBatch], *, logprobs: bool = True) -> SampleBatch:
     """One batch of all the samples of ``batches``, in order. Token ids keep the dtype the rollout
-    servers sent (int32: half the bytes of int64 on the way to a reward service)."""
+    servers sent (int32: half the bytes of int64 on the way to a reward service). ``logprobs=False``
+    leaves the sampler's log-probs out (None)."""
 
     def cat(name):
         return [x for b in batches for x in getattr(b, name)]
@@ -92,7 +98,8 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
         sample_indices=cat("sample_indices"),
         response_lengths=cat("response_lengths"),
         response_ids=_cat([b.response_ids for b in batches]),
-        logprobs=_cat([lp.float() for lp in lps]) if len(lps) == len(batches) else None,  # every batch has them
+        # only when every batch has them
+        logprobs=_cat([lp.float() for lp in lps]) if logprobs and len(lps) == len(batches) else None,
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
         server=",".join(sorted({b.server for b in batches})),
@@ -124,7 +131,7 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
             prompt_ids=[pid] * len(r),
             sample_indices=[s.sample_indices[i] for i in r],
             rewards=s.rewards[r].float(),
-            # a copy: the prompt's scores outlive the received frame, which is read-only memory
+            # a view of the received frame (read-only memory) for a prompt's consecutive rows
             ref_logprobs=_take_flat(ref, response_lengths, r, offs),
             failed=[s.failed[i] for i in r] if s.failed else [],
             scores=s.scores[r].float() if s.scores is not None else None,

@@ -269,7 +269,8 @@ class Controller:
                 return
             room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
             chunk, waiting = waiting[:room], waiting[room:]
-            samples = concat_samples([e.samples for e in chunk])
+            # No sampler log-probs: a reward service scores tokens (a third of the bytes at long answers).
+            samples = concat_samples([e.samples for e in chunk], logprobs=False)
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
             prompts = [e.payload.text for e in per_sample]
             queries: Sequence[str] = ()
@@ -409,22 +410,28 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
     """A done ledger entry's samples, by sample index, joined with their scores."""
     sb, sc = e.samples, e.scores
     order = sorted(range(len(sb)), key=lambda i: sb.sample_indices[i])
-    resp = sb.split_responses()
     if sb.logprobs is None:
         sb.split_logprobs()  # raises: the learner needs the sampler's log-probs
-    # One copy of the prompt's log-probs, viewed per sample: the received frame is read-only
-    # memory and is freed with the ledger entry.
-    lps = sb.logprobs.to(torch.float32, copy=True).split(sb.response_lengths)
+    # Per-sample views of the received frames, no copy: a rollout server's SampleBatch is one
+    # prompt's samples, so its frame holds exactly what they need and lives as long as they do.
+    # The frames are read-only memory: nothing downstream writes into a ScoredSample's tensors
+    # (collate and broadcast copy out of them). Token ids stay tensors: a Python list of them is
+    # 40 B a token and was most of this function's time at long answers.
+    resp = torch.as_tensor(sb.response_ids).to(torch.int32).split(sb.response_lengths)
+    lps = torch.as_tensor(sb.logprobs).to(torch.float32).split(sb.response_lengths)
     score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
     ref_offsets = None
     if sc.ref_logprobs is not None:  # flat, in the order of sc.sample_indices
+        length = dict(zip(sb.sample_indices, sb.response_lengths, strict=True))
         ref_offsets, acc = {}, 0
         for idx in sc.sample_indices:
-            n = sb.response_lengths[sb.sample_indices.index(idx)]
-            ref_offsets[idx] = (acc, n)
-            acc += n
+            ref_offsets[idx] = (acc, length[idx])
+            acc += length[idx]
     agent = sb.action_mask is not None
     masks = sb.action_mask.bool().split(sb.response_lengths) if agent else None
+    # The group shares its prompt's token list (read-only downstream); an agent's episodes each
+    # carry their own (the prompt as the episode's first turn saw it).
+    prompt = e.payload.tokens
     out = []
     for i in order:
         idx = sb.sample_indices[i]
@@ -436,8 +443,8 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
             ScoredSample(
                 prompt_id=e.prompt_id,
                 sample_index=idx,
-                prompt=list(sb.prompt_token_ids[i]) if agent else list(e.payload.tokens),
-                response=resp[i].tolist(),
+                prompt=list(sb.prompt_token_ids[i]) if agent else prompt,
+                response=resp[i],
                 rollout_logprobs=lps[i],
                 ref_logprobs=ref,
                 # an agent's reward is the reward (a reward service scores the reference only)

@@ -37,8 +37,8 @@ class ScoredSample:
 
     prompt_id: int
     sample_index: int
-    prompt: list[int]
-    response: list[int]
+    prompt: list[int]  # shared by the samples of a group: never modified
+    response: torch.Tensor  # (T_i,) int32 token ids (a view of one copy per prompt)
     rollout_logprobs: torch.Tensor  # (T_i,) float32, from vLLM
     ref_logprobs: torch.Tensor | None  # (T_i,) float32, from the reference model
     reward: float

@@ -144,7 +144,7 @@ def sample_rows(picked: Iterable[tuple[str, ScoredSample]], decode: Any, *, spli
     picked = list(picked)
     if not picked:
         return []
-    texts = decode([s.prompt for _, s in picked] + [s.response for _, s in picked])
+    texts = decode([s.prompt for _, s in picked] + [s.response.tolist() for _, s in picked])
     prompts, responses = texts[: len(picked)], texts[len(picked) :]
     return [
         {

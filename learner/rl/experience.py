@@ -36,6 +36,11 @@ log = logging.getLogger("learner")
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
+def _token_ids(s: ScoredSample) -> torch.Tensor:
+    """(P_i + T_i,) int64: the sample's prompt then its response."""
+    return torch.cat((torch.tensor(s.prompt, dtype=torch.long), s.response.long()))
+
+
 def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, torch.Tensor]:
     """The padded (N, T) per-response-token tensors both layouts share: response (right-padded
     with ``pad_id``), action_mask, rollout_logprobs, ref_logprobs (zeros where absent)."""
@@ -47,7 +52,7 @@ def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, tor
     ref_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     for i, s in enumerate(samples):
         t = len(s.response)
-        response[i, :t] = torch.tensor(s.response, dtype=torch.long)
+        response[i, :t] = s.response
         action_mask[i, :t] = True if s.action_mask is None else s.action_mask[:t]
         rollout_lp[i, :t] = s.rollout_logprobs[:t]
         if s.ref_logprobs is not None:
@@ -70,7 +75,7 @@ def collate(
     """
     resp = _response_tensors(samples, pad_id)
     if packed:
-        input_ids, position_ids = packed_row([[*s.prompt, *s.response] for s in samples])
+        input_ids, position_ids = packed_row([_token_ids(s) for s in samples])
         cols = response_logit_index([len(s.prompt) for s in samples], [len(s.response) for s in samples])
         if any(s.action_mask is not None for s in samples):  # agent episodes: the policy's tokens only
             keep = [
@@ -164,7 +169,7 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
         ],
         dtype=torch.long,
     ).reshape(-1, _META_COLS)
-    tokens = torch.tensor([t for x in s for t in (*x.prompt, *x.response)], dtype=torch.long)
+    tokens = torch.cat([_token_ids(x) for x in s]) if s else torch.zeros(0, dtype=torch.long)
     lp = torch.cat([x.rollout_logprobs.float().reshape(-1) for x in s]) if s else torch.zeros(0)
     has_ref = all(x.ref_logprobs is not None for x in s)
     ref = torch.cat([x.ref_logprobs.float().reshape(-1) for x in s]) if s and has_ref else torch.zeros(0)
@@ -181,7 +186,7 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
     samples, tok_off, lp_off = [], 0, 0
     for i, (p, t, pid, idx, ver, fin, turns) in enumerate(meta.tolist()):
         prompt = tokens[tok_off : tok_off + p].tolist()
-        response = tokens[tok_off + p : tok_off + p + t].tolist()
+        response = tokens[tok_off + p : tok_off + p + t].to(torch.int32)
         tok_off += p + t
         samples.append(
             ScoredSample(

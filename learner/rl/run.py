@@ -16,6 +16,7 @@ Errors a user must act on are ``RunError`` (one line, naming the flag or file); 
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,10 @@ def run(cfg: PPOConfig) -> int:
         ckpt = rl_checkpointer(
             cfg, models.trainer, n_prompts=data.n_prompts, schedule=schedule, driver=driver, tokenizer=data.tokenizer
         )
+        # What exists now (the model's modules, the prompts, every service's state) lives for the
+        # whole run: full garbage collections need not walk it again. On rank 0 one walking it
+        # stalled the controller's turn for 100+ ms (docs/scale.md).
+        gc.freeze()
         train(cfg, schedule, ckpt, data.total_steps)
         save_final(cfg, models, data.tokenizer, proc)
         ok = True

@@ -29,6 +29,7 @@ class FakeService(threading.Thread):
         self.fail_episodes = set(fail_episodes)  # prompt ids whose episodes fail, the first time each
         self.batches: list[P.PromptBatch] = []
         self.score_prompts: list[list[int]] = []  # prompt tokens of each sample a ScoreRequest carried
+        self.score_logprobs: list = []  # each ScoreRequest's sampler log-probs (None: not sent)
         self.ep = Endpoint.connect(address, name=name)
         self.name, self.role, self.capacity = name, role, capacity
         self.hold = hold  # take work and never answer (a hung server)
@@ -85,6 +86,7 @@ class FakeService(threading.Thread):
                 s = msg.samples
                 self.seen += s.prompt_ids
                 self.score_prompts += [list(t) for t in s.prompt_token_ids or []]
+                self.score_logprobs.append(s.logprobs)
                 rewards = torch.tensor([float(i) for i in s.sample_indices])  # reward = sample index
                 failed = [("bad label" if lab == "poison" else None) for lab in msg.labels]
                 self.ep.reply(
@@ -93,7 +95,8 @@ class FakeService(threading.Thread):
                         prompt_ids=s.prompt_ids,
                         sample_indices=s.sample_indices,
                         rewards=rewards,
-                        ref_logprobs=-s.logprobs.float(),
+                        # the ids halved: [1, 1] -> [0.5, 0.5] (a ScoreRequest carries no sampler log-probs)
+                        ref_logprobs=torch.as_tensor(s.response_ids).float() / 2,
                         failed=failed,
                         server=self.name,
                     ),
@@ -180,8 +183,10 @@ def test_collect_builds_complete_groups_in_order(ctrl):
     assert len(r) == 10 and r.group_size == 2
     assert [(s.prompt_id, s.sample_index) for s in r.samples] == [(p, i) for p in range(5) for i in range(2)]
     s = r.samples[3]
-    assert s.prompt == [101, 7] and s.response == [1, 1] and s.reward == 1.0
+    assert s.prompt == [101, 7] and s.response.tolist() == [1, 1] and s.reward == 1.0
     assert s.rollout_logprobs.tolist() == [-0.5, -0.5] and s.ref_logprobs.tolist() == [0.5, 0.5]
+    rw = next(s for s in services if s.name == "rw0")
+    assert rw.score_logprobs and all(lp is None for lp in rw.score_logprobs)  # tokens are what gets scored
     assert c.ledger.counters["trained"] == 5 and len(c.ledger) == 0
 
 
@@ -276,7 +281,7 @@ def _check_episodes(samples, rollout_server):
     assert [(s.prompt_id, s.sample_index) for s in samples] == [(p, i) for p in range(3) for i in range(2)]
     s = samples[3]  # prompt 1, sample 1
     assert s.prompt == [101, 7, 55], "the episode's own prompt, not the dataset's"
-    assert s.response == [1, 900, 901, 1] and s.action_mask.tolist() == [True, False, False, True]
+    assert s.response.tolist() == [1, 900, 901, 1] and s.action_mask.tolist() == [True, False, False, True]
     assert s.reward == 1.5 and s.turns == 2  # the agent's reward, whatever a reward service says
     assert s.rollout_logprobs.tolist() == [-0.5, 0.0, 0.0, -0.5]
     batches = rollout_server.batches
@@ -322,7 +327,7 @@ def test_agent_episodes_with_kl_go_to_the_reward_service_with_their_own_prompts(
         res = c.collect(_agent_items(), timeout_s=20)
         _check_episodes(res.rollout.samples, r)
         assert sorted(map(tuple, rw.score_prompts)) == sorted((100 + p, 7, 55) for p in range(3) for _ in range(2))
-        assert res.rollout.samples[3].ref_logprobs.tolist() == [0.5, -0.0, -0.0, 0.5]
+        assert res.rollout.samples[3].ref_logprobs.tolist() == [0.5, 450.0, 450.5, 0.5]
     finally:
         r.die()
         rw.die()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from common import protocol as P
-from learner.controller.batches import concat_samples, split_by_prompt
+from learner.controller.batches import concat_samples, split_by_prompt, split_scored_by_prompt
 from learner.controller.controller import Controller, scored_samples
 from learner.controller.ledger import Entry, PromptLedger, State
 from learner.controller.pool import ServicePool
@@ -164,16 +164,30 @@ def test_token_ids_keep_their_dtype_on_the_way_to_scoring():
     assert mixed.response_ids.tolist() == a.response_ids.tolist() + (torch.arange(2) + 300).tolist()
 
 
-def test_scored_samples_copy_the_log_probs_out_of_the_received_batch():
+def test_scored_samples_are_views_of_the_received_batch():
     sb = one_prompt_batch(4, 2, 3)
     scores = P.ScoredBatch(prompt_ids=[4, 4], sample_indices=[1, 0], rewards=torch.tensor([1.0, 0.0]))
     e = Entry(prompt_id=4, payload=PromptItem(tokens=[9]), samples=sb, scores=scores)
     out = scored_samples(e)
     assert [s.sample_index for s in out] == [0, 1] and [s.reward for s in out] == [0.0, 1.0]
-    assert out[1].response == [403, 404, 405]
+    assert out[1].response.tolist() == [403, 404, 405] and out[1].response.dtype == torch.int32
     assert out[1].rollout_logprobs.tolist() == pytest.approx([-0.3, -0.4, -0.5])
-    sb.logprobs.zero_()  # the received frame's memory is the batch's, not the samples'
-    assert out[0].rollout_logprobs.tolist() == pytest.approx([0.0, -0.1, -0.2])
+    # No copy of a prompt's tokens or log-probs: the samples hold the received frame's memory.
+    assert out[1].response.data_ptr() == sb.response_ids.data_ptr() + 3 * 4
+    assert out[0].rollout_logprobs.data_ptr() == sb.logprobs.data_ptr()
+    assert out[0].prompt is out[1].prompt is e.payload.tokens  # the group shares its prompt's list
+
+
+def test_a_prompts_scores_are_a_view_when_its_rows_are_consecutive():
+    ref = -torch.arange(12, dtype=torch.float32)
+    s = P.ScoredBatch(
+        prompt_ids=[1, 1, 2, 3, 2], sample_indices=[0, 1, 0, 0, 1], rewards=torch.zeros(5), ref_logprobs=ref
+    )
+    parts = split_scored_by_prompt(s, [2, 3, 1, 4, 2])
+    assert parts[1].ref_logprobs.tolist() == [0.0, -1.0, -2.0, -3.0, -4.0]
+    assert parts[1].ref_logprobs.data_ptr() == ref.data_ptr()  # rows 0-1: a view
+    assert parts[2].ref_logprobs.tolist() == [-5.0, -10.0, -11.0]  # rows 2 and 4: joined, a copy
+    assert parts[3].ref_logprobs.tolist() == [-6.0, -7.0, -8.0, -9.0]
 
 
 class FailsTheSecondSend(StubEndpoint):

@@ -37,7 +37,19 @@ def _rollout(junk: float = 0.0, tail: int = 21) -> Rollout:
         lp = -0.1 * torch.arange(1, 7, dtype=torch.float32)
         lp = torch.where(mask, lp, torch.full_like(lp, junk))
         ref = torch.where(mask, lp - 0.05, torch.full_like(lp, 3 * junk))
-        samples.append(ScoredSample(i // 2, i % 2, prompt, response, lp, ref, float(i % 3), action_mask=mask, turns=2))
+        samples.append(
+            ScoredSample(
+                i // 2,
+                i % 2,
+                prompt,
+                torch.tensor(response, dtype=torch.int32),
+                lp,
+                ref,
+                float(i % 3),
+                action_mask=mask,
+                turns=2,
+            )
+        )
     return Rollout(samples, group_size=2)
 
 
@@ -104,7 +116,7 @@ def test_masks_and_turns_survive_the_broadcast_to_other_ranks():
     rollout.samples[1].turns = 0
     back = _unpack(_pack(rollout), 2)
     for s, t in zip(rollout.samples, back.samples, strict=True):
-        assert t.turns == s.turns and t.response == s.response and t.prompt == s.prompt
+        assert t.turns == s.turns and t.response.tolist() == s.response.tolist() and t.prompt == s.prompt
         assert (t.action_mask is None) == (s.action_mask is None)
         if s.action_mask is not None:
             assert torch.equal(t.action_mask, s.action_mask)

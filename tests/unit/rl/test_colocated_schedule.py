@@ -26,7 +26,7 @@ G = 2
 def _rollout(n_groups: int, g: int, version: int) -> Rollout:
     return Rollout(
         [
-            ScoredSample(i, j, [1], [2, 3], torch.zeros(2), None, float(j), policy_version=version)
+            ScoredSample(i, j, [1], torch.tensor([2, 3]), torch.zeros(2), None, float(j), policy_version=version)
             for i in range(n_groups)
             for j in range(g)
         ],

@@ -43,7 +43,9 @@ def _rollout(rewards=(1.0, 0.0, 1.0, 0.0)) -> Rollout:
     for i, r in enumerate(rewards):
         prompt = [5, 6, 7][: 2 + i % 2]  # ragged prompts: left padding matters
         response = [8 + i, 9, 10][: 1 + i % 3]  # ragged responses: right padding matters
-        samples.append(ScoredSample(i, 0, prompt, response, torch.zeros(len(response)), None, r))
+        samples.append(
+            ScoredSample(i, 0, prompt, torch.tensor(response, dtype=torch.int32), torch.zeros(len(response)), None, r)
+        )
     return Rollout(samples, group_size=1)
 
 
@@ -74,7 +76,7 @@ def test_values_are_read_where_the_logits_are_and_padding_does_not_change_them(t
         for i, s in enumerate(ro.samples):
             alone = response_values(model, collate([s], 0))  # (1, T_i), no padding
             # V_t is at the hidden state of the last prompt token + t: the state before action t.
-            ids = torch.tensor([s.prompt + s.response])
+            ids = torch.tensor([s.prompt + s.response.tolist()])
             every = model(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])
             P = len(s.prompt)
             assert torch.allclose(alone, every[:, P - 1 : P - 1 + len(s.response)], atol=1e-5)

@@ -17,7 +17,7 @@ G = 2
 
 def _rollout(group_rewards, start_id=0) -> Rollout:
     samples = [
-        ScoredSample(start_id + g, j, [1], [2], torch.zeros(1), None, r)
+        ScoredSample(start_id + g, j, [1], torch.tensor([2]), torch.zeros(1), None, r)
         for g, rs in enumerate(group_rewards)
         for j, r in enumerate(rs)
     ]

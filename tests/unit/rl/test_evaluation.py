@@ -24,7 +24,7 @@ from learner.rl.evaluation import (
 
 
 def _s(reward: float, length: int = 2, finish: str = "stop", version: int = 0) -> ScoredSample:
-    return ScoredSample(0, 0, [1], [5] * length, torch.zeros(length), None, reward, finish, version)
+    return ScoredSample(0, 0, [1], torch.full((length,), 5), torch.zeros(length), None, reward, finish, version)
 
 
 def test_metrics_per_source_and_overall_by_hand():

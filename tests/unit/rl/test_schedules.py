@@ -20,7 +20,7 @@ G = 2
 def _rollout(n_groups: int, version: int = 0) -> Rollout:
     return Rollout(
         [
-            ScoredSample(g, j, [1], [2, 3], torch.zeros(2), None, float(j), policy_version=version)
+            ScoredSample(g, j, [1], torch.tensor([2, 3]), torch.zeros(2), None, float(j), policy_version=version)
             for g in range(n_groups)
             for j in range(G)
         ],
