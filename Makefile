@@ -75,6 +75,7 @@ bench: setup
 	$(PY) bench/schedules.py
 	$(PY) bench/idle_spin.py
 	$(PY) bench/agent.py
+	$(PY) bench/lora_serving.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/

@@ -44,7 +44,8 @@ class ModelWeights:
     - Shapes come from ``ds_shape`` under ZeRO-3, so ``metadata()`` never gathers.
     - A LoRA (peft) model is listed under its base model's names, and each adapted weight is
       sent as ``W + (alpha / r) * B @ A``, computed in fp32 when it is sent (one tensor at a
-      time, out of place) and cast to the engine dtype (``common.weights.lora``).
+      time, out of place) and cast to the engine dtype (``common.weights.lora``). Under ZeRO-3
+      the adapter's tensors join their layer's gather, so the merge sees them whole.
 
     It keeps ``vllm.distributed.weight_transfer.base.WeightSource``'s contract (metadata and
     iteration agree element for element) without importing vLLM: a learner that only sends
@@ -75,9 +76,6 @@ class ModelWeights:
                     self.aliases[name] = first[id(p)]
             self._params = [(n, p) for n, p in self._params if n not in self.aliases]
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
-        if self.zero3 and self._merge:
-            # The adapter's tensors would have to join each layer's gather: not built.
-            raise ValueError("pushing a LoRA model partitioned by ZeRO-3 is not built; use --zero_stage 0, 1 or 2")
 
     def metadata(self) -> list[ParamMeta]:
         return [
@@ -97,12 +95,20 @@ class ModelWeights:
         import deepspeed
 
         for group in _layer_runs(self._params):
-            unique = list({id(p): p for _, p in group}.values())
+            unique = {id(p): p for _, p in group}
+            for name, _ in group:  # a merged weight needs its adapter whole too
+                if (layer := self._merge.get(name)) is not None:
+                    unique.update((id(q), q) for q in layer.parameters())
             # A collective: every rank gathers the same layer at the same time.
-            with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+            with deepspeed.zero.GatheredParameters(list(unique.values()), modifier_rank=None):
                 for name, p in group:
+                    if not self.keep:
+                        yield name, None
+                        continue
+                    layer = self._merge.get(name)
                     # Copy out while gathered: the bucket is packed after the context exits.
-                    yield name, (p.data.to(self.dtype or p.dtype, copy=True) if self.keep else None)
+                    t = p.data if layer is None else merged_weight(p, layer, self._adapter)
+                    yield name, t.to(self.dtype or p.dtype, copy=layer is None)  # a merge is a new tensor
 
 
 def _layer_runs(params: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:

@@ -460,9 +460,8 @@ def save_hf(
 
     module = unwrap(model)
     rank0 = is_rank0()
-    if lora.is_lora(module):  # ZeRO 0-2 only (the flags refuse LoRA at ZeRO-3): every rank holds it all
-        if rank0:
-            lora.save_lora_hf(module, tokenizer, path, dict(config_updates or {}))
+    if lora.is_lora(module):  # merged + adapter; under ZeRO-3 every rank takes part in the gathers
+        lora.save_lora_hf(module, tokenizer, path, dict(config_updates or {}), rank0=rank0)
         barrier()
         return
     state: dict[str, torch.Tensor] = {}

@@ -59,8 +59,6 @@ class OptimizerFlags:
             raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if not self.target_modules or not all(self.target_modules):
             raise ValueError(f"--target_modules names no module: {self.target_modules}")
-        if self.zero_stage == 3:
-            raise ValueError("--lora_rank with --zero_stage 3 is not built yet; use --zero_stage 0, 1 or 2")
 
     def check_optimizer(self) -> None:
         if not 0 <= self.lr_warmup_ratio <= 1:

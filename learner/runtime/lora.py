@@ -11,8 +11,9 @@ merged out of place (``merged_state_dict``: the trained weights are not touched,
 in the middle of a run changes nothing), and the adapter alone in ``<path>/adapter/`` with
 peft's ``save_pretrained``.
 
-ZeRO-3 is refused by the flags' check: it is not tested here (the partitioned base under
-``zero.Init`` and the merge's gather are not built).
+Under ZeRO-3 the base model is built partitioned (``zero.Init``) and peft's adapters are
+partitioned by DeepSpeed at the engine's start like any other parameter; a save gathers each
+adapted weight with its adapter on every rank (a collective), and rank 0 writes.
 """
 
 from __future__ import annotations
@@ -96,35 +97,78 @@ def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_model() if is_lora(module) else module  # type: ignore[operator]
 
 
-def merged_state_dict(peft_model: Any) -> dict[str, torch.Tensor]:
+def _gathered(params: list[Any]):
+    """A context in which ZeRO-3 ``params`` are whole on every rank (a collective: every rank
+    enters it for the same tensors in the same order); nothing to do for others."""
+    import contextlib
+
+    partitioned = [q for q in params if hasattr(q, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+
+def merged_state_dict(peft_model: Any, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """The plain HF state dict of ``peft_model`` with its active adapter merged, on CPU, out of
     place: ``W + scale * B @ A`` per adapted layer (fp32 math, stored in the weight's dtype), the
     trained copy of each ``modules_to_save`` module; LoRA's own tensors left out. Tied parameters
-    stay one tensor under both names."""
+    stay one tensor under both names. Under ZeRO-3, call on every rank (each weight is gathered
+    with its adapter); ranks with ``keep=False`` take part and get an empty dict."""
     adapter = peft_model.active_adapter
     out: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
     for name, p, layer in plain_parameters(peft_model, state_dict=True):
-        if layer is not None:
-            out[name] = merged_weight(p, layer, adapter).to(p.dtype).cpu()
-            continue
         key = id(p)
-        if key not in copies:
-            copies[key] = p.detach().to("cpu", copy=True)
-        out[name] = copies[key]
+        if key in copies:  # a tied weight: already gathered and copied under its first name
+            if keep:
+                out[name] = copies[key]
+            continue
+        with _gathered([p, *(layer.parameters() if layer is not None else ())]):
+            if keep:
+                t = merged_weight(p, layer, adapter).to(p.dtype) if layer is not None else p.detach()
+                copies[key] = t.to("cpu", copy=layer is None)
+                out[name] = copies[key]
+            else:
+                copies[key] = torch.empty(0)
+    return out
+
+
+def adapter_state_dict(peft_model: Any, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The trained tensors (adapters, ``modules_to_save`` copies) under the peft model's own
+    names, whole and on CPU (gathered one at a time under ZeRO-3: call on every rank; ranks with
+    ``keep=False`` take part and get an empty dict). What ``save_pretrained`` filters the adapter from."""
+    out: dict[str, torch.Tensor] = {}
+    for name, q in peft_model.named_parameters():
+        if not q.requires_grad:
+            continue
+        with _gathered([q]):
+            if keep:
+                out[name] = q.detach().to("cpu", copy=True)
     return out
 
 
 def save_lora_hf(
-    peft_model: Any, tokenizer: Any, path: str | os.PathLike, config_updates: dict[str, Any] | None = None
+    peft_model: Any,
+    tokenizer: Any,
+    path: str | os.PathLike,
+    config_updates: dict[str, Any] | None = None,
+    *,
+    rank0: bool = True,
 ) -> None:
-    """Rank 0: the merged plain HF model in ``path`` and the adapter in ``path/adapter``."""
+    """The merged plain HF model in ``path`` and the adapter in ``path/adapter``, written by rank 0.
+    Under ZeRO-3 every rank calls it (the gathers are collectives) with ``rank0`` set on one."""
+    merged = merged_state_dict(peft_model, keep=rank0)
+    trained = adapter_state_dict(peft_model, keep=rank0)
+    if not rank0:
+        return
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     base = peft_model.get_base_model()
     for key, value in (config_updates or {}).items():
         setattr(base.config, key, value)
-    base.save_pretrained(path, state_dict=merged_state_dict(peft_model), safe_serialization=True)
-    peft_model.save_pretrained(path / ADAPTER_DIR, safe_serialization=True)
+    base.save_pretrained(path, state_dict=merged, safe_serialization=True)
+    peft_model.save_pretrained(path / ADAPTER_DIR, state_dict=trained, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

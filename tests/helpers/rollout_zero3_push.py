@@ -5,6 +5,11 @@ WORLD_SIZE):  python tests/helpers/rollout_zero3_push.py MODEL_DIR
 Every rank builds a WeightPublisher on its DeepSpeed engine and calls push(): each layer is
 gathered on both ranks (a collective), rank 0 sends. Rank 0 prints `RESULT {...}`: whether
 every tensor the receiver loaded equals the checkpoint's full tensor.
+
+``--lora_rank R``: the model is a peft LoRA model (every linear layer but the head, B drawn
+nonzero, the adapters partitioned by DeepSpeed like the base): the receiver must get
+``W + (alpha / r) B A`` for each adapted weight, the others as on disk; then both ranks save it
+(``learner.runtime.engine.save_hf``) and rank 0 checks the merged model and the adapter written.
 """
 
 import argparse
@@ -25,6 +30,7 @@ def main() -> None:
     p.add_argument("--bad", default="", choices=["", "die"])
     # The publisher's timeout: a dead peer in the relay is found when it runs out.
     p.add_argument("--timeout_s", type=float, default=60.0)
+    p.add_argument("--lora_rank", type=int, default=0)
     args = p.parse_args()
 
     import deepspeed
@@ -46,7 +52,20 @@ def main() -> None:
     }
     hf_ds_config = HfDeepSpeedConfig(config)  # noqa: F841  (must outlive from_pretrained)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    adapters: dict[str, torch.Tensor] = {}  # peft name -> the value every rank starts from
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear")
+        model = get_peft_model(model, lora)
+        torch.manual_seed(0)  # the same adapters on both ranks
+        with torch.no_grad():
+            for n, q in model.named_parameters():
+                if ".lora_" in n:
+                    q.normal_(0.0, 0.05)  # B nonzero: the merge changes every adapted weight
+                    adapters[n] = q.detach().clone()
+    trained = [q for q in model.parameters() if q.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
 
     servers = (
         [FakeServer(f"r{i}", args.bad if args.bad and i == args.servers - 1 else "ok") for i in range(args.servers)]
@@ -62,7 +81,9 @@ def main() -> None:
         bucket_bytes=256 * 1024,
         timeout_s=args.timeout_s,
     )
-    partitioned = all(p.numel() == 0 for _, p in pub.source._params)
+    partitioned = all(p.numel() == 0 for _, p in pub.source._params) and all(
+        q.numel() == 0 for n, q in engine.module.named_parameters() if ".lora_" in n
+    )
     if rank == 0:
         for s in servers:
             pub.connect(s.name, workers=1, dtype="float32")
@@ -83,22 +104,35 @@ def main() -> None:
     elif rank == 0:
         disk = load_file(f"{args.model}/model.safetensors")
         disk.setdefault("lm_head.weight", disk["model.embed_tokens.weight"])  # tied: not saved twice
+        want = _merged(disk, adapters, 2.0) if args.lora_rank else disk
         loaded = server.model.loaded
-        same = sorted(loaded) == sorted(disk) and all(torch.equal(loaded[k], disk[k]) for k in disk)
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "zero3": pub.source.zero3,
-                    "partitioned": partitioned,
-                    "equal": same,
-                    "tensors": len(loaded),
-                    "updated": report.updated,
-                }
-            ),
-            flush=True,
-        )
+        same = sorted(loaded) == sorted(want) and all(_close(loaded[k], want[k]) for k in want)
+        result = {
+            "zero3": pub.source.zero3,
+            "partitioned": partitioned,
+            "equal": same,
+            "tensors": len(loaded),
+            "updated": report.updated,
+        }
+        if not args.lora_rank:
+            print("RESULT " + json.dumps(result), flush=True)
         pub.close()
+    if args.lora_rank:  # the save: every rank gathers, rank 0 writes
+        import tempfile
+
+        from learner.runtime.engine import save_hf
+
+        out = Path(tempfile.mkdtemp(prefix="zero3-lora-")) if rank == 0 else Path("unused")
+        save_hf(engine, None, out)
+        if rank == 0:
+            saved = load_file(out / "model.safetensors")
+            saved.setdefault("lm_head.weight", saved["model.embed_tokens.weight"])
+            adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+            result["saved_equal"] = sorted(saved) == sorted(want) and all(_close(saved[k], want[k]) for k in want)
+            result["adapter_equal"] = sorted(adapter) == sorted(n.replace(".default", "") for n in adapters) and all(
+                torch.equal(adapter[n.replace(".default", "")], t) for n, t in adapters.items()
+            )
+            print("RESULT " + json.dumps(result), flush=True)
     # Both ranks leave together, and without the interpreter's teardown: after a push in which a
     # server died on purpose, destroying the gloo groups whose pairs that death broke can abort a
     # rank in gloo's C++ destructors ("terminate called without an active exception", exit code
@@ -111,6 +145,24 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _merged(disk: dict, adapters: dict, scale: float) -> dict:
+    """The checkpoint with ``W + scale * B @ A`` for every adapted weight (peft names -> plain)."""
+    out = dict(disk)
+    for n, a in adapters.items():
+        if ".lora_A." not in n:
+            continue
+        b = adapters[n.replace(".lora_A.", ".lora_B.")]
+        plain = n.removeprefix("base_model.model.").replace(".lora_A.default.weight", ".weight")
+        out[plain] = disk[plain] + scale * (b @ a)
+    return out
+
+
+def _close(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-6, rtol=0))
 
 
 if __name__ == "__main__":

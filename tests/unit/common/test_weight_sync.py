@@ -233,7 +233,11 @@ def test_update_metadata_must_match_iteration():
 @pytest.mark.slow
 def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
     """Two DeepSpeed ZeRO-3 ranks (partitioned parameters) push once: both gather each layer,
-    rank 0 sends, and the receiver ends up with the full checkpoint, tied lm_head included."""
+    rank 0 sends, and the receiver ends up with the full checkpoint, tied lm_head included. The
+    model carries LoRA adapters (rank 4, B nonzero, partitioned too): each adapted weight arrives
+    as W + (alpha / r) B A, gathered with its adapter; then both ranks save the model and rank 0
+    finds the merged weights and the adapter on disk. (A plain ZeRO-3 push is the fleet test's,
+    ``test_weight_fleet.py``.)"""
     import json
     import os
     import subprocess
@@ -251,7 +255,7 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(tiny_model_dir)],
+            [sys.executable, str(script), str(tiny_model_dir), "--lora_rank", "4"],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -267,7 +271,15 @@ def test_zero3_learner_gathers_on_every_rank_and_rank0_sends(tiny_model_dir):
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
     (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("RESULT ")]
     result = json.loads(line[len("RESULT ") :])
-    assert result == {"zero3": True, "partitioned": True, "equal": True, "tensors": 27, "updated": ["r0"]}
+    assert result == {
+        "zero3": True,
+        "partitioned": True,
+        "equal": True,
+        "tensors": 27,
+        "updated": ["r0"],
+        "saved_equal": True,
+        "adapter_equal": True,
+    }
 
 
 def test_receive_pool_reuses_a_buffer_only_once_nothing_views_it():

@@ -84,8 +84,7 @@ def test_lora_flags_of_the_rl_learner_are_checked_and_adapter_sync_is_refused_by
     way; --lora_sync adapter is not built, and says so in one line."""
     c = cfg(lora_rank=8, lora_alpha=32)
     assert (c.lora_rank, c.lora_alpha, c.lora_sync, c.target_modules) == (8, 32, "merged", ["all-linear"])
-    with pytest.raises(ValueError, match="--lora_rank with --zero_stage 3 is not built yet"):
-        cfg(lora_rank=8, zero_stage=3)
+    assert cfg(lora_rank=8, zero_stage=3).zero_stage == 3  # the push gathers each weight with its adapter
     with pytest.raises(ValueError, match=r"--lora_alpha must be > 0, got 0"):
         cfg(lora_rank=8, lora_alpha=0)
     with pytest.raises(ValueError) as e:
