@@ -44,12 +44,15 @@ class BlockingInstance(AsyncInstance):
         return _answer(self.turn)
 
 
+def _variant() -> type:
+    return BlockingInstance if os.environ.get("RAYLESS_BENCH_BLOCKING") == "1" else AsyncInstance
+
+
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self) -> None:
-        blocking = os.environ.get("RAYLESS_BENCH_BLOCKING") == "1"
-        super().__init__(BlockingInstance if blocking else AsyncInstance)
+        super().__init__(_variant())
 
     async def execute(self, *args: Any, **kwargs: Any) -> dict:
         # the variant is read per episode, so that one loaded file serves both kinds of step
-        self.agent_instance_cls = BlockingInstance if os.environ.get("RAYLESS_BENCH_BLOCKING") == "1" else AsyncInstance
+        self.agent_instance_cls = _variant()
         return await super().execute(*args, **kwargs)

@@ -50,6 +50,8 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from common import protocol as P
 from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
 from common.vllm_spin import IDLE_SPIN_ENV
@@ -103,10 +105,6 @@ class PromptResult:
 class AgentFailed(Exception):
     """An agent episode failed (the environment's fault, not the server's): the prompt is answered
     with an error the controller re-issues."""
-
-
-def _fields(sp: P.SamplingParams) -> dict[str, Any]:
-    return {f: getattr(sp, f) for f in sp.__struct_fields__}
 
 
 @dataclass
@@ -407,8 +405,7 @@ class RolloutCore:
                 raise EpisodeError(f"the agent asked to generate from token ids outside the vocabulary [0, {vocab})")
             out, admitted = await self._request(prompt_id, toks, turn_params, min_version)
             o = out.outputs[0]
-            if len({span.version for span in getattr(o, "weight_versions", None) or []}) > 1:
-                self.counters["samples_across_updates"] += 1
+            self._weight_spans(o)
             self._meter.add(len(o.token_ids))
             return out, admitted
 
@@ -421,7 +418,7 @@ class RolloutCore:
                 max_turns=agent.max_turns,
                 decode=self._action_text,
             )
-            first = self._vllm_params(P.SamplingParams(**{**_fields(sampling), "n": 1}), prompt_id)
+            first = self._vllm_params(msgspec.structs.replace(sampling, n=1), prompt_id)
             # vLLM seeds sample i of a request with seed + i; each episode is requests of n=1.
             first.seed = None if params.seed is None else (params.seed + i) % P.SEED_LIMIT
             ep = await run_episode(
@@ -517,6 +514,14 @@ class RolloutCore:
             self._in_flight.pop(req_id, None)
         return out, admitted
 
+    def _weight_spans(self, o) -> list:
+        """vLLM's per-token weight-version spans of output ``o`` (the first says which weights
+        sampled token 0); a sample whose tokens span an update is counted."""
+        spans = getattr(o, "weight_versions", None) or []
+        if len({span.version for span in spans}) > 1:
+            self.counters["samples_across_updates"] += 1
+        return spans
+
     def _sample(self, o, admitted: int, want_logprobs: bool) -> GeneratedSample:
         toks = list(o.token_ids)
         lps = None
@@ -525,11 +530,8 @@ class RolloutCore:
             lps = [float(d[t].logprob) for t, d in zip(toks, o.logprobs or [], strict=False)]
             if len(lps) != len(toks):
                 raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
-        # vLLM's per-token weight-version spans: the first says which weights sampled token 0.
-        spans = getattr(o, "weight_versions", None) or []
-        if len({span.version for span in spans}) > 1:
-            self.counters["samples_across_updates"] += 1
-        version = int(spans[0].version) if spans else admitted
+        spans = self._weight_spans(o)
+        version = int(spans[0].version) if spans else admitted  # the weights that sampled token 0
         reason = o.finish_reason if o.finish_reason in FINISH_REASONS else "abort"
         return GeneratedSample(toks, lps, reason, version)
 
