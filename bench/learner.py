@@ -106,17 +106,8 @@ def synthetic_rollout(args, vocab: int):
         t = rng.randint(*args.response_len_range) if args.response_len_range else args.response_len
         response = [rng.randrange(3, vocab) for _ in range(t)]
         lp = -torch.rand(len(response)) * 5  # vLLM's log-probs: only logged (logprob_diff), never trained on
-        samples.append(
-            ScoredSample(
-                i // args.group,
-                i % args.group,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                lp,
-                None,
-                rng.random(),
-            )
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i // args.group, i % args.group, prompt, response, lp, None, rng.random()))
     return Rollout(samples, args.group)
 
 

@@ -37,19 +37,8 @@ def _rollout(junk: float = 0.0, tail: int = 21) -> Rollout:
         lp = -0.1 * torch.arange(1, 7, dtype=torch.float32)
         lp = torch.where(mask, lp, torch.full_like(lp, junk))
         ref = torch.where(mask, lp - 0.05, torch.full_like(lp, 3 * junk))
-        samples.append(
-            ScoredSample(
-                i // 2,
-                i % 2,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                lp,
-                ref,
-                float(i % 3),
-                action_mask=mask,
-                turns=2,
-            )
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i // 2, i % 2, prompt, response, lp, ref, float(i % 3), action_mask=mask, turns=2))
     return Rollout(samples, group_size=2)
 
 

@@ -43,9 +43,8 @@ def _rollout(rewards=(1.0, 0.0, 1.0, 0.0)) -> Rollout:
     for i, r in enumerate(rewards):
         prompt = [5, 6, 7][: 2 + i % 2]  # ragged prompts: left padding matters
         response = [8 + i, 9, 10][: 1 + i % 3]  # ragged responses: right padding matters
-        samples.append(
-            ScoredSample(i, 0, prompt, torch.tensor(response, dtype=torch.int32), torch.zeros(len(response)), None, r)
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i, 0, prompt, response, torch.zeros(len(response)), None, r))
     return Rollout(samples, group_size=1)
 
 

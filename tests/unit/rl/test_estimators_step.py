@@ -94,15 +94,10 @@ def worker(model_dir: str) -> None:
     for i in range(8):
         prompt = [5 + i % 3, 6, 7][: 2 + i % 2]
         response = [8 + i, 9, 10, 11][: 1 + i % 4]
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
         samples.append(
             ScoredSample(
-                i // 2,
-                i % 2,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                torch.zeros(len(response)),
-                None,
-                reward=float((i * 7) % 3) / 2,
+                i // 2, i % 2, prompt, response, torch.zeros(len(response)), None, reward=float((i * 7) % 3) / 2
             )
         )  # groups (0, .5), (1, 0), (.5, 1), (0, .5)
     gen = torch.Generator().manual_seed(1)

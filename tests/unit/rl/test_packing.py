@@ -78,17 +78,8 @@ def _rollout(n: int = 8, ref: bool = False, empty: bool = False) -> Rollout:
         if empty and i == 3:
             response = []
         lp = -0.1 * torch.arange(1, len(response) + 1, dtype=torch.float32)  # "vLLM's" log-probs
-        samples.append(
-            ScoredSample(
-                i // 2,
-                i % 2,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                lp,
-                lp - 0.05 if ref else None,
-                float(i % 3),
-            )
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i // 2, i % 2, prompt, response, lp, lp - 0.05 if ref else None, float(i % 3)))
     return Rollout(samples, group_size=2)
 
 

@@ -40,17 +40,8 @@ def _rollout(n: int = 8, ref: bool = False) -> Rollout:
         prompt = [5 + i % 3, 6, 7, 11][: 2 + i % 3]  # ragged prompts: left padding matters
         response = [8 + i, 9, 10, 12][: 1 + i % 4]  # ragged responses: right padding matters
         lp = -0.1 * torch.arange(1, len(response) + 1, dtype=torch.float32)  # "vLLM's" log-probs
-        samples.append(
-            ScoredSample(
-                i // 2,
-                i % 2,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                lp,
-                lp - 0.05 if ref else None,
-                float(i % 3),
-            )
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i // 2, i % 2, prompt, response, lp, lp - 0.05 if ref else None, float(i % 3)))
     return Rollout(samples, group_size=2)
 
 

@@ -214,17 +214,8 @@ def _worker(model_dir: str) -> None:
     for i in range(8):  # 4 prompts x 2 samples; each rank 4 in micro-batches of 2: accumulation 2
         prompt = [rng.randrange(3, 700) for _ in range(rng.randint(3, 6))]
         response = [rng.randrange(3, 700) for _ in range(rng.randint(1, 4))]
-        samples.append(
-            ScoredSample(
-                i // 2,
-                i % 2,
-                prompt,
-                torch.tensor(response, dtype=torch.int32),
-                -torch.rand(len(response)),
-                None,
-                rng.random(),
-            )
-        )
+        response = torch.tensor(response, dtype=torch.int32)  # token ids, as the controller gives them
+        samples.append(ScoredSample(i // 2, i % 2, prompt, response, -torch.rand(len(response)), None, rng.random()))
     rollout = Rollout(samples, 2)
 
     counted = {"n": 0}
