@@ -265,7 +265,8 @@ class SampleBatch(Message):
 
 @register
 class ScoreRequest(Message):
-    # controller -> reward service. Score every sample of `samples`.
+    # controller -> reward service. Score every sample of `samples` (its tokens: the controller
+    # leaves the sampler's log-probs out, which no scorer reads).
     TAG: ClassVar[int] = 12
     samples: SampleBatch
     prompts: list[str] = []  # (N,) prompt text per sample, for function/remote rewards
