@@ -142,11 +142,17 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
     learner_log = (run / "logs" / "learner.log").read_text()
     # What it held came back through the ledger. Usually step 3's prompts; on a loaded machine
     # the kill can land before they were sent, and the server is found gone holding none
-    # (seen in CI: "0 work item(s) it held"), which is not a loss either.
-    held = [int(x) for x in re.findall(r"rollout-1 \(rollout\) is gone: .*?; (\d+) work item", learner_log)]
+    # (seen in CI: "0 work item(s) it held"), which is not a loss either. Or it lands inside the
+    # submit of step 3: a first send to it was taken, a later one failed ("unreachable (send
+    # failed)", seen in CI with 4 held): the ledger had not started those prompts, they stay
+    # queued and go to the other server on the next turn without a re-issue.
+    gone = re.findall(r"rollout-1 \(rollout\) is gone: (.*?); (\d+) work item", learner_log)
     reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", learner_log)]
-    assert held, learner_log[-3000:]
-    assert (sum(reissued) >= 1) == (held[0] >= 1) and last["ledger/reissued"] >= sum(reissued), learner_log[-3000:]
+    assert gone, learner_log[-3000:]
+    reason, held = gone[0][0], int(gone[0][1])
+    expect_reissue = held >= 1 and not reason.startswith("unreachable (send failed)")
+    assert (sum(reissued) >= 1) == expect_reissue and sum(reissued) <= held, (reason, held, reissued)
+    assert last["ledger/reissued"] >= sum(reissued), learner_log[-3000:]
     assert all(math.isfinite(m["policy/policy_loss"]) for m in rows), [m["policy/policy_loss"] for m in rows]
 
 
