@@ -135,7 +135,7 @@ class Controller:
         self.rewards.on_lost(lost_work)  # the ledger re-issues by prompt id; forget the requests
         for lost in lost_work:
             # The pool is keyed by whatever its users send; this controller's work keys are prompt ids.
-            back = self.ledger.lost(cast("list[int]", lost.keys), f"{lost.peer.name} {lost.reason}")
+            back = self.ledger.lost(cast("list[int]", lost.keys), lost.reason, holder=lost.peer.name)
             if back:
                 log.warning("re-issuing %d prompt(s) held by %s", len(back), lost.peer.name)
         for pid in self.ledger.expire():
@@ -226,7 +226,7 @@ class Controller:
         self.counters["error_replies"] += 1
         ids = list(dict.fromkeys(err.prompt_ids or prompt_ids))
         log.error("%s answered %s: %s (prompts %s)", peer, err.code, err.message, ids[:8])
-        self.ledger.lost(ids, f"{peer} answered {err.code}: {err.message}")
+        self.ledger.lost(ids, f"answered {err.code}: {err.message}", holder=peer)
 
     def _dispatch_generation(self) -> None:
         queued = self.ledger.queued()

@@ -136,13 +136,17 @@ class PromptLedger:
         self.counters["done"] += 1
         return True
 
-    def lost(self, prompt_ids: Iterable[int], reason: str) -> list[int]:
+    def lost(self, prompt_ids: Iterable[int], reason: str, holder: str | None = None) -> list[int]:
         """The peer holding these died: generation goes back to the queue, scoring back to
-        'awaiting scoring' (the samples are kept: re-generating would waste work)."""
+        'awaiting scoring' (the samples are kept: re-generating would waste work). ``holder``:
+        only prompts that peer holds now; one that passed its deadline there and went to
+        another peer stays with the other (None: whoever holds them, as for a deadline)."""
         back = []
         for pid in prompt_ids:
             e = self.entries.get(pid)
             if e is None or e.state not in (State.GENERATING, State.SCORING) or not e.holder:
+                continue
+            if holder is not None and e.holder != holder:
                 continue
             e.history.append(f"lost@{e.holder}: {reason}")
             if e.state is State.GENERATING:

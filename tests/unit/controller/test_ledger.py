@@ -71,6 +71,22 @@ def test_deadlines_expire_into_reissue():
     assert "lost@r0: deadline passed" in led.entries[0].history
 
 
+def test_a_peer_lost_after_its_prompt_moved_on_does_not_take_it_back():
+    """Prompt 0 passes its deadline on r0 and goes to r1; r0 is then found dead, the pool still
+    listing 0 among its work: r1 keeps generating it (no third hand-out, no attempt spent)."""
+    led, clock = make(2)
+    led.start_generation([0, 1], "r0")
+    clock.t = 10.5
+    assert led.expire() == [0, 1]
+    led.start_generation([0], "r1")
+    assert led.lost([0, 1], "unreachable", holder="r0") == []
+    assert (led.entries[0].state, led.entries[0].holder, led.entries[0].attempts) == (State.GENERATING, "r1", 2)
+    assert led.generated(0, "from-r1", "r1") and led.counters["reissued"] == 2
+    led.start_generation([1], "r1")
+    assert led.lost([1], "unreachable", holder="r1") == [1]
+    assert led.entries[1].history[-1] == "lost@r1: unreachable"
+
+
 def test_gives_up_after_max_attempts_with_history():
     led, _ = make(1, max_attempts=2)
     for peer in ("r0", "r1"):
