@@ -84,22 +84,21 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def concat_samples(batches: list[SampleBatch], *, logprobs: bool = True) -> SampleBatch:
-    """One batch of all the samples of ``batches``, in order. Token ids keep the dtype the rollout
-    servers sent (int32: half the bytes of int64 on the way to a reward service). ``logprobs=False``
-    leaves the sampler's log-probs out (None)."""
+def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
+    """One batch of all the samples of ``batches``, in order, as a reward service gets them:
+    token ids keep the dtype the rollout servers sent (int32: half the bytes of int64), the
+    sampler's log-probs are left out (no reward service reads them: a third of the bytes at
+    long answers)."""
 
     def cat(name):
         return [x for b in batches for x in getattr(b, name)]
 
-    lps = [b.logprobs for b in batches if b.logprobs is not None]
     return SampleBatch(
         prompt_ids=cat("prompt_ids"),
         sample_indices=cat("sample_indices"),
         response_lengths=cat("response_lengths"),
         response_ids=_cat([b.response_ids for b in batches]),
-        # only when every batch has them
-        logprobs=_cat([lp.float() for lp in lps]) if logprobs and len(lps) == len(batches) else None,
+        logprobs=None,
         finish_reasons=cat("finish_reasons") if all(b.finish_reasons for b in batches) else [],
         policy_versions=cat("policy_versions") if all(b.policy_versions for b in batches) else [],
         server=",".join(sorted({b.server for b in batches})),

@@ -269,8 +269,7 @@ class Controller:
                 return
             room = min(peer.capacity - len(peer.in_flight), self.max_prompts_per_request)
             chunk, waiting = waiting[:room], waiting[room:]
-            # No sampler log-probs: a reward service scores tokens (a third of the bytes at long answers).
-            samples = concat_samples([e.samples for e in chunk], logprobs=False)
+            samples = concat_samples([e.samples for e in chunk])
             per_sample = [e for e in chunk for _ in range(len(e.samples))]
             prompts = [e.payload.text for e in per_sample]
             queries: Sequence[str] = ()

@@ -99,10 +99,11 @@ def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
 
 def _gathered(params: list[Any]):
     """A context in which ZeRO-3 ``params`` are whole on every rank (a collective: every rank
-    enters it for the same tensors in the same order); nothing to do for others."""
+    enters it for the same tensors in the same order); nothing to do for others. Each tensor
+    once, though listed twice (a layer's parameters include the base weight)."""
     import contextlib
 
-    partitioned = [q for q in params if hasattr(q, "ds_id")]
+    partitioned = list({id(q): q for q in params if hasattr(q, "ds_id")}.values())
     if not partitioned:
         return contextlib.nullcontext()
     import deepspeed

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import pytest
 import torch
 
@@ -148,7 +149,8 @@ def test_a_one_prompt_batch_goes_into_the_ledger_uncopied():
     b = one_prompt_batch(5, 2, 3)
     assert split_by_prompt(b) == {5: b}
     # two prompts in one batch (a server coalescing answers) are still split by rows
-    two = concat_samples([one_prompt_batch(1, 2, 3), one_prompt_batch(2, 2, 3)])
+    a, b = one_prompt_batch(1, 2, 3), one_prompt_batch(2, 2, 3)
+    two = msgspec.structs.replace(concat_samples([a, b]), logprobs=torch.cat([a.logprobs, b.logprobs]))
     parts = split_by_prompt(two)
     assert sorted(parts) == [1, 2]
     assert parts[2].response_ids.tolist() == (torch.arange(6) + 200).tolist()
@@ -157,7 +159,7 @@ def test_a_one_prompt_batch_goes_into_the_ledger_uncopied():
 
 def test_token_ids_keep_their_dtype_on_the_way_to_scoring():
     a, b = one_prompt_batch(1, 2, 3), one_prompt_batch(2, 1, 4)
-    assert concat_samples([a, b]).response_ids.dtype == torch.int32
+    assert concat_samples([a, b]).response_ids.dtype == torch.int32 and concat_samples([a, b]).logprobs is None
     assert concat_samples([a]).response_ids is a.response_ids  # one batch: nothing to join
     mixed = concat_samples([a, one_prompt_batch(3, 1, 2, dtype=torch.int64)])
     assert mixed.response_ids.dtype == torch.int64
