@@ -85,6 +85,9 @@ class RolloutCapabilities(Capabilities, tag="rollout"):
     # hex>"; empty: none. A learner that asks for agent episodes checks it is the one it names.
     agent: str = ""
     max_model_len: int = 0  # prompt plus response (an agent's whole episode) at most; 0: not said
+    # --enable_lora: the largest LoRA rank it serves (--max_lora_rank); 0: it serves no adapter
+    # (a learner with --lora_sync adapter refuses it at the handshake).
+    max_lora_rank: int = 0
 
 
 class RewardCapabilities(Capabilities, tag="reward"):
@@ -486,6 +489,20 @@ class WeightUpdateStart(Message):
     # update (vLLM start_weight_update). New prompts wait until WeightUpdateFinish. Reply: Ack.
     TAG: ClassVar[int] = 31
     policy_version: int  # the version being pushed (for logs and errors)
+    # Only a LoRA adapter follows (WeightUpdate.lora): nothing pauses, requests keep the
+    # adapter they started with, those admitted after WeightUpdateFinish get the new one.
+    adapter_only: bool = False
+
+
+class LoraAdapter(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # What a server needs beside the tensors to serve a LoRA adapter (PEFT's adapter_config).
+    rank: int
+    alpha: float
+    target_modules: list[str]  # the adapted modules' last names ("q_proj", "down_proj", ...)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.alpha <= 0 or not self.target_modules:
+            raise ValueError(f"lora: rank >= 1, alpha > 0 and target modules, got {self}")
 
 
 @register
@@ -499,10 +516,16 @@ class WeightUpdate(Message):
     # Tied parameters sent once: {name to load too: the name in `names` whose tensor it is},
     # e.g. {"lm_head.weight": "model.embed_tokens.weight"}. Empty: every name is in `names`.
     aliases: dict[str, str] = {}
+    # Set: the tensors named with ".lora_" are a LoRA adapter under PEFT's saved names, for the
+    # server to serve beside its weights (--lora_sync adapter); the others (if any: a joiner's
+    # base weights, sent first) load into the weights as always.
+    lora: LoraAdapter | None = None
 
     def __post_init__(self) -> None:
         _check_len("dtype_names", self.dtype_names, len(self.names), "one per name")
         _check_len("shapes", self.shapes, len(self.names), "one per name")
+        if self.lora is not None and not any(".lora_" in n for n in self.names):
+            raise ValueError("lora: no adapter tensor (a name with .lora_A. or .lora_B.) among names")
         sent = set(self.names)
         for alias, name in self.aliases.items():
             if name not in sent or alias in sent:

@@ -281,6 +281,10 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
         out.append("--enable_sleep")
     if learner.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
         out += ["--agent_func_path", os.path.abspath(learner.agent_func_path)]
+    if learner.lora_rank and learner.lora_sync == "adapter":  # vLLM serves the learner's adapter
+        out += ["--enable_lora", "--max_lora_rank", str(learner.lora_rank)]
+        if learner.async_train:  # requests of every version within the bound run side by side
+            out += ["--max_loras", str(learner.max_staleness + 1)]
     return out
 
 

@@ -81,6 +81,28 @@ class RolloutConfig:
         choices=tuple(known_backends()),
         group="weights",
     )
+    # -- LoRA (a learner with --lora_sync adapter pushes only its adapter; docs/rollout.md)
+    enable_lora: bool = flag(
+        False,
+        "serve the learner's LoRA adapter (--lora_sync adapter): each push brings an adapter that vLLM serves "
+        "beside the base weights; requests keep the adapter they started with",
+        group="lora",
+    )
+    max_lora_rank: int = flag(
+        16, "with --enable_lora: the largest adapter rank served (vLLM's max_lora_rank)", group="lora"
+    )
+    max_loras: int = flag(
+        2,
+        "with --enable_lora: adapters in one engine batch (vLLM's max_loras): requests of two policy versions run "
+        "together across an update; async runs with --max_staleness k have up to k + 1",
+        group="lora",
+    )
+    lora_dir: str = flag(
+        "",
+        "with --enable_lora: where each pushed adapter is written as a PEFT folder vLLM loads (removed once no request "
+        "uses it); default: a temporary folder removed at exit",
+        group="lora",
+    )
     # -- wire
     controller: str = flag("", "controller address, e.g. tcp://10.0.0.1:5555", required=True, group="wire")
     name: str = flag("", "name at the controller (default rollout-HOST-PID); unique per process", group="wire")
@@ -115,4 +137,8 @@ class RolloutConfig:
             raise ValueError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.idle_spin_s is not None and self.idle_spin_s < 0:
             raise ValueError(f"--idle_spin_s must be >= 0, got {self.idle_spin_s}")
+        if self.enable_lora and (self.max_lora_rank < 1 or self.max_loras < 1):
+            raise ValueError(
+                f"--max_lora_rank and --max_loras must be >= 1, got {self.max_lora_rank}, {self.max_loras}"
+            )
         self.dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(self.dtype, self.dtype)

@@ -32,6 +32,16 @@ WeightSyncInit runs only within the learner's own deadline: the worker is given 
 ``timeout_s`` after the call waited for the lock, and one that waited it all out is answered
 with an error at once (the learner has given up on that group; it asks again).
 
+LoRA adapters (``--enable_lora``, a learner with ``--lora_sync adapter``). A push may bring
+only an adapter (``WeightUpdateStart.adapter_only``): nothing pauses; the first worker writes
+the tensors as a PEFT folder, and at WeightUpdateFinish the engine loads it (``add_lora``) and
+every request admitted from then on carries it. A request keeps the adapter it was admitted
+with to its last token, so its version is its admission's (vLLM's spans label the base
+weights, which an adapter push leaves alone). An adapter no request uses any more, and that is
+not the current one, is removed from the engine and its folder deleted. A push of whole
+weights with an adapter (a joiner, a restarted learner) loads the base, then serves the
+adapter; one without (a learner pushing merged weights) serves the weights alone.
+
 Stale KV. After every update the prefix cache is reset. vLLM refuses that reset while kept
 requests still hold KV blocks, so prompts are also salted with the version
 (``cache_salt="rayless-v{N}"``): a block computed under one version can never be a prefix hit
@@ -44,10 +54,13 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -161,7 +174,8 @@ class RolloutCore:
             "aborted": 0,
             "updates": 0,
             "failed_updates": 0,
-            "samples_across_updates": 0,  # kept in flight through an update: tokens of 2+ versions
+            "samples_across_updates": 0,
+            "adapters": 0,  # LoRA adapters loaded (--enable_lora)  # kept in flight through an update: tokens of 2+ versions
             "aborted_by_controller": 0,  # prompts the controller dropped (P.Abort: too stale to train on)
             "episodes": 0,  # agent episodes finished (each is a sample)
             "agent_turns": 0,
@@ -172,6 +186,17 @@ class RolloutCore:
             "agent_later_turn_tokens": 0,
             "agent_later_turn_cached": 0,
         }
+        # --enable_lora: the adapter requests are admitted with (None: the weights alone), the
+        # adapters registered with the engine by LoRA id, and how many requests run with each.
+        self._lora: Any = None
+        self._loras: dict[int, tuple[Any, Path]] = {}
+        self._lora_users: Counter[int] = Counter()
+        self._lora_ids = itertools.count(1)
+        self._lora_root: Path | None = None
+        self._lora_root_ours = False  # a temporary folder of ours: removed at shutdown
+        self._retiring: set[asyncio.Future] = set()
+        self._update_adapter_only = False
+        self._pending_adapter: Path | None = None  # received in the open update, served from its finish
         self.agent: Any = None  # the --agent_func_path executor, loaded by start()
         self.agent_identity = ""
         self.tokenizer: Any = None  # the model's HF tokenizer, for agent episodes
@@ -195,6 +220,12 @@ class RolloutCore:
             worker_extension_cls="rollout_service.worker_ext.RolloutWorkerExtension",
             weight_transfer_config={"backend": self.backend},
         )
+        if c.enable_lora:
+            # The CPU cache holds one more than a batch: an adapter still in use after the next
+            # arrives is not reloaded from its folder for every step.
+            kwargs.update(
+                enable_lora=True, max_lora_rank=c.max_lora_rank, max_loras=c.max_loras, max_cpu_loras=c.max_loras + 1
+            )
         if c.enable_sleep:
             if _sleep_mode_available():
                 kwargs["enable_sleep_mode"] = True
@@ -221,6 +252,11 @@ class RolloutCore:
             self.agent, self.agent_identity = load_agent(self.cfg.agent_func_path)
             self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
             log.info("agent %s from %s", self.agent_identity, self.cfg.agent_func_path)
+        if self.cfg.enable_lora:
+            self._lora_root_ours = not self.cfg.lora_dir
+            root = self.cfg.lora_dir or tempfile.mkdtemp(prefix="rayless-lora-")
+            self._lora_root = Path(root)
+            self._lora_root.mkdir(parents=True, exist_ok=True)
         if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
         # vLLM-CPU's memory check, before any of its processes exist: a refusal is one line.
@@ -280,6 +316,11 @@ class RolloutCore:
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
+        if self._lora_root is not None:
+            for _, folder in self._loras.values():
+                shutil.rmtree(folder, ignore_errors=True)
+            if self._lora_root_ours:
+                shutil.rmtree(self._lora_root, ignore_errors=True)
 
     def capabilities(self) -> P.RolloutCapabilities:
         import torch
@@ -298,6 +339,7 @@ class RolloutCore:
             platform="cuda" if torch.cuda.is_available() else "cpu",
             agent=self.agent_identity,
             max_model_len=self.cfg.max_model_len,
+            max_lora_rank=self.cfg.max_lora_rank if self.cfg.enable_lora else 0,
         )
 
     # ------------------------------------------------------------------ generation
@@ -494,13 +536,15 @@ class RolloutCore:
             async with self._admission:
                 if self._holds or self.version < max(min_version, self.version_floor):
                     continue  # the gate closed while we queued for the lock
-                admitted = self.version
+                admitted, lora = self.version, self._lora
                 prompt = TokensPrompt(prompt_token_ids=list(token_ids))
                 if self.cfg.enable_prefix_caching:
                     prompt["cache_salt"] = f"rayless-v{admitted}"
-                q = await self.llm.add_request(req_id, prompt, params)
+                q = await self.llm.add_request(req_id, prompt, params, lora_request=lora)
                 break
         self._in_flight[req_id] = prompt_id
+        if lora is not None:
+            self._lora_users[lora.lora_int_id] += 1
         try:
             while True:
                 out = q.get_nowait() or await q.get()
@@ -512,6 +556,17 @@ class RolloutCore:
         finally:
             q.close()
             self._in_flight.pop(req_id, None)
+            if lora is not None:
+                self._lora_users[lora.lora_int_id] -= 1
+                if lora is not self._lora and not self._lora_users[lora.lora_int_id]:
+                    task = asyncio.ensure_future(self._retire_loras())
+                    self._retiring.add(task)  # held until done (the loop keeps only a weak reference)
+                    task.add_done_callback(self._retiring.discard)
+        if lora is not None:
+            # Every token came from the adapter it was admitted with; vLLM's spans label the
+            # base weights (an adapter push leaves them alone): the version is the admission's.
+            for o in out.outputs:
+                o.weight_versions = None
         return out, admitted
 
     def _weight_spans(self, o) -> list:
@@ -657,12 +712,22 @@ class RolloutCore:
         if epoch != self._weight_epoch:
             raise BadRequest(f"{what} dropped: asked by a controller that has gone away since")
 
-    async def start_weight_update(self, version: int) -> None:
+    async def start_weight_update(self, version: int, adapter_only: bool = False) -> None:
         epoch, t0 = self._weight_epoch, time.monotonic()
         async with self._update_lock:
             self._check_epoch(epoch, "WeightUpdateStart")
             if self._update_open:
                 raise BadRequest(f"weight update to v{version}: an update is already open")
+            self._pending_adapter = None
+            if adapter_only:
+                self._check_lora()
+                if "update_failed" in self._holds:
+                    raise BadRequest(
+                        f"adapter-only update to v{version}: the weights are incomplete after a failed update; push them whole"
+                    )
+                self._update_open, self._update_adapter_only = True, True  # generation goes on
+                return
+            self._update_adapter_only = False
             t1 = time.monotonic()
             await self._hold("update")
             if time.monotonic() - t0 > 1.0:  # the learner's push waits for this: say where it went
@@ -685,6 +750,7 @@ class RolloutCore:
         dtype_names: list[str],
         shapes: list[list[int]],
         aliases: dict[str, str] | None = None,
+        lora: P.LoraAdapter | None = None,
     ) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -701,6 +767,11 @@ class RolloutCore:
                     await self._fail_update()
                     raise BadRequest(f"WeightUpdate.aliases: the {self.backend} receiver cannot load them")
                 info["aliases"] = aliases
+            if lora is not None:
+                return await self._receive_adapter(info, lora)
+            if self._update_adapter_only:
+                await self._fail_update()
+                raise BadRequest("WeightUpdate of weights in an adapter-only update (WeightUpdateStart.adapter_only)")
             t0 = time.perf_counter()
             try:
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
@@ -718,18 +789,100 @@ class RolloutCore:
             if not self._update_open:
                 raise BadRequest("WeightUpdateFinish without WeightUpdateStart")
             try:
-                await self.llm.finish_weight_update(weight_version=str(version))
+                if not self._update_adapter_only:
+                    await self.llm.finish_weight_update(weight_version=str(version))
+                lora = await self._load_adapter(version) if self._pending_adapter is not None else None
             except BaseException:
                 await self._fail_update()
                 raise
             self._update_open = False
-            reset = await self.llm.reset_prefix_cache()
+            # An adapter-only update leaves the KV of the weights alone; vLLM keys cached blocks
+            # by adapter, and the version salt keeps versions apart anyway.
+            reset = False if self._update_adapter_only else await self.llm.reset_prefix_cache()
+            if lora is not None or not self._update_adapter_only:
+                self._lora = lora  # whole weights without an adapter: served alone
             self.version = version
             self.counters["updates"] += 1
             self._holds.discard("update_failed")
             await self._release("update")
-            log.info("weights now at policy version %d (prefix cache reset: %s)", version, reset)
+            await self._retire_loras()
+            log.info(
+                "weights now at policy version %d (%s; prefix cache reset: %s)",
+                version,
+                f"adapter {lora.lora_name}"
+                if lora is not None
+                else "no adapter"
+                if self.cfg.enable_lora
+                else "weights",
+                reset,
+            )
             return reset
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _check_lora(self) -> None:
+        if not self.cfg.enable_lora:
+            raise BadRequest(
+                "a LoRA adapter pushed to a server started without --enable_lora (the learner's --lora_sync adapter "
+                "needs it; --lora_sync merged does not)"
+            )
+
+    async def _receive_adapter(self, info: dict, lora: P.LoraAdapter) -> float:
+        """The adapter's tensors over the weight group, written by the first worker as a PEFT
+        folder; served from WeightUpdateFinish on. Called under the update lock."""
+        try:
+            self._check_lora()
+            if lora.rank > self.cfg.max_lora_rank:
+                raise BadRequest(
+                    f"adapter of rank {lora.rank} over this server's --max_lora_rank {self.cfg.max_lora_rank}"
+                )
+        except BadRequest:
+            await self._fail_update()
+            raise
+        assert self._lora_root is not None  # made by start() with --enable_lora
+        folder = self._lora_root / f"adapter-{next(self._lora_ids)}"
+        t0 = time.perf_counter()
+        try:
+            whole = not self._update_adapter_only  # the base weights come first (a joiner)
+            await self.llm.collective_rpc(
+                "rayless_receive_adapter", args=(info, str(folder), msgspec.to_builtins(lora), whole)
+            )
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            await self._fail_update()
+            raise
+        self._pending_adapter = folder
+        return time.perf_counter() - t0
+
+    async def _load_adapter(self, version: int) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        folder, self._pending_adapter = self._pending_adapter, None
+        assert folder is not None
+        lora_id = int(folder.name.rsplit("-", 1)[1])
+        req = LoRARequest(f"rayless-v{version}-{lora_id}", lora_id, str(folder))
+        try:
+            if not await self.llm.add_lora(req):
+                raise RuntimeError(f"vLLM did not load the adapter of v{version} from {folder}")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._loras[lora_id] = (req, folder)
+        self.counters["adapters"] += 1
+        return req
+
+    async def _retire_loras(self) -> None:
+        """Removes the adapters no request uses that are not the current one (engine and folder)."""
+        current = self._lora.lora_int_id if self._lora is not None else None
+        # Taken out before the first await: another call (a request ending meanwhile) sees them gone.
+        done = [(i, self._loras.pop(i)[1]) for i in list(self._loras) if i != current and not self._lora_users[i]]
+        for i, folder in done:
+            self._lora_users.pop(i, None)
+            try:
+                if self.llm is not None:
+                    await self.llm.remove_lora(i)
+            except Exception as e:  # noqa: BLE001 - an adapter left in the engine's cache is memory, not a wrong answer
+                log.warning("could not remove adapter %d from the engine: %r", i, e)
+            shutil.rmtree(folder, ignore_errors=True)
 
     async def _fail_update(self) -> None:
         """Weights may be half-loaded: serve nothing until a complete update lands. vLLM's worker

@@ -345,11 +345,11 @@ class RolloutServer:
         return P.Ack(info=P.WorkersJoined(workers=workers))
 
     async def _on_update_start(self, m: P.WeightUpdateStart) -> P.Message:
-        await self.core.start_weight_update(m.policy_version)
+        await self.core.start_weight_update(m.policy_version, adapter_only=m.adapter_only)
         return P.Ack()
 
     async def _on_update(self, m: P.WeightUpdate) -> P.Message:
-        seconds = await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases)
+        seconds = await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases, m.lora)
         return P.Ack(info=P.WeightsLoaded(seconds=seconds))
 
     async def _on_update_finish(self, m: P.WeightUpdateFinish) -> P.Message:

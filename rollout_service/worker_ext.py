@@ -8,9 +8,17 @@ its message queues. Two things happen on the way:
   ``weight_transfer_config.backend``: this is the one place registration can happen;
 * ``common.vllm_spin.idle_spin_from_env``: the rollout server's ``--idle_spin_s`` (or a
   launcher's), passed in the environment (``IDLE_SPIN_ENV``).
+
+``rayless_receive_adapter`` takes a LoRA adapter pushed over the weight group (``--lora_sync
+adapter``) and writes it as the PEFT folder vLLM's ``add_lora`` loads.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
 
 from common.vllm_spin import idle_spin_from_env, idle_spin_in_force
 from rollout_service.weight_receiver import register
@@ -45,3 +53,74 @@ class RolloutWorkerExtension:
         if engine is not None:
             engine.reset_weight_update_target()
         return True
+
+    def rayless_receive_adapter(
+        self, update_info: dict[str, Any], folder: str, lora: dict[str, Any], whole: bool
+    ) -> int:
+        """Receives a push that carries a LoRA adapter (``WeightUpdate.lora``) through this
+        worker's weight-transfer engine (any backend: its receive hands each bucket to
+        ``model.load_weights``, pointed for the call at ``_AdapterTensors``): the adapter's
+        tensors are kept, the others (``whole``: the base weights, sent first, inside the update
+        session vLLM opened) go on into the model. The first worker writes the adapter to
+        ``folder`` as a PEFT adapter. Returns the adapter's tensor count."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no weight-transfer engine in this worker")
+        sink = _AdapterTensors(engine.model)
+        engine.model = sink
+        try:
+            if whole:
+                self.update_weights(update_info)  # the worker's own path: its session checks and errors
+            else:  # no update session: nothing of the model is touched
+                engine.receive_weights(engine.parse_update_info(update_info))
+        finally:
+            engine.model = sink.model
+        want = {n for n in update_info["names"] if ".lora_" in n}
+        if want - set(sink.tensors):
+            raise RuntimeError(f"the push ended without {len(want - set(sink.tensors))} of the adapter's tensors")
+        if getattr(self, "rank", 0) == 0:
+            write_peft_adapter(Path(folder), sink.tensors, lora)
+        return len(sink.tensors)
+
+
+class _AdapterTensors:
+    """Stands in for the model during a receive: keeps a CPU copy of each adapter tensor (the
+    engine's receive buffers are reused for the next push), passes the rest to the model."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.tensors: dict[str, Any] = {}
+
+    def load_weights(self, pairs) -> set[str]:
+        rest = []
+        for name, t in pairs:
+            if ".lora_" in name:
+                self.tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+            else:
+                rest.append((name, t))
+        return self.model.load_weights(rest) if rest else set()
+
+
+def write_peft_adapter(folder: Path, tensors: dict[str, Any], lora: dict[str, Any]) -> None:
+    """``tensors`` (PEFT's saved names) and ``lora`` (``protocol.LoraAdapter`` as a dict) as the
+    folder ``PeftModel.from_pretrained`` and vLLM's ``add_lora`` read."""
+    from safetensors.torch import save_file
+
+    part = folder.with_name(folder.name + ".part")
+    part.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(part / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "target_modules": list(lora["target_modules"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "lora_dropout": 0.0,
+    }
+    (part / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    os.replace(part, folder)

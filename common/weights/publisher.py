@@ -21,6 +21,12 @@ server, which makes the vLLM calls. The tensors go over ``torch.distributed`` gr
   a server that failed in a fleet transfer is retried within the same push. A server's workers
   are in one group at a time; forming another replaces it.
 
+LoRA (``lora_sync="adapter"``, a peft model): a push sends the adapter alone
+(``AdapterWeights``, ``WeightUpdate.lora``), which the servers serve beside the base weights
+(``WeightUpdateStart.adapter_only``: they do not pause). A push to a server that does not hold
+this learner's base weights yet (a joiner; any server at the first push; one reconnected after
+a failure) sends the base weights and the adapter in one pass, to every target of that push.
+
 ``fanout="per_server"`` keeps every server on its own group (one copy of the bytes per server,
 fanned out from one pass): the old design, kept for comparison (``bench/weight_fanout.py``).
 
@@ -57,7 +63,7 @@ from common import protocol as P
 from common.dtypes import dtype_name, to_dtype
 from common.transport import RemoteError, TransportError
 from common.weights.base import Rendezvous, SendGroup, resolve_backend, sender_class
-from common.weights.source import ModelWeights, checked
+from common.weights.source import AdapterWeights, ModelWeights, checked
 from common.weights.wire import DEFAULT_BUCKET_BYTES, Buffers
 
 log = logging.getLogger(__name__)
@@ -99,6 +105,25 @@ class _Link:
     workers: int
     group: SendGroup | None  # its own group; None while it is in the fleet group (or has none)
     pushes: int = 0
+    based: bool = False  # holds this learner's base weights (lora_sync="adapter": pushes may send only the adapter)
+
+
+class _WithAdapter:
+    """The base weights, then the adapter, as one source: one pass, one ``WeightUpdate``."""
+
+    def __init__(self, base: ModelWeights, adapter: AdapterWeights) -> None:
+        self.base, self.adapter = base, adapter
+        self.module, self.aliases, self.lora, self.zero3 = base.module, base.aliases, adapter.lora, base.zero3
+
+    def metadata(self) -> list:
+        return self.base.metadata() + self.adapter.metadata()
+
+    def nbytes(self) -> int:
+        return self.base.nbytes() + self.adapter.nbytes()
+
+    def __iter__(self):
+        yield from self.base
+        yield from self.adapter
 
 
 @dataclass
@@ -139,13 +164,21 @@ class WeightPublisher:
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         fanout: str = "fleet",
+        lora_sync: str = "merged",
     ) -> None:
         if fanout not in FANOUTS:
             raise ValueError(f"unknown fanout {fanout!r} (known: {', '.join(FANOUTS)})")
+        if lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"unknown lora_sync {lora_sync!r} (merged, adapter)")
         self.control, self.rank, self.backend = control, rank, resolve_backend(backend)
         self.timeout_s, self.fanout = timeout_s, fanout
         self.sender = sender_class(self.backend)(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
-        self.source = ModelWeights(model, to_dtype(dtype), keep=rank == 0, tied_once=self.sender.sends_tied_once)
+        adapter = lora_sync == "adapter"
+        self.source = ModelWeights(
+            model, to_dtype(dtype), keep=rank == 0, tied_once=self.sender.sends_tied_once, merge=not adapter
+        )
+        # lora_sync="adapter": what most pushes send (the base weights go once per server).
+        self.adapter = AdapterWeights(model, self.source.dtype, keep=rank == 0) if adapter else None
         self.links: dict[str, _Link] = {}
         self.fleet: _Fleet | None = None
         self.fleet_builds = 0  # how many times a fleet group was formed (rebuilds included)
@@ -183,6 +216,8 @@ class WeightPublisher:
             want = to_dtype(dtype)
             if self.source.dtype is None:
                 self.source.dtype = want
+                if self.adapter is not None:
+                    self.adapter.dtype = want
             elif want != self.source.dtype:
                 raise WeightSyncError(
                     "connect", {server: f"engine dtype {want} differs from the other servers' {self.source.dtype}"}
@@ -359,50 +394,59 @@ class WeightPublisher:
         again first if its members are not exactly these servers). A server that fails in it is
         pushed to on its own group right after, in a second pass over the weights; one that
         fails there too, or never answered, is reported. One server, or ``fanout="per_server"``:
-        each server's own group, all fanned out from one pass."""
-        report = PushReport(version=version, bytes_per_server=self.source.nbytes())
+        each server's own group, all fanned out from one pass.
+
+        ``lora_sync="adapter"``: the adapter alone, or the base weights and the adapter when a
+        target does not hold the base yet (``_Link.based``)."""
+        targets = list(self.links) if servers is None else list(servers)
+        ok = [s for s in targets if s in self.links]
+        whole = self.adapter is None or any(not self.links[s].based for s in ok)
+        if self.adapter is not None:
+            whole = self._another_pass(whole)  # ZeRO-3: the other ranks learn what rank 0 sends
+        src = self._source(whole)
+        report = PushReport(version=version, bytes_per_server=src.nbytes())
         if self.rank != 0:
             while True:
-                for _ in self.source:  # the ZeRO-3 gathers are collectives: every rank iterates
+                for _ in src:  # the ZeRO-3 gathers are collectives: every rank iterates
                     pass
                 if not self._another_pass(False):
                     return report
-        meta = self.source.metadata()
+        meta = src.metadata()
         t0 = time.monotonic()
-        targets = list(self.links) if servers is None else list(servers)
         failures = {s: "not connected (connect it first)" for s in targets if s not in self.links}
-        ok = [s for s in targets if s in self.links]
         own: list[str] = []
         if self.fanout == "fleet" and len(ok) > 1 and self._ensure_fleet(ok):
-            report.fleet = self._push_fleet(version, meta, report, failures)  # pass 1
+            report.fleet = self._push_fleet(version, src, meta, report, failures)  # pass 1
             report.retried = [s for s in ok if s not in report.fleet and s not in failures]
             if self.fleet is not None and (failures or report.retried):
                 self._drop_fleet("a server failed in it; formed again at the next push")
             # Other ranks (ZeRO-3) must know whether a second pass follows. Not in a `finally`:
             # if this pass broke half-way, their gathers are out of step already.
             if self._another_pass(bool(report.retried)):
-                own = self._push_own_groups(report.retried, version, meta, report, failures)  # pass 2
+                own = self._push_own_groups(report.retried, version, src, meta, report, failures)  # pass 2
                 self._another_pass(False)
         else:
-            own = self._push_own_groups(ok, version, meta, report, failures)
+            own = self._push_own_groups(ok, version, src, meta, report, failures)
             self._another_pass(False)
         report.updated = report.fleet + own
         report.seconds["total"] = time.monotonic() - t0
         report.failed = failures
         for s in report.updated:
             self.links[s].pushes += 1
+            self.links[s].based = True  # every push sends the base weights until they have them
         for s in failures:
             if s in self.links:
                 # A group that failed mid-transfer is out of step for good: drop it.
                 self.disconnect(s, notify=False)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items() if k != "total")
         log.info(
-            "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s)%s",
+            "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s%s)%s",
             version,
             len(report.updated),
             report.seconds["total"],
             parts,
             report.bytes_per_server / 1e6,
+            "" if self.adapter is None else ", the base weights and the adapter" if whole else ", the adapter",
             f"; {len(report.fleet)} through the fleet group" if report.fleet else "",
             f"; failed: {failures}" if failures else "",
         )
@@ -411,8 +455,17 @@ class WeightPublisher:
         return report
 
     # -- helpers
+    def _source(self, whole: bool) -> Any:
+        """What this push sends (``whole``: the base weights too, under lora_sync="adapter")."""
+        if self.adapter is None:
+            return self.source
+        return _WithAdapter(self.source, self.adapter) if whole else self.adapter
+
+    def _start_msg(self, version: int, src: Any) -> P.WeightUpdateStart:
+        return P.WeightUpdateStart(policy_version=version, adapter_only=src is self.adapter)
+
     def _push_own_groups(
-        self, servers: list[str], version: int, meta: list, report: PushReport, failures: dict[str, str]
+        self, servers: list[str], version: int, src: Any, meta: list, report: PushReport, failures: dict[str, str]
     ) -> list[str]:
         """One pass over the weights fanned out to each server's own group (formed first where
         it has none, e.g. after leaving a broken fleet). Returns the servers updated."""
@@ -426,18 +479,20 @@ class WeightPublisher:
                     continue
             ready.append(s)
         t0 = time.monotonic()
-        ok = self._step(ready, lambda s: P.WeightUpdateStart(policy_version=version), "start", failures)
+        ok = self._step(ready, lambda s: self._start_msg(version, src), "start", failures)
         self._add_seconds(report, "start", t0)
         t1 = time.monotonic()
-        pending = self._send_all(ok, lambda s: self._update_msg(meta), "update", failures)
-        failed = self._transfer({s: self._own_group(s) for s in pending}, meta, report, close=list(pending))
+        pending = self._send_all(ok, lambda s: self._update_msg(src, meta), "update", failures)
+        failed = self._transfer(src, {s: self._own_group(s) for s in pending}, meta, report, close=list(pending))
         failures.update(failed)
         pending = {s: p for s, p in pending.items() if s not in failed}
         ok = self._collect(pending, "update", failures)
         self._add_seconds(report, "transfer", t1)
         return self._finish(ok, version, report, failures)
 
-    def _push_fleet(self, version: int, meta: list, report: PushReport, failures: dict[str, str]) -> list[str]:
+    def _push_fleet(
+        self, version: int, src: Any, meta: list, report: PushReport, failures: dict[str, str]
+    ) -> list[str]:
         """One pass through the fleet group. Returns the servers updated. A member that answers
         its update with an error (it was behind a member that failed: the relay broke) is left
         out of both the result and ``failures``: the caller pushes to it on its own. A member
@@ -445,11 +500,11 @@ class WeightPublisher:
         fleet = self.fleet
         assert fleet is not None  # formed by _ensure_fleet before this pass
         t0 = time.monotonic()
-        ok = self._step(fleet.members, lambda s: P.WeightUpdateStart(policy_version=version), "start", failures)
+        ok = self._step(fleet.members, lambda s: self._start_msg(version, src), "start", failures)
         self._add_seconds(report, "start", t0)
         t1 = time.monotonic()
-        pending = self._send_all(ok, lambda s: self._update_msg(meta), "update", failures)
-        failed = self._transfer({FLEET: fleet.group} if pending else {}, meta, report, close=[])
+        pending = self._send_all(ok, lambda s: self._update_msg(src, meta), "update", failures)
+        failed = self._transfer(src, {FLEET: fleet.group} if pending else {}, meta, report, close=[])
         if failed:
             log.warning("fleet transfer failed on the learner's side: %s", failed[FLEET])
         # A member behind a failed one gives up within our timeout of its last piece, and one
@@ -472,19 +527,19 @@ class WeightPublisher:
         return self._finish(ok, version, report, failures)
 
     def _transfer(
-        self, groups: dict[str, SendGroup], meta: list, report: PushReport, close: list[str]
+        self, src: Any, groups: dict[str, SendGroup], meta: list, report: PushReport, close: list[str]
     ) -> dict[str, str]:
         """Sends one pass into ``groups`` (or just iterates, to stay in step with the other
         ranks' gathers, when there are none). Returns {group key: error}."""
         t = time.monotonic()
         if not groups:
-            for _ in self.source:
+            for _ in src:
                 pass
             return {}
         if self._buffers is None:
             self._buffers = Buffers(next(self.source.module.parameters()).device)
         try:
-            return self.sender.send(checked(self.source, meta), groups, self._buffers)
+            return self.sender.send(checked(src, meta), groups, self._buffers)
         except BaseException:
             # Our side broke mid-transfer (e.g. the weights changed shape): every group in this
             # push is out of step now.
@@ -514,12 +569,14 @@ class WeightPublisher:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def _update_msg(self, meta: list) -> P.WeightUpdate:
+    @staticmethod
+    def _update_msg(src: Any, meta: list) -> P.WeightUpdate:
         return P.WeightUpdate(
             names=[m.name for m in meta],
             dtype_names=[dtype_name(m.dtype) for m in meta],
             shapes=[list(m.shape) for m in meta],
-            aliases=dict(self.source.aliases),
+            aliases=dict(src.aliases),
+            lora=src.lora,
         )
 
     @staticmethod

@@ -1,7 +1,7 @@
 """The weights a learner pushes: a module's parameters by checkpoint name, in the engine dtype.
 
 ``ModelWeights`` is the source ``common.weights.publisher.WeightPublisher`` iterates once per
-push; ``unwrap`` finds the trained module inside DeepSpeed's (or DDP's) wrapper, for the
+push; ``AdapterWeights`` the LoRA adapter alone (``--lora_sync adapter``); ``unwrap`` finds the trained module inside DeepSpeed's (or DDP's) wrapper, for the
 publisher and for the learner's saves alike.
 """
 
@@ -45,15 +45,24 @@ class ModelWeights:
     - A LoRA (peft) model is listed under its base model's names, and each adapted weight is
       sent as ``W + (alpha / r) * B @ A``, computed in fp32 when it is sent (one tensor at a
       time, out of place) and cast to the engine dtype (``common.weights.lora``). Under ZeRO-3
-      the adapter's tensors join their layer's gather, so the merge sees them whole.
+      the adapter's tensors join their layer's gather, so the merge sees them whole. With
+      ``merge=False`` the base weights go as they are (``--lora_sync adapter``: the servers
+      serve the adapter, ``AdapterWeights``, beside them).
 
     It keeps ``vllm.distributed.weight_transfer.base.WeightSource``'s contract (metadata and
     iteration agree element for element) without importing vLLM: a learner that only sends
     weights does not load vLLM.
     """
 
+    lora = None  # a WeightUpdate of these tensors loads them (AdapterWeights: serves them)
+
     def __init__(
-        self, model: Any, dtype: torch.dtype | None = None, keep: bool = True, tied_once: bool = False
+        self,
+        model: Any,
+        dtype: torch.dtype | None = None,
+        keep: bool = True,
+        tied_once: bool = False,
+        merge: bool = True,
     ) -> None:
         self.module = unwrap(model)
         self.dtype = dtype
@@ -65,7 +74,7 @@ class ModelWeights:
             self._adapter = self.module.active_adapter
             entries = plain_parameters(self.module)
             self._params = [(n, p) for n, p, _ in entries]
-            self._merge = {n: layer for n, _, layer in entries if layer is not None}
+            self._merge = {n: layer for n, _, layer in entries if layer is not None and merge}
         else:
             self._params = list(self.module.named_parameters(remove_duplicate=False))
         self.aliases: dict[str, str] = {}  # name -> the listed name of the same parameter
@@ -148,3 +157,68 @@ def checked(pairs: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) ->
         yield name, t
     if i + 1 != len(meta):
         raise ValueError(f"weights changed while sending: {i + 1} tensors, servers expect {len(meta)}")
+
+
+class AdapterWeights:
+    """The active LoRA adapter of a peft model, as a server serves it (``--lora_sync adapter``):
+    each adapted layer's ``lora_A`` and ``lora_B`` weights under PEFT's saved names
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), in the engine dtype,
+    and ``lora`` (rank, alpha, target modules: the rest of its ``adapter_config.json``). The
+    same contract as ``ModelWeights`` (metadata and iteration agree; under ZeRO-3 each tensor is
+    gathered on every rank, rank 0 keeps it). Plain LoRA on linear layers only: the form vLLM
+    serves; DoRA, rsLoRA, embedding adapters and ``modules_to_save`` are refused here, naming them."""
+
+    aliases: dict[str, str] = {}
+
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, keep: bool = True) -> None:
+        from peft.tuners.lora import Linear
+
+        from common.protocol import LoraAdapter
+
+        self.module = unwrap(model)
+        if not is_peft(self.module):
+            raise ValueError("--lora_sync adapter: the model has no LoRA adapter (--lora_rank 0)")
+        self.dtype, self.keep = dtype, keep
+        adapter = self.module.active_adapter
+        config = self.module.peft_config[adapter]
+        refused = [f for f in ("use_dora", "use_rslora") if getattr(config, f, False)]
+        if getattr(config, "modules_to_save", None):
+            refused.append(f"modules_to_save {config.modules_to_save}")
+        self._params: list[tuple[str, Any]] = []
+        targets: set[str] = set()
+        for module_name, module in self.module.named_modules():
+            if not hasattr(module, "lora_A") or adapter not in getattr(module, "lora_A", {}):
+                if adapter in getattr(module, "lora_embedding_A", {}):
+                    refused.append(f"an embedding adapter ({module_name})")
+                continue
+            if not isinstance(module, Linear):
+                refused.append(f"an adapter on {type(module).__name__} {module_name}")
+                continue
+            targets.add(module_name.rsplit(".", 1)[-1])
+            for part in ("lora_A", "lora_B"):
+                self._params.append((f"{module_name}.{part}.weight", getattr(module, part)[adapter].weight))
+        if refused:
+            raise ValueError(
+                f"--lora_sync adapter serves plain LoRA on linear layers; this model has {', '.join(refused)}"
+            )
+        self.lora = LoraAdapter(rank=int(config.r), alpha=float(config.lora_alpha), target_modules=sorted(targets))
+        self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
+        ]
+
+    def nbytes(self) -> int:
+        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        if not self.zero3:
+            for name, p in self._params:
+                yield name, p.detach().to(self.dtype or p.dtype)
+            return
+        import deepspeed
+
+        for name, p in self._params:  # a collective per tensor: every rank, in this order
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, (p.data.to(self.dtype or p.dtype, copy=True) if self.keep else None)

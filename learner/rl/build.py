@@ -92,7 +92,7 @@ def build_rank0(
 
     endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
     try:
-        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s, admit=agent_admission(cfg))
+        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s, admit=rollout_admission(cfg))
         rollout = RolloutClient(endpoint, pool)
         fleet = FleetWeights(pool, make_publisher(cfg, engine, rank=0, control=rollout))
         controller = Controller(
@@ -194,15 +194,27 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
             )
 
 
-def agent_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:
-    """The pool's check of a rollout server's Hello in an agent run (``--agent_func_path``): it
-    must run the same agent file (name and content hash) and fit a whole episode (``--max_len``).
-    A refused server gets no work, at start-up (the run stops, naming it) or joining later."""
+def rollout_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:
+    """The pool's check of a rollout server's Hello. In an agent run (``--agent_func_path``) it
+    must run the same agent file (name and content hash) and fit a whole episode (``--max_len``);
+    under ``--lora_sync adapter`` serve adapters of ``--lora_rank``. A refused server gets no
+    work, at start-up (the run stops, naming it) or joining later."""
     want = cfg.agent_params()
+    lora_rank = cfg.lora_rank if cfg.lora_sync == "adapter" else 0
 
     def admit(hello: Hello) -> Error | None:
         caps = hello.capabilities
-        if want is None or hello.role != "rollout":
+        if hello.role != "rollout":
+            return None
+        served = caps.max_lora_rank if isinstance(caps, RolloutCapabilities) else 0
+        if served < lora_rank:
+            return Error(
+                code="bad_request",
+                message=f"{hello.name} serves LoRA adapters up to rank {served} (0: started without --enable_lora); "
+                f"this run pushes a rank-{lora_rank} adapter (--lora_sync adapter): start it with --enable_lora "
+                f"--max_lora_rank {lora_rank}, or push merged weights (--lora_sync merged)",
+            )
+        if want is None:
             return None
         agent = caps.agent if isinstance(caps, RolloutCapabilities) else ""
         if agent != want.agent:

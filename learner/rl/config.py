@@ -386,7 +386,9 @@ class ServiceFlags:
     lora_sync: str = flag(
         "merged",
         "with --lora_rank: what a push sends. merged: W + (alpha/r)*B*A per layer, computed out of place in "
-        "fp32 and sent under the base model's names (the servers need nothing of their own)",
+        "fp32 and sent under the base model's names (the servers need nothing of their own). adapter: the "
+        "adapter alone (the base weights once per server), which vLLM serves; the rollout servers need "
+        "--enable_lora --max_lora_rank >= --lora_rank (docs/rollout.md)",
         choices=("merged", "adapter"),
         group="services",
     )
@@ -490,11 +492,6 @@ class PPOConfig(
         self.notices: list[str] = []  # not a flag: what the checks below changed or found inert
         self.check_optimizer()
         self.check_lora()  # OptimizerFlags', shared with the supervised trainers
-        if self.lora_rank and self.lora_sync == "adapter":
-            raise ValueError(
-                "--lora_sync adapter (vLLM serving the adapter, only the adapter pushed) is not built yet "
-                "(issue 28); --lora_sync merged pushes the merged weights"
-            )
         if not self.lora_rank and self.lora_sync != "merged":
             self.notices.append(f"--lora_sync {self.lora_sync} has no effect without --lora_rank")
         self.check_agent()

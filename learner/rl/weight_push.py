@@ -64,6 +64,7 @@ def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = Non
         backend=resolve_backend(cfg.weight_sync_backend),
         host=_sync_host(cfg),
         timeout_s=cfg.weight_sync_timeout_s,
+        lora_sync=cfg.lora_sync if cfg.lora_rank else "merged",
     )
 
 

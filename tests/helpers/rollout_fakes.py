@@ -2,17 +2,21 @@
 
 ``FakeServer`` answers the weight-sync control messages the way a real server does, with the
 real worker-side receive loop (``GlooWeightTransferEngine``, as inside vLLM's workers) loading
-into a model that records what ``load_weights`` got. ``FakeControl`` is the publisher's control
+into a model that records what ``load_weights`` got, and a LoRA adapter received by the real
+worker-extension method into a PEFT folder per push (``adapters``). ``FakeControl`` is the publisher's control
 channel to a set of them.
 """
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import torch
 
 from common import protocol as P
@@ -67,6 +71,9 @@ class FakeServer:
         )
         self.engine = GlooWeightTransferEngine(None, cfg, torch.device("cpu"), self.model)
         self.version = 0
+        self.starts: list[bool] = []  # WeightUpdateStart.adapter_only of each push
+        self.adapters: list[Path] = []  # the PEFT folder each adapter was written to
+        self._lora_root = Path(tempfile.mkdtemp(prefix=f"fake-{name}-lora-"))
 
     def handle(self, msg: P.Message) -> Future:
         fut: Future = Future()
@@ -85,6 +92,7 @@ class FakeServer:
             self.engine.init_transfer_engine(self.engine.parse_init_info(msg.init_info))
             return P.Ack(info=P.WorkersJoined(workers=1))
         if isinstance(msg, P.WeightUpdateStart):
+            self.starts.append(msg.adapter_only)
             return P.Ack()
         if isinstance(msg, P.WeightUpdate):
             if self.behaviour == "stall":
@@ -92,9 +100,15 @@ class FakeServer:
             if self.behaviour == "die":
                 self.engine.shutdown()  # gone mid-update: its end of the group closes
                 raise RuntimeError("died")
-            self.engine.update_weights(
-                {"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes, "aliases": msg.aliases}
-            )
+            info = {"names": msg.names, "dtype_names": msg.dtype_names, "shapes": msg.shapes, "aliases": msg.aliases}
+            if msg.lora is not None:  # as RolloutCore: the worker extension receives, one folder per push
+                folder = self._lora_root / f"adapter-{len(self.adapters) + 1}"
+                _Worker(self.engine).rayless_receive_adapter(
+                    info, str(folder), msgspec.to_builtins(msg.lora), whole=not self.starts[-1]
+                )
+                self.adapters.append(folder)
+            else:
+                self.engine.update_weights(info)
             return P.Ack()
         if isinstance(msg, P.WeightUpdateFinish):
             self.version = msg.policy_version
@@ -103,6 +117,20 @@ class FakeServer:
             self.engine.shutdown()
             return P.Ack()
         raise ValueError(type(msg).__name__)
+
+
+def _Worker(engine):
+    """A vLLM worker as far as ``RolloutWorkerExtension`` reads one (its engine, rank 0)."""
+    from rollout_service.worker_ext import RolloutWorkerExtension
+
+    class Worker(RolloutWorkerExtension):
+        def __init__(self) -> None:
+            self.weight_transfer_engine, self.rank = engine, 0
+
+        def update_weights(self, update_info):
+            engine.update_weights(update_info)
+
+    return Worker()
 
 
 class FakeControl:

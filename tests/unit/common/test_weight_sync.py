@@ -401,3 +401,95 @@ def test_a_lora_model_is_pushed_merged_under_the_base_names_and_its_weights_stay
     assert bf16["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert torch.equal(bf16["model.layers.0.self_attn.q_proj.weight"], (w + 2.0 * (b @ a)).bfloat16())
     assert torch.equal(bf16["model.norm.weight"], peft_model.get_base_model().model.norm.weight.bfloat16())
+
+
+def test_adapter_sync_sends_the_base_once_then_the_adapter_alone_which_serves_as_the_peft_model(tiny_model_dir):
+    """--lora_sync adapter: the first push to a server carries the base weights as they are (not
+    merged) and the adapter; later pushes the adapter alone (WeightUpdateStart.adapter_only, no
+    weight loaded), which the worker writes as a PEFT folder that, over the base, gives the
+    trained PeftModel's logits. A joiner makes the next push carry the base again. The adapter's
+    bytes, by hand: rank x (in + out) x 4 per adapted linear layer."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from common import protocol as P
+    from common.weights.source import AdapterWeights
+
+    peft_model = _lora_model(tiny_model_dir)
+    adapter = AdapterWeights(peft_model, torch.float32)
+    want = get_peft_model_state_dict(peft_model)  # what peft's save_pretrained writes
+    assert sorted(m.name for m in adapter.metadata()) == sorted(want)
+    assert all(torch.equal(t, want[n]) for n, t in adapter)
+    linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert adapter.lora == P.LoraAdapter(rank=8, alpha=16.0, target_modules=linear)
+    c = peft_model.config
+    h, inter, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    per_layer = (h + h) + 2 * (h + kv) + (h + h) + 3 * (h + inter)  # q, k and v, o, gate up and down
+    assert adapter.nbytes() == c.num_hidden_layers * per_layer * 8 * 4
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base_bytes = ModelWeights(plain, torch.float32, tied_once=True).nbytes()  # gloo sends a tied weight once
+
+    servers = [FakeServer("a"), FakeServer("b")]
+    pub = WeightPublisher(
+        peft_model, control=FakeControl(servers), backend="gloo", timeout_s=10.0, bucket_bytes=4096, lora_sync="adapter"
+    )
+    for s in servers:
+        pub.connect(s.name, workers=1, dtype="float32")
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3]])
+
+    def served(server, folder):  # the base a server holds, with the adapter it wrote
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        base.load_state_dict(server.model.loaded, strict=True)
+        with torch.no_grad():
+            got = PeftModel.from_pretrained(base, str(folder)).eval()(input_ids=ids).logits
+            return (got - peft_model(input_ids=ids).logits).abs().max().item()
+
+    r1 = pub.push(1)
+    assert r1.bytes_per_server == base_bytes + adapter.nbytes() and sorted(r1.updated) == ["a", "b"]
+    for s in servers:
+        assert s.starts == [False] and len(s.adapters) == 1
+        assert sorted(s.model.loaded) == sorted(n for n, _ in plain.named_parameters(remove_duplicate=False))
+        q = peft_model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+        assert torch.equal(s.model.loaded["model.layers.0.self_attn.q_proj.weight"], q)  # as it is: not merged
+        assert served(s, s.adapters[0]) < 1e-5
+    with torch.no_grad():
+        peft_model.get_base_model().model.layers[1].mlp.down_proj.lora_B["default"].weight.add_(0.05)
+    for s in servers:
+        s.model.loaded.clear()  # a weight loaded by the next push would show here
+    r2 = pub.push(2)
+    assert r2.bytes_per_server == adapter.nbytes() and adapter.nbytes() < base_bytes / 10
+    for s in servers:
+        assert s.starts == [False, True] and s.model.loaded == {} and s.version == 2 and len(s.adapters) == 2
+        s.model.loaded.update(dict(ModelWeights(plain, torch.float32)))  # what it held from push 1
+        assert served(s, s.adapters[1]) < 1e-5 and served(s, s.adapters[0]) > 1e-3
+
+    joiner = FakeServer("c")
+    pub.control.servers["c"] = joiner
+    pub.connect("c", workers=1, dtype="float32")
+    r3 = pub.push(3)
+    assert sorted(r3.updated) == ["a", "b", "c"] and r3.bytes_per_server == base_bytes + adapter.nbytes()
+    assert [s.starts[-1] for s in (*servers, joiner)] == [False, False, False]
+    assert served(joiner, joiner.adapters[0]) < 1e-5
+    assert pub.push(4).bytes_per_server == adapter.nbytes()
+    pub.close()
+
+
+def test_adapter_sync_refuses_what_vllm_would_not_serve_by_name(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from common.weights.source import AdapterWeights
+
+    def wrapped(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **kw))
+
+    with pytest.raises(ValueError, match="serves plain LoRA on linear layers; this model has use_dora"):
+        AdapterWeights(wrapped(use_dora=True))
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\]"):
+        AdapterWeights(wrapped(modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match="the model has no LoRA adapter"):
+        AdapterWeights(SimpleNamespace())
+    assert AdapterWeights(wrapped()).lora.target_modules == ["q_proj"]

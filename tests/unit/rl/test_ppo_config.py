@@ -79,17 +79,15 @@ def test_rejected(kw, needle):
         cfg(**kw)
 
 
-def test_lora_flags_of_the_rl_learner_are_checked_and_adapter_sync_is_refused_by_name():
+def test_lora_flags_of_the_rl_learner_are_checked():
     """--lora_rank is OptimizerFlags' (shared with the supervised trainers), checked the same
-    way; --lora_sync adapter is not built, and says so in one line."""
+    way; --lora_sync adapter without --lora_rank says it does nothing."""
     c = cfg(lora_rank=8, lora_alpha=32)
     assert (c.lora_rank, c.lora_alpha, c.lora_sync, c.target_modules) == (8, 32, "merged", ["all-linear"])
     assert cfg(lora_rank=8, zero_stage=3).zero_stage == 3  # the push gathers each weight with its adapter
     with pytest.raises(ValueError, match=r"--lora_alpha must be > 0, got 0"):
         cfg(lora_rank=8, lora_alpha=0)
-    with pytest.raises(ValueError) as e:
-        cfg(lora_rank=8, lora_sync="adapter")
-    assert str(e.value).startswith("--lora_sync adapter (vLLM serving the adapter, only the adapter pushed)")
+    assert cfg(lora_rank=8, lora_sync="adapter").notices == []
     assert cfg(lora_sync="adapter").notices == ["--lora_sync adapter has no effect without --lora_rank"]
     assert cfg().lora_rank == 0  # the default is off
 
@@ -199,16 +197,16 @@ def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
     assert cfg().max_len == cfg().prompt_max_len + cfg().generate_max_len and cfg().agent_params() is None
 
 
-def test_agent_admission_refuses_another_agent_or_too_short_a_server_by_name(tmp_path):
-    """The pool's check of a Hello in an agent run (learner.rl.build.agent_admission): the same
+def test_rollout_admission_refuses_another_agent_or_too_short_a_server_by_name(tmp_path):
+    """The pool's check of a Hello in an agent run (learner.rl.build.rollout_admission): the same
     file (by content) and room for a whole episode; reward services and plain runs pass."""
     from common import protocol as P
-    from learner.rl.build import agent_admission
+    from learner.rl.build import rollout_admission
 
     env = tmp_path / "env.py"
     env.write_text("class AgentExecutor: ...\n")
     c = cfg(agent_func_path=str(env), max_len=96, init_kl_coef=0.0)
-    admit = agent_admission(c)
+    admit = rollout_admission(c)
     want = c.agent_params().agent
 
     def hello(agent: str, max_model_len: int = 128, role: str = "rollout") -> P.Hello:
@@ -219,4 +217,19 @@ def test_agent_admission_refuses_another_agent_or_too_short_a_server_by_name(tmp
     assert "r0 runs agent none; this run's --agent_func_path" in admit(hello("")).message
     assert "r0 runs agent env.py:000000000000" in admit(hello("env.py:000000000000")).message
     assert "--max_model_len 64, below this run's --max_len 96" in admit(hello(want, 64)).message
-    assert agent_admission(cfg())(hello("")) is None  # no agent: any rollout server will do
+    assert rollout_admission(cfg())(hello("")) is None  # no agent: any rollout server will do
+
+
+def test_rollout_admission_under_lora_sync_adapter_wants_servers_that_serve_the_rank():
+    from common import protocol as P
+    from learner.rl.build import rollout_admission
+
+    def hello(rank: int) -> P.Hello:
+        return P.Hello(role="rollout", name="r1", capabilities=P.RolloutCapabilities(max_lora_rank=rank))
+
+    admit = rollout_admission(cfg(lora_rank=8, lora_sync="adapter"))
+    assert admit(hello(8)) is None and admit(hello(16)) is None
+    assert admit(P.Hello(role="reward", name="rw", capabilities=P.RewardCapabilities())) is None
+    assert admit(hello(4)).message.startswith("r1 serves LoRA adapters up to rank 4 (0: started without --enable_lora)")
+    assert "start it with --enable_lora --max_lora_rank 8, or push merged weights" in admit(hello(0)).message
+    assert rollout_admission(cfg(lora_rank=8))(hello(0)) is None  # merged: the servers need nothing

@@ -135,8 +135,13 @@ def stack(tiny_model_dir, tmp_path_factory):
         ballast, ctrl.pressure = hold_memory()
         ctrl.start("ra", logs, "--idle_spin_s", "0.05", "--agent_func_path", str(AGENT_FILE))
         ctrl.start("rb", logs, env={KV_SPACE_ENV: None})  # unset: vLLM checks the share
+        # rc serves LoRA adapters too (the last test pushes one to it): --lora_sync adapter's server half.
+        ctrl.rc_lora_dir = logs / "rc-adapters"
+        lora = ["--enable_lora", "--max_lora_rank", "8", "--lora_dir", str(ctrl.rc_lora_dir)]
         ctrl.servers.append(
-            Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200")
+            Server(
+                "rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200", *lora
+            )
         )
         ctrl.wait_joined(["ra", "rb"], timeout=600)
         release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
@@ -426,3 +431,55 @@ def test_a_server_joining_after_updates_gets_the_current_weights_before_work(sta
     assert health.policy_version == v and health.stats["prompts"] == 0  # synced, and nothing served before
     got = _run(stack, PROMPTS, GREEDY, first_id=500, version=v, to="rc")
     _assert_parity(stack.model, PROMPTS, got, v)  # the current weights, not the checkpoint it loaded
+
+
+def test_a_lora_adapter_is_served_by_vllm_and_pushes_after_the_first_send_it_alone(stack):
+    """--lora_sync adapter on the real engine: rc (started with --enable_lora) gets a LoRA
+    learner's base weights and adapter in its first push, the adapter alone in the next; each
+    time its greedy tokens and log-probs equal the fp32 PeftModel's, samples carry the version
+    of their adapter, and the replaced adapter is gone from the engine and from disk. ra,
+    started without --enable_lora, answers an adapter push with an error naming the flag and
+    serves on. (A publisher of its own: rc leaves the stack's weight group for this one's.)"""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from common.weights.publisher import WeightPublisher
+
+    v = stack.pool.policy_version
+    target = ["q_proj", "v_proj", "down_proj"]
+    peft_model = get_peft_model(copy.deepcopy(stack.model), LoraConfig(r=8, lora_alpha=16, target_modules=target))
+    gen = torch.Generator().manual_seed(5)
+
+    def train_adapter():  # B nonzero (peft starts it at 0): the adapter moves the answers
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if ".lora_B." in name:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+
+    caps = stack.client.peer("rc").capabilities
+    assert caps.max_lora_rank == 8 and stack.client.peer("ra").capabilities.max_lora_rank == 0
+    pub = WeightPublisher(peft_model, control=stack.client, backend="gloo", timeout_s=60.0, lora_sync="adapter")
+    pub.connect("rc", workers=caps.workers, dtype=caps.dtype)
+    try:
+        base_answers = [hf_greedy(stack.model, p, GREEDY.max_new_tokens, STOP)[0] for p in PROMPTS]
+        moved = False
+        for version, first_id in ((v + 1, 600), (v + 2, 620)):
+            train_adapter()
+            report = pub.push(version)
+            assert report.updated == ["rc"] and not report.failed
+            whole = version == v + 1
+            assert (report.bytes_per_server > 10 * pub.adapter.nbytes()) == whole, report
+            got = _run(stack, PROMPTS, GREEDY, first_id=first_id, version=version, to="rc")
+            _assert_parity(peft_model.eval(), PROMPTS, got, version)
+            moved |= [g[0]["tokens"] for g in got.values()] != base_answers
+        assert moved, "the adapter changed no greedy answer: the parity above would not tell it was served"
+        health = stack.client.call("rc", P.GetHealth())
+        assert health.stats["adapters"] == 2 and health.state == "serving"
+        assert [f.name for f in stack.rc_lora_dir.iterdir()] == ["adapter-2"]  # adapter-1: removed
+    finally:
+        pub.close()
+    with pytest.raises(RemoteError, match="started without --enable_lora") as err:
+        stack.client.call("ra", P.WeightUpdateStart(policy_version=v + 9, adapter_only=True), timeout=30)
+    assert err.value.error.code == "bad_request"
+    assert stack.client.call("ra", P.GetHealth()).state == "serving"
