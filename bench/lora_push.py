@@ -48,7 +48,11 @@ def lora_model(model_dir: str, rank: int):
     from learner.runtime.lora import apply_lora
 
     cfg = SimpleNamespace(
-        lora_rank=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["all-linear"], gradient_checkpointing=False
+        lora_rank=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=["all-linear"],
+        gradient_checkpointing=False,
     )
     model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
     gen = torch.Generator().manual_seed(0)
