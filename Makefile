@@ -76,6 +76,7 @@ bench: setup
 	$(PY) bench/idle_spin.py
 	$(PY) bench/agent.py
 	$(PY) bench/lora_serving.py
+	$(PY) bench/lora_push.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/
