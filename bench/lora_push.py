@@ -39,30 +39,6 @@ REPO = prepare(tests=True)
 MODES = ("merged", "adapter")
 
 
-def lora_model(model_dir: str, rank: int):
-    from types import SimpleNamespace
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from learner.runtime.lora import apply_lora
-
-    cfg = SimpleNamespace(
-        lora_rank=rank,
-        lora_alpha=2 * rank,
-        lora_dropout=0.0,
-        target_modules=["all-linear"],
-        gradient_checkpointing=False,
-    )
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-    return model.eval()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="HF model folder (default: the tiny model, built here)")
@@ -73,11 +49,12 @@ def main() -> None:
 
     from common.tiny import build_tiny_model
     from common.weights.publisher import WeightPublisher
+    from helpers.lora_models import lora_model
     from helpers.rollout_harness import Controller
 
     work = Path(tempfile.mkdtemp(prefix="rayless-lora-push-"))
     model_dir = args.model or str(build_tiny_model(work / "tiny"))
-    model = lora_model(model_dir, args.rank)
+    model = lora_model(model_dir, args.rank, alpha=2 * args.rank, b_scale=0.01)
     ctrl = Controller(model.get_base_model(), weight_timeout_s=300.0)
     ctrl.model.name_or_path = model_dir
     try:

@@ -30,7 +30,25 @@ def unwrap(model: Any) -> torch.nn.Module:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-class ModelWeights:
+class _Listed:
+    """What a source tells the servers before sending: ``_params`` (name, parameter) in the
+    order sent, each in ``dtype`` (None: its own), shapes from ``ds_shape`` under ZeRO-3 (no
+    gather)."""
+
+    _params: list[tuple[str, Any]]
+    dtype: torch.dtype | None
+    zero3: bool
+
+    def metadata(self) -> list[ParamMeta]:
+        return [
+            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
+        ]
+
+    def nbytes(self) -> int:
+        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
+
+
+class ModelWeights(_Listed):
     """A vLLM ``WeightSource`` over a torch module: checkpoint (HF) names, in the engine dtype.
 
     - Tied parameters: the engine must load them under every name (``lm_head.weight`` and
@@ -85,14 +103,6 @@ class ModelWeights:
                     self.aliases[name] = first[id(p)]
             self._params = [(n, p) for n, p in self._params if n not in self.aliases]
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
-
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
-        ]
-
-    def nbytes(self) -> int:
-        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         if not self.zero3:
@@ -159,7 +169,7 @@ def checked(pairs: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) ->
         raise ValueError(f"weights changed while sending: {i + 1} tensors, servers expect {len(meta)}")
 
 
-class AdapterWeights:
+class AdapterWeights(_Listed):
     """The active LoRA adapter of a peft model, as a server serves it (``--lora_sync adapter``):
     each adapted layer's ``lora_A`` and ``lora_B`` weights under PEFT's saved names
     (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), in the engine dtype,
@@ -203,14 +213,6 @@ class AdapterWeights:
             )
         self.lora = LoraAdapter(rank=int(config.r), alpha=float(config.lora_alpha), target_modules=sorted(targets))
         self.zero3 = any(hasattr(p, "ds_id") for _, p in self._params)
-
-    def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
-        ]
-
-    def nbytes(self) -> int:
-        return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         if not self.zero3:

@@ -19,6 +19,7 @@ from common.weights import SENDERS, resolve_backend, sender_class
 from common.weights.publisher import WeightPublisher, WeightSyncError
 from common.weights.source import ModelWeights, _layer_runs
 from common.weights.wire import ParamMeta, bucket_plan, iter_packed, unpack
+from helpers.lora_models import lora_model
 from helpers.paths import HELPERS
 from helpers.rollout_fakes import FakeControl, FakeServer, TinyLM
 
@@ -344,27 +345,6 @@ def test_sync_host_follows_the_controllers_address(bind, sync_host, expected):
 # --------------------------------------------------------------------------- LoRA
 
 
-def _lora_model(model_dir):
-    """The tiny Qwen2 with rank-8 adapters on every linear layer, B nonzero (peft starts it at 0,
-    which would make any merge look right)."""
-    from types import SimpleNamespace
-
-    from transformers import AutoModelForCausalLM
-
-    from learner.runtime.lora import apply_lora
-
-    cfg = SimpleNamespace(
-        lora_rank=8, lora_alpha=16, lora_dropout=0.0, target_modules=["all-linear"], gradient_checkpointing=False
-    )
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model.eval()
-
-
 def test_a_lora_model_is_pushed_merged_under_the_base_names_and_its_weights_stay_untouched(tiny_model_dir):
     """The merged push: base model names (no LoRA tensor on the wire), each adapted weight
     W + (alpha/r) B A -- here alpha/r = 16/8 = 2, computed by hand below -- in fp32 then the
@@ -372,7 +352,7 @@ def test_a_lora_model_is_pushed_merged_under_the_base_names_and_its_weights_stay
     logits; the trained parameters are bit-identical after the push (nothing merged in place)."""
     from transformers import AutoModelForCausalLM
 
-    peft_model = _lora_model(tiny_model_dir)
+    peft_model = lora_model(tiny_model_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
     src = ModelWeights(peft_model, torch.float32)
@@ -415,7 +395,7 @@ def test_adapter_sync_sends_the_base_once_then_the_adapter_alone_which_serves_as
     from common import protocol as P
     from common.weights.source import AdapterWeights
 
-    peft_model = _lora_model(tiny_model_dir)
+    peft_model = lora_model(tiny_model_dir)
     adapter = AdapterWeights(peft_model, torch.float32)
     want = get_peft_model_state_dict(peft_model)  # what peft's save_pretrained writes
     assert sorted(m.name for m in adapter.metadata()) == sorted(want)

@@ -1,0 +1,27 @@
+"""A LoRA (peft) model to push, for the weight-sync tests and ``bench/lora_push.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+def lora_model(model_dir, rank: int = 8, alpha: int = 16, b_scale: float = 0.05):
+    """The HF model in ``model_dir`` (fp32) with rank-``rank`` adapters on every linear layer
+    (``learner.runtime.lora.apply_lora``), B drawn nonzero (peft starts it at 0, which would make
+    any merge or adapter look right), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.runtime.lora import apply_lora
+
+    cfg = SimpleNamespace(
+        lora_rank=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["all-linear"], gradient_checkpointing=False
+    )
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_scale)
+    return model.eval()
