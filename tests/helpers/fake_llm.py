@@ -41,7 +41,7 @@ class FakeLLM:
         self.session = False  # vLLM's worker: a weight update started and neither finished nor failed
         self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
 
-    async def add_request(self, req_id, prompt, params):
+    async def add_request(self, req_id, prompt, params, lora_request=None):
         self.prompts[req_id] = dict(prompt)
         col = _Collector()
         self.running[req_id] = asyncio.ensure_future(self._run(req_id, prompt, params, col))
