@@ -174,8 +174,8 @@ class RolloutCore:
             "aborted": 0,
             "updates": 0,
             "failed_updates": 0,
-            "samples_across_updates": 0,
-            "adapters": 0,  # LoRA adapters loaded (--enable_lora)  # kept in flight through an update: tokens of 2+ versions
+            "samples_across_updates": 0,  # kept in flight through an update: tokens of 2+ versions
+            "adapters": 0,  # LoRA adapters loaded (--enable_lora)
             "aborted_by_controller": 0,  # prompts the controller dropped (P.Abort: too stale to train on)
             "episodes": 0,  # agent episodes finished (each is a sample)
             "agent_turns": 0,
@@ -187,16 +187,16 @@ class RolloutCore:
             "agent_later_turn_cached": 0,
         }
         # --enable_lora: the adapter requests are admitted with (None: the weights alone), the
-        # adapters registered with the engine by LoRA id, and how many requests run with each.
+        # adapters registered with the engine (LoRA id -> folder), and how many requests run with each.
         self._lora: Any = None
-        self._loras: dict[int, tuple[Any, Path]] = {}
+        self._loras: dict[int, Path] = {}
         self._lora_users: Counter[int] = Counter()
         self._lora_ids = itertools.count(1)
         self._lora_root: Path | None = None
         self._lora_root_ours = False  # a temporary folder of ours: removed at shutdown
         self._retiring: set[asyncio.Future] = set()
         self._update_adapter_only = False
-        self._pending_adapter: Path | None = None  # received in the open update, served from its finish
+        self._pending_adapter: tuple[int, Path] | None = None  # received in the open update: served from its finish
         self.agent: Any = None  # the --agent_func_path executor, loaded by start()
         self.agent_identity = ""
         self.tokenizer: Any = None  # the model's HF tokenizer, for agent episodes
@@ -317,7 +317,7 @@ class RolloutCore:
             llm, self.llm = self.llm, None
             await asyncio.to_thread(llm.shutdown)
         if self._lora_root is not None:
-            for _, folder in self._loras.values():
+            for folder in self._loras.values():
                 shutil.rmtree(folder, ignore_errors=True)
             if self._lora_root_ours:
                 shutil.rmtree(self._lora_root, ignore_errors=True)
@@ -806,16 +806,8 @@ class RolloutCore:
             self._holds.discard("update_failed")
             await self._release("update")
             await self._retire_loras()
-            log.info(
-                "weights now at policy version %d (%s; prefix cache reset: %s)",
-                version,
-                f"adapter {lora.lora_name}"
-                if lora is not None
-                else "no adapter"
-                if self.cfg.enable_lora
-                else "weights",
-                reset,
-            )
+            served = f"adapter {lora.lora_name}" if lora is not None else "no adapter"
+            log.info("weights now at policy version %d (%s; prefix cache reset: %s)", version, served, reset)
             return reset
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -839,7 +831,8 @@ class RolloutCore:
             await self._fail_update()
             raise
         assert self._lora_root is not None  # made by start() with --enable_lora
-        folder = self._lora_root / f"adapter-{next(self._lora_ids)}"
+        lora_id = next(self._lora_ids)
+        folder = self._lora_root / f"adapter-{lora_id}"
         t0 = time.perf_counter()
         try:
             whole = not self._update_adapter_only  # the base weights come first (a joiner)
@@ -850,15 +843,14 @@ class RolloutCore:
             shutil.rmtree(folder, ignore_errors=True)
             await self._fail_update()
             raise
-        self._pending_adapter = folder
+        self._pending_adapter = (lora_id, folder)
         return time.perf_counter() - t0
 
     async def _load_adapter(self, version: int) -> Any:
         from vllm.lora.request import LoRARequest
 
-        folder, self._pending_adapter = self._pending_adapter, None
-        assert folder is not None
-        lora_id = int(folder.name.rsplit("-", 1)[1])
+        assert self._pending_adapter is not None
+        (lora_id, folder), self._pending_adapter = self._pending_adapter, None
         req = LoRARequest(f"rayless-v{version}-{lora_id}", lora_id, str(folder))
         try:
             if not await self.llm.add_lora(req):
@@ -866,7 +858,7 @@ class RolloutCore:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        self._loras[lora_id] = (req, folder)
+        self._loras[lora_id] = folder
         self.counters["adapters"] += 1
         return req
 
@@ -874,7 +866,7 @@ class RolloutCore:
         """Removes the adapters no request uses that are not the current one (engine and folder)."""
         current = self._lora.lora_int_id if self._lora is not None else None
         # Taken out before the first await: another call (a request ending meanwhile) sees them gone.
-        done = [(i, self._loras.pop(i)[1]) for i in list(self._loras) if i != current and not self._lora_users[i]]
+        done = [(i, self._loras.pop(i)) for i in list(self._loras) if i != current and not self._lora_users[i]]
         for i, folder in done:
             self._lora_users.pop(i, None)
             try:

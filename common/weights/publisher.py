@@ -104,7 +104,6 @@ class _Link:
     server: str
     workers: int
     group: SendGroup | None  # its own group; None while it is in the fleet group (or has none)
-    pushes: int = 0
     based: bool = False  # holds this learner's base weights (lora_sync="adapter": pushes may send only the adapter)
 
 
@@ -402,14 +401,14 @@ class WeightPublisher:
         ok = [s for s in targets if s in self.links]
         whole = self.adapter is None or any(not self.links[s].based for s in ok)
         if self.adapter is not None:
-            whole = self._another_pass(whole)  # ZeRO-3: the other ranks learn what rank 0 sends
+            whole = self._rank0_says(whole)  # ZeRO-3: the other ranks learn what rank 0 sends
         src = self._source(whole)
         report = PushReport(version=version, bytes_per_server=src.nbytes())
         if self.rank != 0:
             while True:
                 for _ in src:  # the ZeRO-3 gathers are collectives: every rank iterates
                     pass
-                if not self._another_pass(False):
+                if not self._rank0_says(False):
                     return report
         meta = src.metadata()
         t0 = time.monotonic()
@@ -422,17 +421,16 @@ class WeightPublisher:
                 self._drop_fleet("a server failed in it; formed again at the next push")
             # Other ranks (ZeRO-3) must know whether a second pass follows. Not in a `finally`:
             # if this pass broke half-way, their gathers are out of step already.
-            if self._another_pass(bool(report.retried)):
+            if self._rank0_says(bool(report.retried)):
                 own = self._push_own_groups(report.retried, version, src, meta, report, failures)  # pass 2
-                self._another_pass(False)
+                self._rank0_says(False)
         else:
             own = self._push_own_groups(ok, version, src, meta, report, failures)
-            self._another_pass(False)
+            self._rank0_says(False)
         report.updated = report.fleet + own
         report.seconds["total"] = time.monotonic() - t0
         report.failed = failures
         for s in report.updated:
-            self.links[s].pushes += 1
             self.links[s].based = True  # every push sends the base weights until they have them
         for s in failures:
             if s in self.links:
@@ -557,15 +555,16 @@ class WeightPublisher:
         self._add_seconds(report, "finish", t)
         return ok
 
-    def _another_pass(self, another: bool) -> bool:
-        """Multi-rank ZeRO-3: rank 0 tells the other ranks whether it makes another pass over the
-        weights (a retry), so that every rank makes as many gathers; they return what it said.
-        Single-rank or not ZeRO-3: only rank 0 iterates, nothing to tell."""
+    def _rank0_says(self, value: bool) -> bool:
+        """Multi-rank ZeRO-3: rank 0 tells the other ranks what its next pass over the weights
+        is (whether it makes another, a retry; whether the base goes with the adapter), so that
+        every rank makes the same gathers; they return what it said. Single-rank or not
+        ZeRO-3: only rank 0 iterates, nothing to tell."""
         import torch.distributed as dist
 
         if not (self.source.zero3 and dist.is_initialized() and dist.get_world_size() > 1):
-            return another
-        flag = torch.tensor([int(another)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            return value
+        flag = torch.tensor([int(value)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
