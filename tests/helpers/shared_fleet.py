@@ -16,7 +16,7 @@ test that checks every process of a run (listening sockets, CURVE keys, the Shut
 end), counts joiners, or needs other service flags. docs/testing.md has the list.
 
 The fleet's services run the tests' defaults: ``TINY_ROLLOUT_ARGS`` with the e2e agent file
-(``AGENT_EXAMPLE``) and the first-char-parity reward function, on the session's tiny model. A service found dead when a run asks for the
+(``AGENT_EXAMPLE``) and LoRA serving (``--enable_lora``), and the first-char-parity reward function, on the session's tiny model. A service found dead when a run asks for the
 fleet (a previous run broke it) is started again, and the run is told, so one failure does not
 fail every later test.
 """
@@ -46,8 +46,10 @@ class SharedFleet:
         self.port = free_port()
         self.controller = f"tcp://127.0.0.1:{self.port}"
         # With an agent file: a learner that asks for agent episodes (--agent_func_path, the same
-        # file) gets them; the others send plain prompts, served as always.
-        self.rollout_args = f"{TINY_ROLLOUT_ARGS} --agent_func_path {AGENT_EXAMPLE}"
+        # file) gets them; the others send plain prompts, served as always. With LoRA serving: a
+        # learner pushing its adapter (--lora_sync adapter, rank <= 8) has it served; the others
+        # push whole weights and are served without one.
+        self.rollout_args = f"{TINY_ROLLOUT_ARGS} --agent_func_path {AGENT_EXAMPLE} --enable_lora --max_lora_rank 8"
         self.reward_args = PARITY_REWARD
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts = 0  # service processes started: 3 for a session in which nothing was killed
