@@ -9,7 +9,10 @@ every tensor the receiver loaded equals the checkpoint's full tensor.
 ``--lora_rank R``: the model is a peft LoRA model (every linear layer but the head, B drawn
 nonzero, the adapters partitioned by DeepSpeed like the base): the receiver must get
 ``W + (alpha / r) B A`` for each adapted weight, the others as on disk; then both ranks save it
-(``learner.runtime.engine.save_hf``) and rank 0 checks the merged model and the adapter written.
+(``learner.runtime.engine.save_hf``) and rank 0 checks the merged model and the adapter written;
+then a publisher with ``lora_sync="adapter"`` pushes twice to a new receiver: the base weights as
+on disk and the adapter first (every rank told by rank 0 that the base goes too), the adapter
+alone next (``adapter_sync`` in the result).
 """
 
 import argparse
@@ -132,6 +135,37 @@ def main() -> None:
             result["adapter_equal"] = sorted(adapter) == sorted(n.replace(".default", "") for n in adapters) and all(
                 torch.equal(adapter[n.replace(".default", "")], t) for n, t in adapters.items()
             )
+        # --lora_sync adapter: a learner of its own kind (its publisher), a receiver of its own.
+        fresh = [FakeServer("ra")] if rank == 0 else []
+        apub = WeightPublisher(
+            engine,
+            control=FakeControl(fresh) if rank == 0 else None,
+            rank=rank,
+            backend="gloo",
+            bucket_bytes=256 * 1024,
+            timeout_s=args.timeout_s,
+            lora_sync="adapter",
+        )
+        if rank == 0:
+            apub.connect("ra", workers=1, dtype="float32")
+        first = apub.push(2)
+        second = apub.push(3)
+        if rank == 0:
+            (ra,) = fresh
+            peft_names = {n.replace(".default", ""): t for n, t in adapters.items()}
+
+            def folder_equal(folder) -> bool:
+                got = load_file(folder / "adapter_model.safetensors")
+                return sorted(got) == sorted(peft_names) and all(torch.equal(got[n], t) for n, t in peft_names.items())
+
+            loaded = ra.model.loaded
+            result["adapter_sync"] = {
+                "starts": ra.starts,  # adapter_only per push
+                "base_equal": sorted(loaded) == sorted(disk) and all(torch.equal(loaded[k], disk[k]) for k in disk),
+                "adapters_equal": [folder_equal(f) for f in ra.adapters],
+                "bytes_second_over_first": round(second.bytes_per_server / first.bytes_per_server, 3),
+            }
+            apub.close()
             print("RESULT " + json.dumps(result), flush=True)
     # Both ranks leave together, and without the interpreter's teardown: after a push in which a
     # server died on purpose, destroying the gloo groups whose pairs that death broke can abort a
