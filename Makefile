@@ -48,12 +48,19 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Two tests at a time (pytest-xdist): one test's processes take turns and leave a core idle
+# much of the time. Each module is one unit of work on one worker (its fixtures start once),
+# the runs that join the shared fleet are one unit; tests/conftest.py defines and orders the
+# units, docs/testing.md says why. TEST_WORKERS=0 runs everything in this one process.
 # The 20 slowest tests are printed at the end of each run: the place to look when CI grows.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
+
 test: setup
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --durations=20 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" --durations=20 $(PYTEST_ARGS)
 
 # A real Slurm on this host (root; installs Debian's packages when missing): an emulated
 # 4-node cluster runs launch/grpo_70b.slurm unedited on CPU, and launch/add_rollouts.slurm

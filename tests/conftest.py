@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +25,68 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     )
 
 
+FLEET_UNIT = "shared_fleet"
+
+
+def _fleet_tests(path: Path) -> frozenset[str]:
+    """Names of the test functions in a test file that take the ``shared_fleet`` fixture."""
+    if path not in _FLEET_TESTS:
+        tree = ast.parse(path.read_text()) if path.suffix == ".py" and path.exists() else ast.Module(body=[])
+        _FLEET_TESTS[path] = frozenset(
+            node.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and any(arg.arg == "shared_fleet" for arg in node.args.args)
+        )
+    return _FLEET_TESTS[path]
+
+
+_FLEET_TESTS: dict[Path, frozenset[str]] = {}
+
+
+def work_unit(root: Path, nodeid: str) -> str:
+    """What one pytest-xdist worker runs whole: the runs that join the shared fleet (one fleet,
+    started once), else the test's module (its module-scoped fixtures start once)."""
+    module, _, rest = nodeid.partition("::")
+    name = rest.split("::")[-1].split("[")[0]
+    return FLEET_UNIT if name in _fleet_tests(root / module) else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` (what ``make test`` runs) with ``work_unit`` as the scope. (xdist's
+    own ``loadgroup`` would do it from marks, but it renames node ids in a way pytest 9 no
+    longer reads, so its groups come apart.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(config.rootpath, nodeid)
+
+    return WorkUnits(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    # The runs that join the session's shared fleet go last, one after another: the fleet is
-    # started for the first of them and stopped at the end, so it idles through no other test
-    # (and holds none of the memory a test starting its own vLLM needs).
-    # Those that kill one of its servers (marked breaks_fleet) go after the rest of them.
-    def order(item) -> int:
-        if "shared_fleet" not in item.fixturenames:
-            return 0
-        return 2 if item.get_closest_marker("breaks_fleet") else 1
+    # The runs that join the session's shared fleet run one after another, in one process (the
+    # fleet is started once, for the first of them); those that kill one of its servers (marked
+    # breaks_fleet) after the rest of them.
+    # Under pytest-xdist (`make test`: two workers) each unit of work (``work_unit``) runs whole
+    # on one worker, and a worker takes the next unit in the order the items have here when it
+    # is nearly done with its own: the fleet's runs first (the longest chain: the fleet starts,
+    # then ~10 runs one by one), then the modules marked slow (engines, learners), then the
+    # quick ones, so that the units left at the end, which one worker may finish while the
+    # other idles, are short.
+    # In a single process the fleet's runs go last instead: the idle fleet then holds no memory
+    # while another test starts vLLM of its own.
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ
+
+    def order(item) -> tuple[int, int]:
+        within = 1 if item.get_closest_marker("breaks_fleet") else 0
+        if "shared_fleet" in item.fixturenames:
+            return (0 if in_worker else 3, within)
+        return (1 if item.get_closest_marker("slow") else 2, 0) if in_worker else (0, 0)
 
     items.sort(key=order)  # stable: the order within each part is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
