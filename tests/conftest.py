@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-# The ceiling of the whole suite's wall time on the developers' kind of host (2 cores, 24 GiB),
-# in seconds; docs/testing.md says how it was measured, how to keep it, and the goal below it.
-BUDGET_S = 1200
+# The ceiling of the whole suite's wall time as `make test` runs it (two workers) on the
+# developers' kind of host (2 cores, 24 GiB), in seconds; docs/testing.md says how it was
+# measured, how to keep it, and the goal it is measured against.
+BUDGET_S = 900
+BUDGET_WORKERS = 2
 _started = time.monotonic()
 
 
@@ -19,6 +21,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("markexpr") or config.args != config.getini("testpaths"):
         return  # a selection: the budget is the whole suite's
     took = time.monotonic() - _started
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if workers != BUDGET_WORKERS:
+        how = f"{workers} workers" if workers else "one process"
+        terminalreporter.write_line(
+            f"test suite: {took:.0f} s in {how} (the budget, {BUDGET_S} s, is for `make test`'s "
+            f"{BUDGET_WORKERS} workers; docs/testing.md)"
+        )
+        return
     verdict = "within" if took <= BUDGET_S else "OVER"
     terminalreporter.write_line(
         f"test suite: {took:.0f} s, {verdict} its budget of {BUDGET_S} s on a 2-core host (docs/testing.md)"

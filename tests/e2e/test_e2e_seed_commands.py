@@ -1,12 +1,13 @@
-"""The seed's PPO commands of workflows 1 and 2 (tests/helpers/seed_commands.py) run on the tiny
-model through launch.local, on CPU: the command as ported (module name swapped), with only
+"""The seed's PPO commands of workflows 1 and 2 (tests/helpers/seed_commands.py) run through
+launch.local, on CPU (workflow 2 here on the tiny model; workflow 1 in test_workflow1.py, as the
+last hop after the SFT and reward-model hops, on the models they trained): the command as ported (module name swapped), with only
 what cannot exist here replaced, the substitutions listed below. Slow: each run starts vLLM,
 DeepSpeed (ZeRO-3, bf16, as the command asks) and a critic.
 
 What is replaced, and why:
-- names of models and data on the hub (no hub here) -> the tiny model, a local chat dataset, a
-  tiny reward model with a saved mean/std (workflow 1, ``--normalize_reward``) or a reward_func
-  file (workflow 2);
+- names of models and data on the hub (no hub here) -> the tiny model (workflow 1: the SFT model
+  trained from it), a local chat dataset, the reward model trained there with its saved
+  mean/std (workflow 1, ``--normalize_reward``) or a reward_func file (workflow 2);
 - paths under /openrlhf -> the test's folder;
 - sizes fit for 8x 80 GB GPUs -> 2 steps of 4 prompts;
 - ``--vllm_sync_backend nccl`` -> gloo (no GPU; and colocated NCCL is refused on GPUs until the
@@ -50,17 +51,19 @@ def _chat_prompts(path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("workflow", sorted(SEED_PPO_COMMANDS))
-def test_seed_command_runs_on_the_tiny_model(workflow, tmp_path, tiny_model_dir):
-    tiny = str(tiny_model_dir)
+def run_seed_command(workflow: str, tmp_path, policy: str, reward_model: str | None = None):
+    """Runs a seed PPO command, ported, through launch.local and checks what every seed run must
+    do; returns (run folder, the learner's log, the metrics of each step). ``policy`` and
+    ``reward_model`` stand in for the hub's SFT and reward models (``reward_model`` default: a
+    reward model made here from ``policy``)."""
     command = ported(SEED_PPO_COMMANDS[workflow])
+    if reward_model is None and "--reward_pretrain" in command:
+        reward_model = _tiny_reward_model(policy, tmp_path / "rm")
     for hub_name, local in {
-        "OpenRLHF/Llama-3-8b-sft-mixture": tiny,
+        "OpenRLHF/Llama-3-8b-sft-mixture": policy,
         "OpenRLHF/prompt-collection-v0.1": _chat_prompts(tmp_path / "prompts.jsonl"),
         "/path/to/reward_func.py": str(HELPERS / "reward_first_char_parity.py"),
-        "OpenRLHF/Llama-3-8b-rm-700k": (
-            _tiny_reward_model(tiny, tmp_path / "rm") if "--reward_pretrain" in command else "unused"
-        ),
+        "OpenRLHF/Llama-3-8b-rm-700k": reward_model or "unused",
     }.items():
         command = command.replace(hub_name, local)
     learner = argv(command) + [
@@ -70,7 +73,7 @@ def test_seed_command_runs_on_the_tiny_model(workflow, tmp_path, tiny_model_dir)
         *("--vllm_sync_backend", "gloo"),
     ]
     rollout = "--dtype float32 --max_model_len 256 --tensor_parallel_size 1 --seed 0"
-    cmd = local_cmd(tmp_path / "run", tiny, learner, rollout=rollout, reward=None, extra=["--quiet"])
+    cmd = local_cmd(tmp_path / "run", policy, learner, rollout=rollout, reward=None, extra=["--quiet"])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), timeout=900)
     run = tmp_path / "run"
     learner_log = (run / "logs" / "learner.log").read_text() if (run / "logs" / "learner.log").exists() else ""
@@ -83,3 +86,10 @@ def test_seed_command_runs_on_the_tiny_model(workflow, tmp_path, tiny_model_dir)
     for flag in ("vllm_enable_sleep", "deepspeed_enable_sleep", "vllm_gpu_memory_utilization"):
         assert learner_log.count(f"--{flag} cannot act here") == 1, flag
     assert (run / "model" / "config.json").exists()
+    return run, learner_log, steps
+
+
+def test_seed_workflow2_command_runs_on_the_tiny_model(tmp_path, tiny_model_dir):
+    """Workflow 2 (a reward_func file). Workflow 1's command runs in test_workflow1.py, on the
+    SFT and reward models that workflow's earlier hops trained."""
+    run_seed_command("workflow2", tmp_path, str(tiny_model_dir))

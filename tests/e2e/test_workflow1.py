@@ -1,10 +1,10 @@
-"""Workflow 1 (SFT -> reward model -> PPO) on the tiny model, the SFT and RM hops: the SFT
-model is the RM's starting point, and the RM it writes loads in plain transformers and in
+"""Workflow 1 (SFT -> reward model -> PPO) on the tiny model: the SFT model is the RM's
+starting point, and the RM it writes loads in plain transformers and in
 our reward service with the same rewards, normalised by the mean/std the trainer wrote.
 
-The PPO hop (learner.train_ppo with --reward_pretrain pointing at this RM, scored by the
-reward service) belongs to the PPO learner's tests; ``workflow1_models`` here is the
-fixture-shaped start for it.
+The PPO hop is the seed's workflow-1 command itself (learner.train_ppo, colocated, a critic,
+--reward_pretrain this RM scored by the reward service), run as test_e2e_seed_commands.py runs
+it, on the models trained here.
 """
 
 from __future__ import annotations
@@ -135,56 +135,16 @@ def test_rm_loads_in_transformers_and_reward_service_with_its_mean_and_std(workf
 
 
 @pytest.mark.slow
-def test_ppo_hop_with_the_trained_rm_scored_by_the_reward_service(workflow1_models, tmp_path):
-    """The seed's workflow 1, last hop: train_ppo from the SFT model with --reward_pretrain the
-    trained RM. launch.local passes the RM (and the reference model, KL being on) to the reward
-    service; the learner checks at start-up that a service scores with both."""
-    import subprocess
+def test_ppo_hop_is_the_seeds_command_on_the_trained_models(workflow1_models, tmp_path):
+    """The seed's workflow 1, last hop: its PPO command as ported (test_e2e_seed_commands.py), from
+    the SFT model with --reward_pretrain the trained RM and --normalize_reward. launch.local passes
+    the RM (and the reference model, KL being on) to the reward service; the learner checks at
+    start-up that a service scores with both."""
+    from test_e2e_seed_commands import run_seed_command
 
-    from helpers.e2e_launch import cpu_env, local_cmd
-
-    run = tmp_path / "ppo"
-    learner = [
-        "--prompt_data",
-        workflow1_models["prompts_train"],
-        "--input_key",
-        "input",
-        "--apply_chat_template",
-        "--reward_pretrain",
-        str(workflow1_models["rm"]),
-        "--normalize_reward",
-        "--init_kl_coef",
-        "0.01",
-        "--advantage_estimator",
-        "rloo",
-        "--n_samples_per_prompt",
-        "4",
-        "--rollout_batch_size",
-        "8",
-        "--train_batch_size",
-        "32",
-        "--micro_train_batch_size",
-        "16",
-        "--max_steps",
-        "3",
-        "--generate_max_len",
-        "8",
-        "--actor_learning_rate",
-        "1e-4",
-        "--zero_stage",
-        "2",
-    ]
-    rollout = "--dtype float32 --max_model_len 256 --enforce_eager"
-    cmd = local_cmd(run, workflow1_models["sft"], learner, rollout=rollout, reward=None, extra=["--quiet"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_env(), timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    reward_log = (run / "logs" / "reward-0.log").read_text()
-    assert "--reward_pretrain" in reward_log.splitlines()[0] and "--ref_pretrain" in reward_log.splitlines()[0]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "rollout/reward" in r]
-    assert len(steps) == 3
-    # RM scores are real numbers (normalised: around 0), the KL term is live, and the policy
-    # moved away from the reference it started equal to.
+    run, _, steps = run_seed_command("workflow1", tmp_path, str(workflow1_models["sft"]), str(workflow1_models["rm"]))
+    first = (run / "logs" / "reward-0.log").read_text().splitlines()[0]
+    assert f"--reward_pretrain {workflow1_models['rm']}" in first and "--ref_pretrain" in first, first
+    # The trained RM's scores are real numbers (normalised by its mean/std), the KL term is live.
     assert all(r["rollout/reward"] == r["rollout/reward"] for r in steps)
-    assert steps[0]["policy/kl_coef"] == 0.01 and abs(steps[-1]["policy/kl_to_ref"]) > 0
-    assert (run / "model" / "config.json").exists()
+    assert all(r["policy/kl_coef"] == 0.01 and "policy/kl_to_ref" in r for r in steps), steps[-1]
