@@ -16,6 +16,14 @@ BUDGET_S = 900
 BUDGET_WORKERS = 2
 _started = time.monotonic()
 
+# vLLM-CPU's default binding ('auto') puts each engine's OpenMP threads on the node's cores but
+# one it reserves: on these 2-core hosts, core 0 for every engine, whatever else runs there. With
+# two tests at a time and up to three engines each, the suite's engines all computed on core 0
+# while the learners had core 1. Unbound, an engine's one thread (OMP_NUM_THREADS=1) goes where
+# the kernel finds room. Every process the tests start inherits this; the tests of the binding
+# itself set their own (tests/unit/launch/test_cpu_cores.py).
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("markexpr") or config.args != config.getini("testpaths"):

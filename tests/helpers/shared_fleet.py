@@ -49,7 +49,12 @@ class SharedFleet:
         # file) gets them; the others send plain prompts, served as always. With LoRA serving: a
         # learner pushing its adapter (--lora_sync adapter, rank <= 8) has it served; the others
         # push whole weights and are served without one.
-        self.rollout_args = f"{TINY_ROLLOUT_ARGS} --agent_func_path {AGENT_EXAMPLE} --enable_lora --max_lora_rank 8"
+        # Idle spin 0.05 s, as launch.local's lockstep runs on a CPU host have it (--cpu_cores
+        # phases): vLLM's own, 1 s of sched_yield on a core after every generation, would run
+        # through each lockstep run's training phase, taken from its learner and the other worker's test.
+        self.rollout_args = (
+            f"{TINY_ROLLOUT_ARGS} --agent_func_path {AGENT_EXAMPLE} --enable_lora --max_lora_rank 8 --idle_spin_s 0.05"
+        )
         self.reward_args = PARITY_REWARD
         self.procs: dict[str, subprocess.Popen] = {}
         self.starts = 0  # service processes started: 3 for a session in which nothing was killed
