@@ -52,7 +52,7 @@ class _Pending:
         deadline = time.monotonic() + timeout
         try:
             while self.call_id not in c._replies:
-                c._lost.extend(c.pool.reap())  # silence past the deadline counts while we wait, too
+                c._judge_silence()  # silence past the deadline counts while we wait, too
                 peer = c.peer(self.server)
                 if peer is not None and not peer.alive:
                     # Declared dead while we waited (a fatal notice, silence): no reply will come.
@@ -185,5 +185,16 @@ class RolloutClient:
     def reap(self) -> list[LostWork]:
         """Dead servers (silent past the pool's deadline, announced fatal, unreachable, failed a
         weight push) with the prompt ids each held."""
-        lost, self._lost = self._lost + self.pool.reap(), []
+        self._judge_silence()
+        lost, self._lost = self._lost, []
         return lost
+
+    def _judge_silence(self) -> None:
+        """Declares dead the peers silent past the deadline, after reading all that has arrived:
+        a controller that read nothing for a while (a training step longer than the peer timeout)
+        finds its services' heartbeats waiting in the socket, and its own absence is not their
+        silence. Reading until the socket is empty ends: handling a message is far quicker than
+        the services send them."""
+        while self._pump_one(0.0):
+            pass
+        self._lost.extend(self.pool.reap())

@@ -172,6 +172,27 @@ def test_a_dead_server_is_named_fast_and_its_prompts_come_back(ctl):
     assert [(lw.reason, len(lw.keys)) for lw in client.reap()] == [("announced a fatal error: a: engine died", 2)]
 
 
+def test_a_controller_busy_past_the_peer_timeout_reads_the_heartbeats_waiting_for_it_first(ctl):
+    """The learner trains for longer than the peer timeout (a big model's step) and reads nothing
+    meanwhile; its servers heartbeat all along, into the socket. Its next call (a weight push's
+    WeightUpdateStart) reads what waited before it judges anyone's silence: the servers are
+    alive, and the call gets its reply. (It once declared the whole fleet dead there, and the
+    push failed for every server.) A server that really went silent is still declared dead."""
+    client, join = ctl
+    join("a", 2)
+    b = join("b", 2)
+    b.freeze()  # hung: silent from here on
+    time.sleep(1.5)  # the controller is busy: peer timeout 1.0 s, a's heartbeats wait in the socket
+    assert isinstance(client.call("a", P.GetHealth(), timeout=5), P.Health)
+    assert client.peer("a").alive
+    # b's last heartbeats were read just now too: its silence counts from there.
+    deadline, lost = time.monotonic() + 5, []
+    while not lost and time.monotonic() < deadline:
+        client.poll(0.05)
+        lost = client.reap()
+    assert [lw.peer.name for lw in lost] == ["b"] and client.servers() == ["a"]
+
+
 def test_a_joiner_that_answers_its_weight_group_with_an_error_fails_at_once_with_its_message():
     """The publisher's rendezvous would wait out its whole timeout (60 s here) for workers that
     will never join: the server's Error reply ends it at once, quoted, and the server is
