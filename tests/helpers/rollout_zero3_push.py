@@ -76,20 +76,26 @@ def main() -> None:
         else []
     )
     server = servers[0] if servers else None
-    pub = WeightPublisher(
-        engine,
-        control=FakeControl(servers) if rank == 0 else None,
-        rank=rank,
-        backend="gloo",
-        bucket_bytes=256 * 1024,
-        timeout_s=args.timeout_s,
-    )
+
+    def publisher(to: list[FakeServer], lora_sync: str = "merged") -> WeightPublisher:
+        """A publisher of this engine (the servers ``to`` on rank 0), connected to them."""
+        made = WeightPublisher(
+            engine,
+            control=FakeControl(to) if rank == 0 else None,
+            rank=rank,
+            backend="gloo",
+            bucket_bytes=256 * 1024,
+            timeout_s=args.timeout_s,
+            lora_sync=lora_sync,
+        )
+        for s in to:
+            made.connect(s.name, workers=1, dtype="float32")
+        return made
+
+    pub = publisher(servers)
     partitioned = all(p.numel() == 0 for _, p in pub.source._params) and all(
         q.numel() == 0 for n, q in engine.module.named_parameters() if ".lora_" in n
     )
-    if rank == 0:
-        for s in servers:
-            pub.connect(s.name, workers=1, dtype="float32")
     try:
         report = pub.push(1)
     except WeightSyncError as e:
@@ -137,17 +143,7 @@ def main() -> None:
             )
         # --lora_sync adapter: a learner of its own kind (its publisher), a receiver of its own.
         fresh = [FakeServer("ra")] if rank == 0 else []
-        apub = WeightPublisher(
-            engine,
-            control=FakeControl(fresh) if rank == 0 else None,
-            rank=rank,
-            backend="gloo",
-            bucket_bytes=256 * 1024,
-            timeout_s=args.timeout_s,
-            lora_sync="adapter",
-        )
-        if rank == 0:
-            apub.connect("ra", workers=1, dtype="float32")
+        apub = publisher(fresh, lora_sync="adapter")
         first = apub.push(2)
         second = apub.push(3)
         if rank == 0:
