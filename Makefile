@@ -48,12 +48,13 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# Two tests at a time (pytest-xdist): one test's processes take turns and leave a core idle
-# much of the time. Each module is one unit of work on one worker (its fixtures start once),
-# the runs that join the shared fleet are one unit; tests/conftest.py defines and orders the
-# units, docs/testing.md says why. TEST_WORKERS=0 runs everything in this one process.
+# Three tests at a time (pytest-xdist) on 2 cores: one test's processes take turns and leave a
+# core idle much of the time, and two at a time still left the cores idle in part of a run.
+# Each module is one unit of work on one worker (its fixtures start once), the runs that join
+# the shared fleet are one unit; tests/conftest.py defines and orders the units, docs/testing.md
+# says why and has the figures. TEST_WORKERS=0 runs everything in this one process.
 # The 20 slowest tests are printed at the end of each run: the place to look when CI grows.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: setup
