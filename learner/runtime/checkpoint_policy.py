@@ -28,9 +28,10 @@ def retained(steps: Sequence[int], *, max_num: int, scores: Mapping[int, float] 
     if max_num < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_num}")
     keep = set(sorted(steps)[-max_num:])
-    ranked = [s for s in steps if scores and s in scores]
-    if ranked:
-        keep.add(max(ranked, key=lambda s: (scores[s], -s)))
+    if scores:
+        ranked = [s for s in steps if s in scores]
+        if ranked:
+            keep.add(max(ranked, key=lambda s: (scores[s], -s)))
     return keep
 
 

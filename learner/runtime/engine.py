@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import deepspeed
 import torch
@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("rayless.engine")
-Number = int | float | torch.Tensor
+Number: TypeAlias = int | float | torch.Tensor
 
 
 # --------------------------------------------------------------------------- process group
@@ -240,7 +240,9 @@ def load_pretrained(
     bf16 with ``bf16`` (DeepSpeed keeps fp32 master copies in the optimizer), else fp32.
     """
     if auto_class is None:
-        from transformers import AutoModelForCausalLM as auto_class
+        from transformers import AutoModelForCausalLM
+
+        auto_class = AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = load_ds_config(zero_stage=zero_stage, bf16=bf16, offload=offload)
@@ -280,7 +282,8 @@ def make_optimizer(
     ``adam_offload`` uses DeepSpeedCPUAdam (the optimizer step runs on CPU next to the
     offloaded state; JIT-compiled on first use, cached in TORCH_EXTENSIONS_DIR).
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if name.endswith(_NO_DECAY) else decay).append(p)
@@ -476,8 +479,8 @@ def save_hf(
     if rank0:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        for key, value in (config_updates or {}).items():
-            setattr(module.config, key, value)
+        for attr, value in (config_updates or {}).items():
+            setattr(module.config, attr, value)
         module.save_pretrained(path, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
@@ -537,17 +540,16 @@ def _reduce(value: Number | Mapping[str, Number], op: str) -> Any:
             else []
         )
         return {k: float(v) for k, v in zip(keys, reduced, strict=True)}
-    is_tensor = isinstance(value, torch.Tensor)
     t = (
         value.detach().to(device(), dtype=torch.float64, copy=True)
-        if is_tensor
+        if isinstance(value, torch.Tensor)
         else torch.tensor(float(value), dtype=torch.float64, device=device())
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         if op == "mean":
             t /= dist.get_world_size()
-    if is_tensor:
+    if isinstance(value, torch.Tensor):
         return t.to(value.device, value.dtype)
     return t.item()
 

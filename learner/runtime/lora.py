@@ -94,7 +94,7 @@ def is_lora(module: Any) -> bool:
 
 def base_hf_model(module: torch.nn.Module) -> torch.nn.Module:
     """The HF model inside a peft model (its LoRA layers injected in place); ``module`` itself otherwise."""
-    return module.get_base_model() if is_lora(module) else module  # type: ignore[operator]
+    return module.get_base_model() if is_lora(module) else module
 
 
 def _gathered(params: list[Any]):
