@@ -69,12 +69,14 @@ def agent_metrics(controller: Any, samples: list[Any]) -> dict[str, float]:
 
 def log_step(step: int, total_steps: int, metrics: dict[str, Any]) -> None:
     value = f" value_loss {metrics['critic/value_loss']:.4f}" if "critic/value_loss" in metrics else ""
+    # absent when no trained sample came from the trained weights (async, every sample lagging)
+    diff = metrics.get("rollout/logprob_diff")
     log.info(
-        "step %d/%d reward %.3f logprob_diff %.2e kl %.4f gen %.1fs train %.1fs%s",
+        "step %d/%d reward %.3f logprob_diff %s kl %.4f gen %.1fs train %.1fs%s",
         step,
         total_steps,
         metrics["rollout/reward"],
-        metrics["rollout/logprob_diff"],
+        f"{diff:.2e}" if diff is not None else "n/a (no lag-0 sample)",
         metrics["policy/kl_to_ref"],
         metrics["time/generate_s"],
         metrics["time/train_s"],

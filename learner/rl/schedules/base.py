@@ -73,7 +73,7 @@ def broadcast_decision(decision: Decision | None) -> Decision:
 class Trainer(Protocol):
     """``learner.rl.policy_trainer.PolicyTrainer``, as a schedule uses it (every rank)."""
 
-    def step(self, rollout: Rollout, *, on_policy: bool = False) -> StepResult: ...
+    def step(self, rollout: Rollout, *, on_policy: bool = False, version: int | None = None) -> StepResult: ...
 
 
 class Weights(Protocol):
@@ -196,9 +196,10 @@ class Schedule(abc.ABC):
     def train(self, rollout: Rollout, step: int) -> StepResult:
         """Every rank. Step ``step`` trains the weights pushed as version ``step - 1``: when every
         sample came from them the step is on-policy, and the trainer may take the old log-probs
-        from its training forward (lockstep always; async when nothing lags, e.g. K = 0)."""
+        from its training forward (lockstep always; async when nothing lags, e.g. K = 0). The
+        samples of that version are the ones the trainer's ``rollout/logprob_diff`` is taken over."""
         on_policy = all(s.policy_version == step - 1 for s in rollout.samples)
-        return self.parts.trainer.step(rollout, on_policy=on_policy)
+        return self.parts.trainer.step(rollout, on_policy=on_policy, version=step - 1)
 
     def abandon(self) -> None:  # noqa: B027 - a hook: nothing to release unless the schedule runs something
         """A step raised: release what the schedule runs beside the step (before the error goes up)."""

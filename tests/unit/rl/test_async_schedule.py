@@ -48,7 +48,7 @@ class SlowTrainer:
         self.trained: list[list] = []
         self.on_policy: list[bool] = []
 
-    def step(self, rollout, *, on_policy=False):
+    def step(self, rollout, *, on_policy=False, version=None):
         time.sleep(self.seconds)
         self.trained.append(list(rollout.samples))
         self.on_policy.append(on_policy)

@@ -50,7 +50,7 @@ class Recorder:
         }
 
     # trainer / weight push / driver
-    def step(self, rollout, *, on_policy=False):
+    def step(self, rollout, *, on_policy=False, version=None):
         self.calls.append(("train", len(rollout)))
         return StepResult({}, torch.zeros(len(rollout), 2))
 

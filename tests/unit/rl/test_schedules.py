@@ -34,10 +34,12 @@ class Recorder:
     def __init__(self, batches: list) -> None:
         self.batches = batches
         self.calls: list[tuple] = []
+        self.versions: list[int | None] = []  # the version each train call named as lag 0
 
     # trainer
-    def step(self, rollout, *, on_policy=False):
+    def step(self, rollout, *, on_policy=False, version=None):
         self.calls.append(("train", len(rollout), on_policy))
+        self.versions.append(version)
         return StepResult({"rollout/reward": 0.5}, torch.zeros(len(rollout), 2))
 
     # weight push
@@ -86,12 +88,13 @@ def test_a_step_gathers_trains_a_whole_number_of_train_batches_pushes_then_repor
 
 
 def test_a_sample_from_older_weights_makes_the_step_off_policy():
-    """Step 3 trains weights v2; a sample of v1 means the learner must recompute old log-probs."""
+    """Step 3 trains weights v2; a sample of v1 means the learner must recompute old log-probs.
+    The trainer is told v2 is the lag-0 version (its rollout/logprob_diff is taken over those)."""
     rollout = _rollout(2, version=2)
     rollout.samples[0].policy_version = 1
     rec = Recorder([rollout])
     _schedule(rec).step(3)
-    assert ("train", 4, False) in rec.calls
+    assert ("train", 4, False) in rec.calls and rec.versions == [2]
 
 
 def test_start_pushes_version_0_before_any_step():
