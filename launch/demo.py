@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 from common.config import flag, parse
 
@@ -55,9 +56,40 @@ class DemoConfig:
     )
 
 
-PRESETS = {
+class Preset(TypedDict):
+    """One ``--model``'s settings for every stage (``main`` lays the flags given over them)."""
+
+    task: str  # the task's module in launch/
+    task_text: str
+    sft_epochs: int
+    sft_lr: float
+    grpo_steps: int
+    eval_steps: int
+    lr: float
+    n: int
+    prompts: int
+    train_batch: int
+    micro_train: int
+    max_new: int
+    temperature: float
+    learner_threads: int  # 0: every core
+    cpu_cores: str
+    agent: NotRequired[str]  # --task agent only (AGENT_PRESET): the agent's module in launch/
+    agent_args: NotRequired[list[str]]
+
+
+class AgentPreset(TypedDict):
+    """What ``--task agent`` changes in a ``Preset``."""
+
+    agent: str
+    grpo_steps: int
+    task_text: str
+    agent_args: list[str]
+
+
+PRESETS: dict[str, Preset] = {
     # Measured on 2 cores: see README "The demo".
-    "tiny": dict(
+    "tiny": Preset(
         task="demo_task",
         task_text="reverse 4-digit strings; 200 held-out strings for evaluation",
         sft_epochs=2,
@@ -75,7 +107,7 @@ PRESETS = {
         cpu_cores="split",
     ),
     # SmolLM2 knows the format from its 3-shot prompt: no SFT (docs/smollm2.md has the numbers).
-    "smollm2": dict(
+    "smollm2": Preset(
         task="demo_task_smollm2",
         task_text="3-shot addition; 60 held-out pairs for evaluation",
         sft_epochs=0,
@@ -95,7 +127,7 @@ PRESETS = {
 }
 
 # --task agent (tiny model): the same prompts and SFT warm start, as two-try episodes.
-AGENT_PRESET = dict(
+AGENT_PRESET = AgentPreset(
     agent="demo_agent_task",
     # More steps than the single-answer demo: the summed reward of two tries is a noisier signal
     # for the first answer (measured: +0.11 to +0.19 held-out after 300 steps, docs/agents.md).
@@ -165,7 +197,7 @@ def prepare_model(cfg: DemoConfig, run: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(DemoConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.demo")
-    preset = dict(PRESETS[cfg.model])
+    preset = PRESETS[cfg.model].copy()
     if cfg.task == "agent":
         if cfg.model != "tiny":
             raise SystemExit("launch.demo: --task agent runs on the tiny model (--model tiny)")

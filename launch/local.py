@@ -125,6 +125,13 @@ class Role:
     finished: bool = False  # exited: 0 (the controller shut it down) is not a death, any other code is
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # on top of its kind's environment
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """``proc``, for a role already started (the launcher watches and stops only those)."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} has not been started")
+        return self.proc
+
 
 def learner_config(cfg: LocalConfig) -> PPOConfig:
     """The learner's flags (``--learner_args``, after the launcher's ``--pretrain``) parsed as
@@ -452,7 +459,7 @@ class Supervisor:
         it (they reconnect for --reconnect_timeout_s) and the new learner pushes them the
         resumed weights before any prompt. Its log is appended to."""
         self.restarts += 1
-        _signal_group(learner.proc, signal.SIGKILL)  # torchrun's ranks, if any are left
+        _signal_group(learner.process, signal.SIGKILL)  # torchrun's ranks, if any are left
         print(
             f"\nthe learner exited with code {code}; restarting it from its newest checkpoint "
             f"(restart {self.restarts} of {self.cfg.restart_learner}); log: {learner.log}",
@@ -469,7 +476,7 @@ class Supervisor:
         while True:
             self._progress()
             for r in self.roles:
-                code = r.proc.poll()
+                code = r.process.poll()
                 if code is None:
                     continue
                 if r is learner:
@@ -495,7 +502,7 @@ class Supervisor:
                 # controller re-issues what it held. The last one of a kind ends the run.
                 # Any code but 0 is a death, a signal from outside the run included (the
                 # services' exit codes: common/service.py).
-                left = [o for o in self.roles if o.kind == r.kind and o.proc.poll() is None]
+                left = [o for o in self.roles if o.kind == r.kind and o.process.poll() is None]
                 print(
                     f"\n{r.name} died (exit code {code}): {describe_exit(code)}; see its log: {r.log}\n{_tail(r.log)}",
                     file=sys.stderr,
@@ -510,15 +517,15 @@ class Supervisor:
         """terminate -> wait with a deadline -> kill, every role's whole process group."""
         alive = [r for r in self.roles if r.proc is not None and r.proc.poll() is None]
         for r in alive:
-            _signal_group(r.proc, signal.SIGTERM)
+            _signal_group(r.process, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.stop_timeout_s
         for r in alive:
             try:
-                r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                r.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 print(f"{r.name} did not exit within {self.cfg.stop_timeout_s:.0f} s; killing it", file=sys.stderr)
-                _signal_group(r.proc, signal.SIGKILL)
-                r.proc.wait(timeout=10)
+                _signal_group(r.process, signal.SIGKILL)
+                r.process.wait(timeout=10)
         for r in self.roles:  # stragglers of finished roles (engine cores, workers)
             if r.proc is not None:
                 _signal_group(r.proc, signal.SIGKILL)
