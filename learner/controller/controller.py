@@ -419,6 +419,13 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
     resp = torch.as_tensor(sb.response_ids).to(torch.int32).split(sb.response_lengths)
     lps = torch.as_tensor(sb.logprobs).to(torch.float32).split(sb.response_lengths)
     score_row = {idx: j for j, idx in enumerate(sc.sample_indices)}
+    # The reward service's extra_logs (an agent's own scoring carries the agent's, read below
+    # from the samples); a list of another length than the rows is a service's bug, not logged.
+    reward_logs = (
+        {k: v for k, v in sc.extra_logs.items() if len(v) == len(sc.sample_indices)}
+        if sc.server != AGENT_SCORER
+        else {}
+    )
     ref_offsets = None
     if sc.ref_logprobs is not None:  # flat, in the order of sc.sample_indices
         length = dict(zip(sb.sample_indices, sb.response_lengths, strict=True))
@@ -452,6 +459,8 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
                 policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
                 action_mask=masks[i].clone() if masks is not None else None,
                 turns=sb.turns[i] if agent and sb.turns else 0,
+                reward_logs={k: float(v[score_row[idx]]) for k, v in reward_logs.items()},
+                agent_logs=dict(sb.agent_logs[i]) if agent and sb.agent_logs else {},
             )
         )
     return out

@@ -48,6 +48,11 @@ class ScoredSample:
     # feedback, which is context only); None: every response token is the policy's.
     action_mask: torch.Tensor | None = None
     turns: int = 0  # the episode's actions (0: not an agent sample)
+    # The ``extra_logs`` the reward function(s) and the agent returned for this sample, as they
+    # named them (NaN: its source logged that name for other samples only). Rank 0 reports their
+    # means (``learner.rl.metrics.extra_log_metrics``); they are not broadcast to other ranks.
+    reward_logs: dict[str, float] = field(default_factory=dict)
+    agent_logs: dict[str, float] = field(default_factory=dict)
 
     @property
     def action_len(self) -> int:

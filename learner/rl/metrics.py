@@ -4,6 +4,8 @@ Weights & Biases (``--use_wandb``), and the one-line step summary in the log. Ra
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,10 @@ def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
 
 
 def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, float]) -> dict[str, float]:
-    """The data path's counters for one step (``batch``: the step's ``learner.rl.driver.StepBatch``);
-    ``timings``: generate_s, train_s, step_s, eta_s, total_steps."""
-    return {
+    """The data path's counters for one step (``batch``: the step's ``learner.rl.driver.StepBatch``),
+    and the reward function's and the agent's own logs; ``timings``: generate_s, train_s, step_s,
+    eta_s, total_steps."""
+    out = {
         "time/generate_s": timings["generate_s"],
         "time/train_s": timings["train_s"],
         "time/step_s": timings["step_s"],
@@ -42,6 +45,7 @@ def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, 
         "samples": n_samples,
         **agent_metrics(controller, batch.rollout.samples),
     }
+    return {**out, **extra_log_metrics(batch.rollout.samples, taken=out)}
 
 
 def agent_metrics(controller: Any, samples: list[Any]) -> dict[str, float]:
@@ -65,6 +69,28 @@ def agent_metrics(controller: Any, samples: list[Any]) -> dict[str, float]:
     if later:
         out["agent/prefix_cache_hit"] = sum(st.get("agent_later_turn_cached", 0.0) for st in stats) / later
     return out
+
+
+def extra_log_metrics(samples: list[Any], taken: Collection[str] = ()) -> dict[str, float]:
+    """The ``extra_logs`` of the reward function(s) and of the agent (``ScoredSample.reward_logs``,
+    ``.agent_logs``) as their means over the step's samples, ``reward/<name>`` and
+    ``agent/<name>`` (OpenRLHF logs them too). Each mean is over the samples that logged the
+    name (NaN: one that did not). A name already under its prefix stays as it is (the reward
+    service's ``reward/<source>``, each source's own reward when several are summed); one that
+    would replace a metric of rayless's own (``taken``, e.g. ``agent/turns``) is logged as
+    ``<prefix>/extra/<name>`` instead."""
+    acc: dict[str, list[float]] = {}
+    for s in samples:
+        for prefix, logs in (("reward", s.reward_logs), ("agent", s.agent_logs)):
+            for name, v in logs.items():
+                if math.isfinite(v):
+                    key = name if name.startswith(f"{prefix}/") else f"{prefix}/{name}"
+                    if key in taken:
+                        key = f"{prefix}/extra/{name}"
+                    total = acc.setdefault(key, [0.0, 0.0])
+                    total[0] += v
+                    total[1] += 1
+    return {k: total / n for k, (total, n) in acc.items()}
 
 
 def log_step(step: int, total_steps: int, metrics: dict[str, Any]) -> None:

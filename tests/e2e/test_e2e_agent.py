@@ -50,6 +50,13 @@ def test_agent_episodes_train_lockstep_from_an_openrlhf_agent_file(tmp_path, tin
     assert all(m["rollout/response_len"] <= 3 * 4 for m in rows)  # actions only: at most 3 turns of 4
     assert max(m["rollout/logprob_diff"] for m in rows) < 1e-3, [m["rollout/logprob_diff"] for m in rows]
     assert rows[-1]["agent/failed_episodes"] == 0
+    # The agent's extra_logs reach the metrics (agent/<name>, means over the step's episodes): the
+    # example logs its step() calls as tries (one per action: the episode's turns) and whether the
+    # last was right, and an episode's reward is 1 per right step and -0.5 per wrong one, so
+    # reward = 1.5 right - 0.5 tries, episode by episode and so in the means.
+    for m in rows:
+        assert m["agent/tries"] == pytest.approx(m["agent/turns"]) and 0 <= m["agent/right"] <= 1, m
+        assert m["rollout/reward"] == pytest.approx(1.5 * m["agent/right"] - 0.5 * m["agent/tries"], abs=1e-5), m
     (last_eval,) = [m for m in metrics(run) if "eval/accuracy" in m and m["step"] == steps]
     assert last_eval["eval/prompts"] == 8 and last_eval["eval/turns"] >= 1
     learner_log = (run / "logs" / "learner.log").read_text()

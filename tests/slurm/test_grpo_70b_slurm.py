@@ -147,6 +147,8 @@ def test_grpo_70b_script_runs_on_four_nodes_and_restarts_a_killed_learner(tmp_pa
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), why
     assert all(r["samples"] == 16 for r in rows), [r["samples"] for r in rows]
     assert [r["rollout/min_policy_version"] for r in rows] == list(range(STEPS)), rows
+    # The reward function's extra_logs reach the metrics: the demo task logs its reward as accuracy.
+    assert all(r["reward/accuracy"] == pytest.approx(r["rollout/reward"]) for r in rows), rows
     node2 = learner[1].read_text()
     assert "global_ranks=[1]" in node2 and "global_world_sizes=[2]" in node2, tails(learner[1])
     assert "worker group successfully finished" in node2, tails(learner[1])
