@@ -195,9 +195,9 @@ class RewardConfig:
                 raise ValueError(f"--ref_idle_spin_s must be >= 0, got {self.ref_idle_spin_s}")
             if self.ref_tensor_parallel_size < 1:
                 raise ValueError(f"--ref_tensor_parallel_size must be >= 1, got {self.ref_tensor_parallel_size}")
-            u = self.ref_gpu_memory_utilization
-            if u is not None and not 0 < u <= 1:
-                raise ValueError(f"--ref_gpu_memory_utilization must be in (0, 1], got {u}")
+            share = self.ref_gpu_memory_utilization
+            if share is not None and not 0 < share <= 1:
+                raise ValueError(f"--ref_gpu_memory_utilization must be in (0, 1], got {share}")
         if self.ref_idle_spin_s is not None and self.ref_backend != "vllm":
             raise ValueError(
                 "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers: add --ref_backend vllm"

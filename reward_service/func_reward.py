@@ -114,10 +114,12 @@ class FuncWorker:
                 self.start()
             except FuncLoadError as e:
                 raise CallFailed(f"reward_func worker could not restart: {e}") from None
+        conn = self.conn
+        assert conn is not None  # a live worker has its connection: start() sets both, stop() clears both
         t0 = time.monotonic()
         try:
-            self.conn.send_bytes(self._enc.encode(payload))
-            ready = self.conn.poll(timeout_s)
+            conn.send_bytes(self._enc.encode(payload))
+            ready = conn.poll(timeout_s)
         except OSError as e:  # the child closed its end: it died
             ready = True
             log.debug("send to reward_func worker failed: %s", e)
@@ -127,7 +129,7 @@ class FuncWorker:
                 f"reward_func timed out after {timeout_s:g} s on {n} samples (worker killed and restarted)"
             )
         try:
-            msg = self._dec.decode(self.conn.recv_bytes())
+            msg = self._dec.decode(conn.recv_bytes())
         except (EOFError, OSError):
             code = self.proc.wait(5) if self.proc else None
             self.stop()

@@ -43,6 +43,8 @@ def load_reward_func(path: str):
         raise RuntimeError(f"reward function file {path} does not exist")
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # let it import its sibling modules
     spec = importlib.util.spec_from_file_location("reward_func_module", path)
+    if spec is None or spec.loader is None:  # a suffix no import loader knows (not .py, .pyc, ...)
+        raise RuntimeError(f"reward function file {path} is not a Python module")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

@@ -58,22 +58,22 @@ class SourceResult:
         return out
 
 
-def _vector(x: Any, n: int, what: str) -> tuple[list[float] | None, str | None]:
-    """(values, None) or (None, reason). Accepts a bare number when n == 1."""
+def _vector(x: Any, n: int, what: str) -> list[float] | str:
+    """The ``n`` values, or (a str) why ``x`` is not ``n`` numbers. Accepts a bare number when n == 1."""
     if isinstance(x, (int, float)) and n == 1:
-        return [float(x)], None
+        return [float(x)]
     if not isinstance(x, (list, tuple)):
-        return None, f"{what} must be a sequence of {n} numbers, got {type(x).__name__}"
+        return f"{what} must be a sequence of {n} numbers, got {type(x).__name__}"
     if len(x) != n:
-        return None, f"{what} has {len(x)} entries for {n} samples"
+        return f"{what} has {len(x)} entries for {n} samples"
     out = []
     for i, v in enumerate(x):
         if isinstance(v, bool):
             v = float(v)
         if not isinstance(v, (int, float)):
-            return None, f"{what}[{i}] is {type(v).__name__}, expected a number (is the result 2-D?)"
+            return f"{what}[{i}] is {type(v).__name__}, expected a number (is the result 2-D?)"
         out.append(float(v))
-    return out, None
+    return out
 
 
 def from_raw(raw: Any, n: int, source: str) -> SourceResult:
@@ -85,14 +85,15 @@ def from_raw(raw: Any, n: int, source: str) -> SourceResult:
         rewards_raw, scores_raw, logs_raw = raw["rewards"], raw.get("scores"), raw.get("extra_logs")
     else:
         rewards_raw = raw
-    rewards, err = _vector(rewards_raw, n, "rewards")
-    if err:
-        return SourceResult.all_failed(n, f"{source}: {err}")
-    scores = None
+    rewards = _vector(rewards_raw, n, "rewards")
+    if isinstance(rewards, str):
+        return SourceResult.all_failed(n, f"{source}: {rewards}")
+    scores: list[float] | None = None
     if scores_raw is not None:
-        scores, err = _vector(scores_raw, n, "scores")
-        if err:
-            return SourceResult.all_failed(n, f"{source}: {err}")
+        checked = _vector(scores_raw, n, "scores")
+        if isinstance(checked, str):
+            return SourceResult.all_failed(n, f"{source}: {checked}")
+        scores = checked
     failed: list[str | None] = [None] * n
     for i in range(n):
         if not math.isfinite(rewards[i]):
@@ -110,14 +111,14 @@ def _logs(raw: Any, n: int, source: str) -> dict[str, list[float]]:
     if not isinstance(raw, dict):
         log.warning("%s: extra_logs must be a dict, got %s; dropped", source, type(raw).__name__)
         return {}
-    out = {}
+    out: dict[str, list[float]] = {}
     for k, v in raw.items():
         if isinstance(v, (int, float)):  # one number for the batch: logged for every sample
             out[str(k)] = [float(v)] * n
             continue
-        vals, err = _vector(v, n, f"extra_logs[{k!r}]")
-        if err:
-            log.warning("%s: %s; dropped", source, err)
+        vals = _vector(v, n, f"extra_logs[{k!r}]")
+        if isinstance(vals, str):
+            log.warning("%s: %s; dropped", source, vals)
             continue
         out[str(k)] = vals
     return out

@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,6 +75,7 @@ class RMSource:
 
     def score(self, inp: ScoringInput) -> SourceResult:
         if self.tokenizer is not None:
+            assert inp.queries is not None  # needs_text: the scorer filled them (with_text)
             seqs = [torch.tensor(self.tokenizer(q, add_special_tokens=False)["input_ids"]) for q in inp.queries]
         else:
             seqs = inp.sequences()
@@ -142,7 +143,7 @@ def _rm_sources(cfg: RewardConfig) -> list[RewardSource]:
 def _func_sources(cfg: RewardConfig) -> list[RewardSource]:
     from reward_service.func_reward import FunctionReward
 
-    out = []
+    out: list[RewardSource] = []
     try:
         for path in cfg.func_files():
             out.append(TextSource(FunctionReward(path, timeout_s=cfg.timeout_s, workers=cfg.func_workers)))
@@ -181,7 +182,7 @@ class Scorer:
         self,
         *,
         ref: ReferenceScorer | VLLMReferenceScorer | None = None,
-        sources: list[RewardSource] = (),
+        sources: Sequence[RewardSource] = (),
         tokenizer=None,
         name: str = "reward",
     ) -> None:
@@ -200,7 +201,7 @@ class Scorer:
         try:
             for build in SOURCES.values():
                 sources += build(cfg)
-            ref = None
+            ref: ReferenceScorer | VLLMReferenceScorer | None = None
             if cfg.ref_pretrain and cfg.ref_backend == "vllm":
                 from reward_service.ref_vllm import VLLMReferenceScorer
 
@@ -260,7 +261,11 @@ class Scorer:
         self._check_token_ids(inp)
         if any(s.needs_text for s in self.sources):
             with_text(inp, self.tokenizer)
-        futs = {id(s): self._pool.submit(s.score, inp) for s in self.sources if s.background}
+        futs = (
+            {id(s): self._pool.submit(s.score, inp) for s in self.sources if s.background}
+            if self._pool is not None  # None: no background source
+            else {}
+        )
         ref_logprobs = self.ref.logprobs(inp.prompt_tokens, inp.response_tokens) if self.ref else None
         results = [(s, s.score(inp)) for s in self.sources if not s.background]
         results += [(s, futs[id(s)].result()) for s in self.sources if s.background]

@@ -46,6 +46,7 @@ from common.protocol import (
     Hello,
     Message,
     RewardCapabilities,
+    ScoredBatch,
     ScoreRequest,
     Shutdown,
     ShutdownAccepted,
@@ -147,6 +148,7 @@ class RewardServer:
     def _answer(self, req: ScoreRequest) -> tuple[Message, str | None]:
         """The reply to ``req``, and a reason to go down if this failure makes the service fatal."""
         fatal = None
+        out: ScoredBatch | Error
         try:
             out = self.scorer.score(req)
             self._consecutive_internal = 0
@@ -235,7 +237,7 @@ class RewardServer:
             elif self.shell.heartbeat_in() <= 0:
                 self._send(ep, self.shell.heartbeat(self.stats()), timeout=self.shell.heartbeat_send_s)
             # Wake for the next heartbeat, and often enough to notice a signal.
-            events = dict(poller.poll(timeout=min(self.shell.heartbeat_in(), 0.2) * 1000))
+            events = dict(poller.poll(timeout=int(min(self.shell.heartbeat_in(), 0.2) * 1000)))  # ms
             if wake in events:
                 while wake.poll(0):
                     wake.recv()
