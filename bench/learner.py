@@ -196,6 +196,7 @@ def optimizer_state_bytes(engine) -> int:
 def worker(args) -> None:
     import torch
 
+    from common.config import build
     from learner.rl.config import PPOConfig
     from learner.rl.policy_trainer import PolicyTrainer
     from learner.runtime import engine as E
@@ -237,17 +238,19 @@ def worker(args) -> None:
     engines = {}
     for stage, packed, coalesce, rank_r in shapes:
         lora = dict(lora_rank=rank_r, lora_alpha=2 * rank_r) if rank_r else {}
-        cfg = PPOConfig(**cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce, **lora)
+        cfg = build(
+            PPOConfig, **cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce, **lora
+        )
         engine = E.make_engine(
             apply_lora(E.load_causal_lm(str(path), zero_stage=stage), cfg),
             zero_stage=stage,
             bf16=False,
-            train_batch_size=cfg.train_batch_size,
-            micro_train_batch_size=cfg.micro_train_batch_size,
-            learning_rate=cfg.actor_learning_rate,
+            train_batch_size=cfg.train.batch_size,
+            micro_train_batch_size=cfg.train.micro_batch_size,
+            learning_rate=cfg.actor.adam.lr,
             num_training_steps=1000,
-            betas=tuple(cfg.adam_betas),
-            grad_clip=cfg.max_norm,
+            betas=tuple(cfg.actor.adam.betas),
+            grad_clip=cfg.actor.max_norm,
             lr_scheduler="constant_with_warmup",
             lr_warmup_ratio=0.0,
         )

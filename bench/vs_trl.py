@@ -294,12 +294,14 @@ def run_limit(args, model: Path, prompts: Path, work: Path, new_tokens: int) -> 
 def rayless_learner(model: str):
     """The learner's ``PolicyTrainer`` on its DeepSpeed engine, built as ``train_ppo`` builds it
     with ``run_rayless``'s flags (one rank, no services)."""
+    from common.config import build
     from learner.rl.build import train_engine
     from learner.rl.config import PPOConfig
     from learner.rl.policy_trainer import PolicyTrainer
     from learner.runtime import engine as E
 
-    cfg = PPOConfig(
+    cfg = build(
+        PPOConfig,
         pretrain=model,
         prompt_data="-",
         advantage_estimator="group_norm",
@@ -313,7 +315,7 @@ def rayless_learner(model: str):
         zero_stage=2,
     )
     info = E.init_distributed()
-    engine = train_engine(cfg, E.load_causal_lm(model, zero_stage=cfg.zero_stage), cfg.actor_learning_rate, 1000)
+    engine = train_engine(cfg, E.load_causal_lm(model, zero_stage=cfg.ds.zero_stage), cfg.actor.adam.lr, 1000)
     return PolicyTrainer(engine, cfg, pad_id=0, device=info.device)
 
 

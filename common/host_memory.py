@@ -101,7 +101,7 @@ def keep_freed_memory_env(env: MutableMapping[str, str] | None = None) -> dict[s
     return added
 
 
-def host_malloc_flag(group: str) -> Any:
+def host_malloc_flag(group: str, **kw: Any) -> Any:
     """The trainers' ``--host_malloc`` flag (``learner.runtime.engine.set_host_malloc`` acts on it)."""
     return flag(
         "auto",
@@ -110,4 +110,5 @@ def host_malloc_flag(group: str) -> Any:
         "auto (keep when training on CPU)",
         choices=("auto", "keep", "default"),
         group=group,
+        **kw,
     )

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -187,7 +188,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
             file=sys.stderr,
         )
     n_reward = cfg.reward_services
-    if learner.agent_func_path and not learner.kl_needed and not reward_extra and not cfg.reward_args:
+    if learner.train.agent_func_path and not learner.algo.kl.needed and not reward_extra and not cfg.reward_args:
         # The agent's rewards are the reward and no reference model is needed: a reward service
         # would have nothing to do (docs/agents.md).
         if n_reward and not cfg.external_services:
@@ -278,20 +279,20 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
     started with its engine flags, so the learner's are passed on (the user's --rollout_args,
     after them, win). The sleep mode only with --colocate_all_models, as OpenRLHF."""
     out = []
-    if learner.vllm_gpu_memory_utilization is not None:
-        out += ["--gpu_memory_utilization", str(learner.vllm_gpu_memory_utilization)]
-    if learner.vllm_tensor_parallel_size:
-        out += ["--tensor_parallel_size", str(learner.vllm_tensor_parallel_size)]
-    if learner.enforce_eager:
+    if learner.vllm.gpu_memory_utilization is not None:
+        out += ["--gpu_memory_utilization", str(learner.vllm.gpu_memory_utilization)]
+    if learner.vllm.tensor_parallel_size:
+        out += ["--tensor_parallel_size", str(learner.vllm.tensor_parallel_size)]
+    if learner.vllm.enforce_eager:
         out.append("--enforce_eager")
-    if learner.colocate_all_models and learner.vllm_enable_sleep:
+    if learner.train.colocate_all and learner.vllm.enable_sleep:
         out.append("--enable_sleep")
-    if learner.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
-        out += ["--agent_func_path", os.path.abspath(learner.agent_func_path)]
-    if learner.lora_rank and learner.lora_sync == "adapter":  # vLLM serves the learner's adapter
-        out += ["--enable_lora", "--max_lora_rank", str(learner.lora_rank)]
-        if learner.async_train:  # requests of every version within the bound run side by side
-            out += ["--max_loras", str(learner.max_staleness + 1)]
+    if learner.train.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
+        out += ["--agent_func_path", os.path.abspath(learner.train.agent_func_path)]
+    if learner.ds.lora.rank and learner.services.lora_sync == "adapter":  # vLLM serves the learner's adapter
+        out += ["--enable_lora", "--max_lora_rank", str(learner.ds.lora.rank)]
+        if learner.train.async_enable:  # requests of every version within the bound run side by side
+            out += ["--max_loras", str(learner.train.max_staleness + 1)]
     return out
 
 
@@ -327,7 +328,7 @@ def _colocated_devices(cfg: LocalConfig, learner: PPOConfig) -> dict | None:
     GPUs. The learner sees them all (rank r takes GPU r); rollout server i takes the next
     --tensor_parallel_size of them, so its engine shares those GPUs with the learner ranks
     there. None without colocation or GPUs (CPU: nothing to place)."""
-    if not learner.colocate_all_models:
+    if not learner.train.colocate_all:
         return None
     gpus = visible_gpus()
     if not gpus:
@@ -358,14 +359,19 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
     """OpenRLHF puts reward/reference model flags on the trainer; here a reward service serves
     them, so the learner's flags are passed on to it (one place to say it, as users expect)."""
     out = []
-    if learner.reward_pretrain:
-        out += ["--reward_pretrain", learner.reward_pretrain]
-    if learner.remote_rm_url:
-        out += ["--remote_rm_url", learner.remote_rm_url]
-    if learner.ref_pretrain or learner.kl_needed:
+    if learner.reward.model_name_or_path:
+        out += ["--reward_pretrain", learner.reward.model_name_or_path]
+    if learner.reward.remote_url:
+        out += ["--remote_rm_url", learner.reward.remote_url]
+    if learner.ref.model_name_or_path or learner.algo.kl.needed:
         # reference log-probs at the sampling temperature
-        out += ["--ref_pretrain", learner.ref_pretrain or learner.pretrain, "--temperature", str(learner.temperature)]
-    if learner.normalize_reward and learner.reward_pretrain:  # a reward model's scores only
+        out += [
+            "--ref_pretrain",
+            learner.ref.model_name_or_path or learner.actor.model_name_or_path,
+            "--temperature",
+            str(learner.rollout.temperature),
+        ]
+    if learner.reward.normalize_enable and learner.reward.model_name_or_path:  # a reward model's scores only
         out.append("--normalize_reward")
     return out
 
@@ -381,7 +387,7 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
     slower here (docs/performance.md), so it is left to the user's environment."""
     mode = cfg.cpu_cores
     if mode == "auto":
-        mode = "phases" if _cpu_vllm() and not learner_config(cfg).async_train else "split"
+        mode = "phases" if _cpu_vllm() and not learner_config(cfg).train.async_enable else "split"
     if mode != "phases":
         return {}
     n = len(os.sched_getaffinity(0))
@@ -485,10 +491,7 @@ class Supervisor:
                         continue
                     self._progress(final=True)
                     if code != 0:
-                        print(
-                            f"\nthe learner exited with code {code}; see its log: {r.log}\n{_tail(r.log)}",
-                            file=sys.stderr,
-                        )
+                        print(f"\nthe learner exited with code {code}\n{_what_it_said(r.log)}", file=sys.stderr)
                     return code
                 if code == 0:
                     if not r.finished:
@@ -504,7 +507,7 @@ class Supervisor:
                 # services' exit codes: common/service.py).
                 left = [o for o in self.roles if o.kind == r.kind and o.process.poll() is None]
                 print(
-                    f"\n{r.name} died (exit code {code}): {describe_exit(code)}; see its log: {r.log}\n{_tail(r.log)}",
+                    f"\n{r.name} died (exit code {code}): {describe_exit(code)}\n{_what_it_said(r.log)}",
                     file=sys.stderr,
                 )
                 if not left:
@@ -574,12 +577,84 @@ def _fmt_s(s: float) -> str:
     return f"{s // 60}m{s % 60:02d}s"
 
 
-def _tail(path: Path, n: int = 15) -> str:
+# Lines a process prints on its way out that say nothing about why it ended: nanobind (the
+# binding library of triton and of parts of vLLM) lists the objects still alive when the
+# interpreter exits, which after an error are the ones its traceback held, a page of them;
+# multiprocessing's resource tracker counts what a killed child left behind. They come after
+# the error and pushed it out of the tail a failed run shows.
+EXIT_NOISE = re.compile(
+    r"nanobind: leaked \d+ "
+    r"| - leaked (instance|type|function|keep_alive) "
+    r"|nanobind: this is likely caused by a reference counting issue"
+    r"|See https://nanobind\.readthedocs\.io/.*refleaks"
+    r"|resource_tracker: There appear to be \d+ leaked"
+    r"|warnings\.warn\('resource_tracker: "
+)
+# torchrun's prefix on each line of a rank's output (the rank's own lines read the same without it)
+RANK_PREFIX = re.compile(r"^\[(?:default|rank)?(\d+)\]:\s?")
+# The line a traceback ends with: the exception's (dotted) type and its message, if any; e.g.
+# ``learner.controller.ledger.LedgerError: prompt 3 ...``. Read only after a "Traceback" line,
+# where it is the first line not indented (the frames are).
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(?:: (.*))?$")
+# Exceptions that only follow another's: torchrun's summary of a failed rank, and a rank that
+# stopped because rank 0 (the controller) failed. The error to show is the one they follow.
+SECONDARY_ERRORS = ("ChildFailedError", "StoppedByRank0")
+ERROR_LINE_MAX = 600  # characters: one line, not a page (the log has it whole)
+
+
+def _log_lines(path: Path) -> list[str]:
     try:
-        lines = path.read_text(errors="replace").splitlines()[-n:]
+        return path.read_text(errors="replace").splitlines()
     except OSError:
-        return ""
-    return "\n".join("    " + ln for ln in lines)
+        return []
+
+
+def error_line(lines: list[str]) -> str | None:
+    """The one line that says why a process failed, from its log: the last exception a
+    traceback ended with (``Type: message``, the type without its module), or the learner's
+    own one-line error (``learner: ...``, a RunError); rank 0's before another rank's, and an
+    error that only follows another (``SECONDARY_ERRORS``) only when there is no other. None
+    when the log has neither."""
+    found: list[tuple[bool, str]] = []  # (from rank 0 or an unprefixed line, the line)
+    in_traceback: set[str] = set()  # the ranks ("" unprefixed) whose traceback is being printed
+    for raw in lines:
+        prefix = RANK_PREFIX.match(raw)
+        line = raw[prefix.end() :] if prefix else raw
+        rank = prefix.group(1) if prefix else ""
+        rank0 = rank in ("", "0")
+        if EXIT_NOISE.search(line) or not line.strip():
+            continue
+        if line.startswith("Traceback (most recent call last):"):
+            in_traceback.add(rank)
+            continue
+        if line.startswith("learner: "):  # learner.train_ppo.main's line for a RunError
+            found.append((rank0, line))
+            continue
+        if rank in in_traceback and not line[0].isspace():
+            m = EXCEPTION_LINE.match(line)
+            if m:
+                found.append((rank0, m.group(1) if m.group(2) is None else f"{m.group(1)}: {m.group(2)}"))
+            in_traceback.discard(rank)
+    if not found:
+        return None
+    primary = [f for f in found if not f[1].startswith(SECONDARY_ERRORS)] or found
+    best = [f for f in primary if f[0]] or primary
+    line = best[-1][1]
+    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 3] + "..."
+
+
+def _tail(lines: list[str], n: int = 15) -> str:
+    """The last ``n`` lines of a log without its exit noise (``EXIT_NOISE``), indented."""
+    kept = [ln for ln in lines if not EXIT_NOISE.search(ln)]
+    return "\n".join("    " + ln for ln in kept[-n:])
+
+
+def _what_it_said(path: Path) -> str:
+    """A failed process's error line first, then where its log is and the log's last lines."""
+    lines = _log_lines(path)
+    err = error_line(lines)
+    head = f"error: {err}\n" if err else ""
+    return f"{head}see its log: {path}; its last lines (exit noise left out):\n{_tail(lines)}"
 
 
 def run(cfg: LocalConfig) -> int:

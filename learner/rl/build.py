@@ -15,6 +15,7 @@ import torch
 
 from common.protocol import Error, Hello, RewardCapabilities, RolloutCapabilities, SamplingParams
 from learner.rl.config import PPOConfig
+from learner.runtime.flags import OptimizerFields, engine_options, model_options
 
 log = logging.getLogger("learner")
 
@@ -37,20 +38,20 @@ def sampling_params(cfg: PPOConfig, tokenizer: Any) -> tuple[SamplingParams, Sam
     --eval_temperature (0: greedy), and is otherwise sampled as training is."""
     stop = sorted(i for i in {tokenizer.eos_token_id} if i is not None)
     sampling = SamplingParams(
-        n=cfg.n_samples_per_prompt,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_new_tokens=cfg.generate_max_len,
+        n=cfg.rollout.n_samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
         stop_token_ids=stop,
         seed=None,
     )
     evaluation = SamplingParams(
-        n=cfg.eval_n_samples_per_prompt,
-        temperature=cfg.eval_temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_new_tokens=cfg.generate_max_len,
+        n=cfg.eval.n_samples_per_prompt,
+        temperature=cfg.eval.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
         stop_token_ids=stop,
         seed=None,
     )
@@ -90,27 +91,29 @@ def build_rank0(
     def decode(ids: list[list[int]]) -> list[str]:
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
-    endpoint = Endpoint.bind(cfg.controller_bind, auth_dir=cfg.auth_dir or None)
+    endpoint = Endpoint.bind(cfg.services.controller_bind, auth_dir=cfg.services.auth_dir or None)
     try:
-        pool = ServicePool(endpoint, peer_timeout_s=cfg.peer_timeout_s, admit=rollout_admission(cfg))
+        pool = ServicePool(endpoint, peer_timeout_s=cfg.services.peer_timeout_s, admit=rollout_admission(cfg))
         rollout = RolloutClient(endpoint, pool)
         fleet = FleetWeights(pool, make_publisher(cfg, engine, rank=0, control=rollout))
         controller = Controller(
             rollout,
-            PromptLedger(generate_timeout_s=cfg.generate_timeout_s, score_timeout_s=cfg.score_timeout_s),
+            PromptLedger(
+                generate_timeout_s=cfg.services.generate_timeout_s, score_timeout_s=cfg.services.score_timeout_s
+            ),
             sampling=sampling,
             weights=fleet,
             sync_joiners_in_pump=rank0_syncs_joiners(cfg, world_size),
             detokenize=decode,
             agent=cfg.agent_params(),
-            agent_scores_locally=bool(cfg.agent_func_path) and not cfg.kl_needed,
-            drop_failed_episodes=cfg.agent_failure == "drop",
+            agent_scores_locally=bool(cfg.train.agent_func_path) and not cfg.algo.kl.needed,
+            drop_failed_episodes=cfg.agent.failure == "drop",
         )
-        seed = cfg.seed if cfg.seed_sampling else None
-        stream = PromptStream(train_items, cfg.rollout_batch_size, seed=seed)
+        seed = cfg.train.seed if cfg.rollout.seed_sampling else None
+        stream = PromptStream(train_items, cfg.rollout.batch_size, seed=seed)
         evaluator = None
         if eval_items:
-            evaluator = Evaluator(eval_items, eval_sampling, threshold=cfg.eval_pass_threshold, seed=seed)
+            evaluator = Evaluator(eval_items, eval_sampling, threshold=cfg.eval.pass_threshold, seed=seed)
         driver = Driver(cfg, controller, stream, metrics_writer(cfg), evaluator=evaluator, decode=decode)
     except BaseException:
         endpoint.close()
@@ -120,7 +123,7 @@ def build_rank0(
 
 def critic_save_path(cfg: PPOConfig) -> str:
     """Where --save_value_network writes the critic: next to the policy, as OpenRLHF does."""
-    return str(cfg.save_path).rstrip("/") + "_critic"
+    return str(cfg.ckpt.output_dir).rstrip("/") + "_critic"
 
 
 def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int) -> Any:
@@ -132,36 +135,35 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
     log.info(
         "critic: value model from %s (lr %g, value_clip %g, actor frozen for %d step(s))",
         path,
-        cfg.critic_learning_rate,
-        cfg.value_clip,
-        cfg.freezing_actor_steps,
+        cfg.critic.adam.lr,
+        cfg.critic.value_clip,
+        cfg.critic.freezing_steps,
     )
-    model = load_critic(path, tokenizer=tokenizer, **cfg.model_options())
-    engine = train_engine(cfg, model, cfg.critic_learning_rate, optimizer_steps)
+    model = load_critic(path, tokenizer=tokenizer, **model_options(cfg.ds, cfg.actor.gradient_checkpointing_enable))
+    engine = train_engine(cfg, model, cfg.critic, optimizer_steps)
     return Critic(
         engine,
         pad_id=pad_id,
         device=device,
-        micro_rollout_batch_size=cfg.micro_rollout_batch_size,
-        value_clip=cfg.value_clip,
-        coalesce=engine_coalesces(engine, cfg.coalesce_grad_reduction, name="critic"),
+        micro_rollout_batch_size=cfg.rollout.micro_batch_size,
+        value_clip=cfg.critic.value_clip,
+        coalesce=engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name="critic"),
     )
 
 
-def train_engine(cfg: PPOConfig, model: Any, learning_rate: float, optimizer_steps: int) -> Any:
-    """The DeepSpeed engine of a trained model (policy or critic) with train_ppo's optimizer flags;
-    with --lora_rank, of its LoRA adapters (and the critic's value head) only."""
+def train_engine(cfg: PPOConfig, model: Any, optim: OptimizerFields, optimizer_steps: int) -> Any:
+    """The DeepSpeed engine of a trained model (policy: ``cfg.actor``'s optimizer, critic:
+    ``cfg.critic``'s); with --lora_rank, of its LoRA adapters (and the critic's value head) only."""
     from learner.runtime import engine as E
     from learner.runtime.lora import apply_lora
 
+    lora = apply_lora(model, cfg.ds.lora, gradient_checkpointing=cfg.actor.gradient_checkpointing_enable)
     return E.make_engine(
-        apply_lora(model, cfg),
-        **cfg.engine_options(),
-        train_batch_size=cfg.train_batch_size,
-        micro_train_batch_size=cfg.micro_train_batch_size,
-        learning_rate=learning_rate,
+        lora,
+        **engine_options(cfg.ds, optim),
+        train_batch_size=cfg.train.batch_size,
+        micro_train_batch_size=cfg.train.micro_batch_size,
         num_training_steps=max(1, optimizer_steps),
-        lr_scheduler="constant_with_warmup",
     )
 
 
@@ -172,7 +174,7 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
         p.name: set(p.capabilities.sources if isinstance(p.capabilities, RewardCapabilities) else []) for p in peers
     }
     want = []
-    if cfg.kl_needed:
+    if cfg.algo.kl.needed:
         want.append(
             (
                 "ref",
@@ -180,12 +182,12 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
                 "service with --ref_pretrain",
             )
         )
-    if cfg.reward_pretrain:
+    if cfg.reward.model_name_or_path:
         want.append(("rm", "--reward_pretrain is set: start a reward service with --reward_pretrain"))
     for source, why in want:
         if not any(source in s for s in sources.values()):
             raise RunError(f"{why} (connected reward services and their sources: {sources})")
-    if cfg.agent_func_path and cfg.kl_needed:
+    if cfg.train.agent_func_path and cfg.algo.kl.needed:
         scoring = {name: sorted(s - {"ref"}) for name, s in sources.items() if s - {"ref"}}
         if scoring:  # the episodes go to them for the reference's log-probs: nothing else may score
             raise RunError(
@@ -200,7 +202,7 @@ def rollout_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:
     under ``--lora_sync adapter`` serve adapters of ``--lora_rank``. A refused server gets no
     work, at start-up (the run stops, naming it) or joining later."""
     want = cfg.agent_params()
-    lora_rank = cfg.lora_rank if cfg.lora_sync == "adapter" else 0
+    lora_rank = cfg.ds.lora.rank if cfg.services.lora_sync == "adapter" else 0
 
     def admit(hello: Hello) -> Error | None:
         caps = hello.capabilities
@@ -221,7 +223,7 @@ def rollout_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:
             return Error(
                 code="bad_request",
                 message=f"{hello.name} runs agent {agent or 'none'}; this run's --agent_func_path "
-                f"{cfg.agent_func_path} is {want.agent}: start it with the same --agent_func_path",
+                f"{cfg.train.agent_func_path} is {want.agent}: start it with the same --agent_func_path",
             )
         if isinstance(caps, RolloutCapabilities) and 0 < caps.max_model_len < want.max_len:
             return Error(

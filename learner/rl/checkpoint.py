@@ -44,6 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common.config import get
 from learner.rl.config import PPOConfig
 from learner.rl.evaluation import scores_in
 from learner.runtime import checkpoint as R
@@ -56,28 +57,29 @@ CheckpointMismatch = R.CheckpointMismatch
 # Flags a resume must share with the run that saved: the DeepSpeed shards, the prompt order
 # and the meaning of "step k" depend on them. Anything else (learning rate, logging, timeouts)
 # may change across a restart. The number of ranks is always matched (ZeRO shards are per rank).
-MATCH_FIELDS = (
-    "pretrain",
-    "prompt_data",
-    "seed",
-    "rollout_batch_size",
-    "n_samples_per_prompt",
-    "train_batch_size",
-    "micro_train_batch_size",
-    "advantage_estimator",
-    "zero_stage",
-    "lora_rank",  # an adapter of another shape (or none) cannot load the saved one
-    "lora_alpha",
-    "target_modules",
-)
+# Saved under the flags' flat names (what checkpoints of every version hold), read at their paths.
+MATCH_FIELDS = {
+    "pretrain": "actor.model_name_or_path",
+    "prompt_data": "data.prompt_dataset",
+    "seed": "train.seed",
+    "rollout_batch_size": "rollout.batch_size",
+    "n_samples_per_prompt": "rollout.n_samples_per_prompt",
+    "train_batch_size": "train.batch_size",
+    "micro_train_batch_size": "train.micro_batch_size",
+    "advantage_estimator": "algo.advantage.estimator",
+    "zero_stage": "ds.zero_stage",
+    "lora_rank": "ds.lora.rank",  # an adapter of another shape (or none) cannot load the saved one
+    "lora_alpha": "ds.lora.alpha",
+    "target_modules": "ds.lora.target_modules",
+}
 
 
 def ckpt_dir(cfg: PPOConfig) -> Path:
-    return checkpoint_location(cfg.ckpt_path, cfg.save_path)
+    return checkpoint_location(cfg.ckpt.path, cfg.ckpt.output_dir)
 
 
 def match_fields(cfg: PPOConfig, *, n_prompts: int) -> dict[str, Any]:
-    fields = {name: getattr(cfg, name) for name in MATCH_FIELDS}
+    fields = {name: get(cfg, path) for name, path in MATCH_FIELDS.items()}
     fields["n_prompts"] = n_prompts  # same data file, same filtering of bad rows
     return fields
 
@@ -86,7 +88,7 @@ def check_resumable(cfg: PPOConfig, *, n_prompts: int) -> Path | None:
     """With --load_checkpoint: the checkpoint a resume will load (None: none, a fresh start),
     verified and checked against this run's settings before anything slow is built. On every
     rank. Raises CheckpointError (CheckpointMismatch, DamagedCheckpoint)."""
-    if not cfg.load_checkpoint:
+    if not cfg.ckpt.load_enable:
         return None
     path = R.check_resumable(ckpt_dir(cfg), match_fields(cfg, n_prompts=n_prompts))
     if path is not None:
@@ -125,11 +127,11 @@ def rl_checkpointer(
     Driver, None elsewhere). ``trainer`` is the PolicyTrainer."""
     ckpt = R.Checkpointer(
         ckpt_dir(cfg),
-        max_keep=cfg.max_ckpt_num,
+        max_keep=cfg.ckpt.max_num,
         match=match_fields(cfg, n_prompts=n_prompts),
-        retain=lambda steps, state: retained(steps, max_num=cfg.max_ckpt_num, scores=scores_in(state)),
+        retain=lambda steps, state: retained(steps, max_num=cfg.ckpt.max_num, scores=scores_in(state)),
     )
-    save_ds = not cfg.disable_ds_ckpt  # else the HF policy (--save_hf_ckpt) is the checkpoint's only weights
+    save_ds = not cfg.ckpt.disable_ds  # else the HF policy (--save_hf_ckpt) is the checkpoint's only weights
     ckpt.add_engine("policy", trainer.engine, save=save_ds)
     if trainer.critic is not None:
         ckpt.add_engine("critic", trainer.critic.engine, save=save_ds)
@@ -141,7 +143,7 @@ def rl_checkpointer(
     if driver is not None:
         ckpt.add_state("driver", driver)
         ckpt.add_state("metrics", driver.sink)
-    if cfg.save_hf_ckpt:
+    if cfg.ckpt.save_hf:
         from learner.runtime import engine as E
 
         ckpt.add_export("hf", lambda d: E.save_hf(trainer.engine, tokenizer, d))

@@ -66,8 +66,8 @@ class Driver:
         self.sink = sink
         self.evaluator = evaluator
         self.decode = decode
-        self.history = EvalHistory(best_metric_key(cfg.best_metric_key) if evaluator is not None else None)
-        self.timeout_s = cfg.generate_timeout_s + cfg.score_timeout_s
+        self.history = EvalHistory(best_metric_key(cfg.ckpt.best_metric_key) if evaluator is not None else None)
+        self.timeout_s = cfg.services.generate_timeout_s + cfg.services.score_timeout_s
 
     def wait_for_services(self) -> None:
         from learner.rl.build import check_reward_sources
@@ -76,16 +76,18 @@ class Driver:
         log.info(
             "controller listening on %s; waiting for %d rollout server(s) and %d reward service(s)",
             c.endpoint.address,
-            cfg.min_rollout_servers,
-            cfg.min_reward_services,
+            cfg.services.min_rollout_servers,
+            cfg.services.min_reward_services,
         )
-        c.wait_for_services(cfg.min_rollout_servers, cfg.min_reward_services, cfg.wait_for_services_s)
+        c.wait_for_services(
+            cfg.services.min_rollout_servers, cfg.services.min_reward_services, cfg.services.wait_for_services_s
+        )
         check_reward_sources(cfg, c.pool.alive("reward"))
 
     def gather(self, step: int) -> StepBatch:
         """Generates and scores ``step``'s prompts; with --dynamic_filtering, refills."""
         res = self.controller.collect(self.prompts.batch(step), timeout_s=self.timeout_s)
-        if not self.cfg.dynamic_filtering:
+        if not self.cfg.algo.dynamic_filtering_enable:
             return StepBatch.of(res)
         rollout, stats = filter_and_refill(self.controller, self.cfg, res.rollout, self.prompts.refills(step))
         return StepBatch.of(res, rollout, filter_stats=stats)
@@ -102,7 +104,7 @@ class Driver:
 
     def skipped(self, step: int, batch: StepBatch) -> None:
         log.warning("step %d: too few scored samples to train (%d); skipping", step, len(batch.rollout))
-        if self.cfg.dynamic_filtering:
+        if self.cfg.algo.dynamic_filtering_enable:
             self.sink.write(step, {**batch.filter_stats, "step_skipped": 1})
 
     def report(
@@ -122,7 +124,7 @@ class Driver:
         metrics["data/prompts_crc"] = fingerprint(s.prompt for s in batch.rollout.samples[:: batch.rollout.group_size])
         if batch.rollout.samples:  # the oldest weights that sampled this step (lockstep: step - 1)
             metrics["rollout/min_policy_version"] = min(s.policy_version for s in batch.rollout.samples)
-        if step % self.cfg.logging_steps == 0 or step == total_steps:
+        if step % self.cfg.logger.logging_steps == 0 or step == total_steps:
             self.sink.write(step, metrics)
             log_step(step, total_steps, metrics)
         if self._log_samples(step):
@@ -131,7 +133,7 @@ class Driver:
             self.sink.write_samples(step, sample_rows(picked, self.decode, split="train"))
 
     def _log_samples(self, step: int) -> bool:
-        every = self.cfg.log_samples_steps
+        every = self.cfg.logger.log_samples_steps
         return bool(every) and self.decode is not None and step % every == 0
 
     def evaluate(self, step: int, collect: Collect | None = None) -> dict[str, float] | None:
@@ -148,7 +150,7 @@ class Driver:
         metrics = ev.measure(res)
         metrics["eval/time_s"] = time.time() - t0
         self.sink.write(step, metrics)
-        if self.cfg.log_samples_steps and self.decode is not None:
+        if self.cfg.logger.log_samples_steps and self.decode is not None:
             self.sink.write_samples(step, ev.samples(res, self.decode, SAMPLES_PER_LOG))
         try:
             self.history.record(step, metrics)
@@ -172,7 +174,7 @@ class Driver:
         resumes from a checkpoint (``launch.local --restart_learner``, launch/grpo_70b.slurm);
         a launcher that gives up on the learner ends them itself. With ``--keep_services`` they
         outlive a finished run too, for the next learner to join."""
-        if ok and not self.cfg.keep_services:
+        if ok and not self.cfg.services.keep_services:
             self.controller.shutdown_services("training finished")
         self.controller.endpoint.close()
         self.sink.close()

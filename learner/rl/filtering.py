@@ -27,8 +27,8 @@ def filter_and_refill(
     Kept groups beyond the batch are dropped. Giving up is a warning: the step trains on what
     was kept (the schedule truncates it to a multiple of --train_batch_size, or skips the step
     when that is less than one train batch)."""
-    G, want = cfg.n_samples_per_prompt, cfg.rollout_batch_size
-    reward_range = tuple(cfg.dynamic_filtering_reward_range) or None
+    G, want = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
+    reward_range = tuple(cfg.algo.dynamic_filtering_range) or None
     kept: list = []
     seen = filtered = extra = 0
 
@@ -44,10 +44,10 @@ def filter_and_refill(
                 kept.extend(ro.samples[g * G : (g + 1) * G])
 
     absorb(rollout)
-    while len(kept) < want * G and extra < cfg.dynamic_filtering_max_collects:
+    while len(kept) < want * G and extra < cfg.algo.dynamic_filtering_max_collects:
         items = more_items(want)
         extra += 1
-        res = controller.collect(items, timeout_s=cfg.generate_timeout_s + cfg.score_timeout_s)
+        res = controller.collect(items, timeout_s=cfg.services.generate_timeout_s + cfg.services.score_timeout_s)
         absorb(res.rollout)
     if len(kept) < want * G:
         log.warning(

@@ -18,12 +18,13 @@ log = logging.getLogger("learner")
 def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
     """--metrics_file (default SAVE_PATH/metrics.jsonl), TensorBoard in --use_tensorboard
     (default SAVE_PATH/tensorboard), and wandb with --use_wandb (its folder beside the metrics file)."""
+    from learner.runtime.tracking import public_config
     from learner.runtime.wandb_sink import wandb_sink
 
-    out = Path(cfg.save_path)
-    path = Path(cfg.metrics_file or out / "metrics.jsonl")
-    wandb = wandb_sink(cfg, trainer="train_ppo", folder=path.parent)
-    return MetricsWriter(path, cfg.use_tensorboard or out / "tensorboard", wandb=wandb)
+    out = Path(cfg.ckpt.output_dir)
+    path = Path(cfg.logger.metrics_file or out / "metrics.jsonl")
+    wandb = wandb_sink(cfg.logger.wandb, trainer="train_ppo", config=public_config(cfg), folder=path.parent)
+    return MetricsWriter(path, cfg.logger.tensorboard_dir or out / "tensorboard", wandb=wandb)
 
 
 def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, float]) -> dict[str, float]:

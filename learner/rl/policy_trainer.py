@@ -159,7 +159,7 @@ class PolicyTrainer:
     def __init__(
         self, engine: Any, cfg: PPOConfig, pad_id: int, device: torch.device, critic: Critic | None = None
     ) -> None:
-        if (cfg.advantage_estimator == "gae") != (critic is not None):
+        if (cfg.algo.advantage.estimator == "gae") != (critic is not None):
             raise ValueError("a critic is needed exactly when --advantage_estimator is gae")
         self.engine = engine
         self.critic = critic
@@ -168,14 +168,14 @@ class PolicyTrainer:
         self.pad_id = pad_id
         self.device = device
         self.kl_ctl = (
-            AdaptiveKLController(cfg.init_kl_coef, cfg.kl_target, cfg.kl_horizon)
-            if cfg.kl_target > 0
-            else FixedKLController(cfg.init_kl_coef)
+            AdaptiveKLController(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+            if cfg.algo.kl.target > 0
+            else FixedKLController(cfg.algo.kl.init_coef)
         )
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
         # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
-        self.coalesce = engine_coalesces(engine, cfg.coalesce_grad_reduction, name="policy")
-        self.packed = cfg.packing_samples
+        self.coalesce = engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name="policy")
+        self.packed = cfg.ds.packing_samples
         if self.packed:
             check_packable(engine, "policy")
             if critic is not None:
@@ -199,8 +199,8 @@ class PolicyTrainer:
         return score_all_ranks(
             self.engine,
             rollout,
-            lambda engine, batch: response_logprobs(engine, batch, self.cfg.temperature)[0],
-            micro_batch=self.cfg.micro_rollout_batch_size,
+            lambda engine, batch: response_logprobs(engine, batch, self.cfg.rollout.temperature)[0],
+            micro_batch=self.cfg.rollout.micro_batch_size,
             pad_id=self.pad_id,
             device=self.device,
             packed=self.packed,
@@ -210,15 +210,21 @@ class PolicyTrainer:
     def shaped_rewards(self, rollout: Rollout) -> torch.Tensor:
         cfg = self.cfg
         r = rollout.rewards()  # (N,)
-        if cfg.overlong_buffer_len > 0:
+        if cfg.reward.overlong_buffer_len > 0:
             # the policy's tokens only: an agent's environment feedback is not the answer's length
             lengths = torch.tensor([s.action_len for s in rollout.samples])
-            r = overlong_penalty(r, lengths, cfg.generate_max_len, cfg.overlong_buffer_len, cfg.overlong_penalty_factor)
-        if cfg.stop_properly_penalty_coef >= 0:
+            r = overlong_penalty(
+                r,
+                lengths,
+                cfg.rollout.max_new_tokens,
+                cfg.reward.overlong_buffer_len,
+                cfg.reward.overlong_penalty_factor,
+            )
+        if cfg.reward.stop_properly_penalty_coef >= 0:
             truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
-            r = stop_properly_penalty(r, truncated, cfg.stop_properly_penalty_coef)
-        if cfg.reward_clip_range:
-            r = clip_rewards(r, *cfg.reward_clip_range)
+            r = stop_properly_penalty(r, truncated, cfg.reward.stop_properly_penalty_coef)
+        if cfg.reward.clip_range:
+            r = clip_rewards(r, *cfg.reward.clip_range)
         return r
 
     # ---------------------------------------------------------------- step 3
@@ -237,13 +243,13 @@ class PolicyTrainer:
         """
         cfg = self.cfg
         have_ref = all(s.ref_logprobs is not None for s in rollout.samples)
-        kl_in_reward = have_ref and not cfg.use_kl_loss and self.kl_ctl.value != 0
+        kl_in_reward = have_ref and not cfg.algo.kl.use_loss and self.kl_ctl.value != 0
         return (
             on_policy
-            and not cfg.recompute_old_logprobs
-            and cfg.max_epochs == 1
-            and len(rollout) == cfg.train_batch_size
-            and self.steps_done >= cfg.freezing_actor_steps
+            and not cfg.train.recompute_old_logprobs
+            and cfg.train.max_epochs == 1
+            and len(rollout) == cfg.train.batch_size
+            and self.steps_done >= cfg.critic.freezing_steps
             and not kl_in_reward
         )
 
@@ -266,50 +272,52 @@ class PolicyTrainer:
         have_ref = all(s.ref_logprobs is not None for s in rollout.samples)
         rewards = self.shaped_rewards(rollout)
         kl_coef = self.kl_ctl.value
-        kl_in_reward = have_ref and not cfg.use_kl_loss
+        kl_in_reward = have_ref and not cfg.algo.kl.use_loss
         # (N, T) KL to the reference; when the advantages do not need it, computed after training
         kl = (
-            compute_kl(old_lp, full["ref_logprobs"], mask, estimator=cfg.kl_estimator)
+            compute_kl(old_lp, full["ref_logprobs"], mask, estimator=cfg.algo.kl.estimator)
             if kl_in_reward and not reuse
             else None
         )
         old_values = self.critic.values(rollout, packed=self.packed) if self.critic is not None else None  # (N, T)
         advantages, returns = compute_advantages(
-            cfg.advantage_estimator,
+            cfg.algo.advantage.estimator,
             rewards,
             mask,
             group_size=rollout.group_size,
             values=old_values,
             kl=kl,  # None with `reuse`, which implies a zero coefficient: the KL term is 0 either way
             kl_coef=kl_coef,
-            gamma=cfg.gamma,
-            lambd=cfg.lambd,
-            std_norm=not cfg.no_advantage_std_norm,
+            gamma=cfg.algo.advantage.gamma,
+            lambd=cfg.algo.advantage.lambd,
+            std_norm=not cfg.algo.advantage.no_std_norm,
         )
-        update_actor = self.steps_done >= cfg.freezing_actor_steps
+        update_actor = self.steps_done >= cfg.critic.freezing_steps
         # Full-vocabulary entropy: with grad when in the loss, else a no-grad metric on logged steps.
-        entropy_in_loss = cfg.entropy_loss_coef != 0
-        log_entropy = entropy_in_loss or self.steps_done % cfg.logging_steps == 0
+        entropy_in_loss = cfg.actor.entropy_coef != 0
+        log_entropy = entropy_in_loss or self.steps_done % cfg.logger.logging_steps == 0
         self.steps_done += 1
 
         metrics: dict[str, list[float]] = defaultdict(list)
         n = len(rollout)
-        tbs = cfg.train_batch_size
+        tbs = cfg.train.batch_size
         accum = self.engine.gradient_accumulation_steps()
         scale = world * accum  # undo DeepSpeed's mean over ranks and accumulation steps
-        low, high = cfg.clip_low_high
-        for _ in range(cfg.max_epochs):
+        low, high = cfg.actor.clip_low_high
+        for _ in range(cfg.train.max_epochs):
             perm = torch.randperm(n, generator=self.generator).tolist()  # same on every rank
             for start in range(0, n - tbs + 1, tbs):
                 global_idx = perm[start : start + tbs]
-                agg = AggSpec.from_masks([mask[global_idx]], cfg.loss_agg_mode, max_len=cfg.generate_max_len)
+                agg = AggSpec.from_masks(
+                    [mask[global_idx]], cfg.actor.loss_agg_mode, max_len=cfg.rollout.max_new_tokens
+                )
                 value_agg = token_mean_spec(mask[global_idx]) if self.critic is not None else None
                 local = global_idx[rank::world]
                 with contextlib.ExitStack() as windows:  # one optimizer step of each trained engine
                     critic_step = windows.enter_context(self.critic.optimizer_step()) if self.critic else None
                     policy_step = windows.enter_context(self.optimizer_step()) if update_actor else None
-                    for m in range(0, len(local), cfg.micro_train_batch_size):
-                        idx = local[m : m + cfg.micro_train_batch_size]
+                    for m in range(0, len(local), cfg.train.micro_batch_size):
+                        idx = local[m : m + cfg.train.micro_batch_size]
                         batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
                         T = batch["response"].shape[1]
 
@@ -325,7 +333,11 @@ class PolicyTrainer:
                         if policy_step is None:  # the actor is frozen this step
                             continue
                         lp, ent = response_logprobs(
-                            self.engine, batch, cfg.temperature, with_entropy=log_entropy, entropy_grad=entropy_in_loss
+                            self.engine,
+                            batch,
+                            cfg.rollout.temperature,
+                            with_entropy=log_entropy,
+                            entropy_grad=entropy_in_loss,
                         )
                         if reuse:
                             old_lp[idx, :T] = lp.detach().float().cpu()
@@ -335,23 +347,23 @@ class PolicyTrainer:
                             sl(advantages),
                             mmask,
                             agg,
-                            loss_type=cfg.policy_loss_type,
+                            loss_type=cfg.actor.policy_loss_type,
                             eps_clip_low=low,
                             eps_clip_high=high,
-                            dual_clip=cfg.dual_clip or None,
+                            dual_clip=cfg.actor.dual_clip or None,
                             rollout_log_probs=batch["rollout_logprobs"],
-                            is_correction=cfg.is_correction or None,
-                            is_low=cfg.is_correction_low_high[0],
-                            is_high=cfg.is_correction_low_high[1],
+                            is_correction=cfg.algo.advantage.is_correction or None,
+                            is_low=cfg.algo.advantage.is_correction_threshold[0],
+                            is_high=cfg.algo.advantage.is_correction_threshold[1],
                         )
-                        if cfg.use_kl_loss and have_ref:
+                        if cfg.algo.kl.use_loss and have_ref:
                             kloss, km = kl_loss(
-                                lp, batch["ref_logprobs"], mmask, agg, kl_coef=kl_coef, estimator=cfg.kl_estimator
+                                lp, batch["ref_logprobs"], mmask, agg, kl_coef=kl_coef, estimator=cfg.algo.kl.estimator
                             )
                             loss = loss + kloss
                             pm.update(km)
                         if ent is not None:
-                            eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.entropy_loss_coef)
+                            eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.actor.entropy_coef)
                             if entropy_in_loss:
                                 loss = loss + eloss
                             pm.update(em)
@@ -363,7 +375,7 @@ class PolicyTrainer:
             dist.all_reduce(old_lp)  # each row was filled on exactly one rank, zeros elsewhere
             old_lp = old_lp.cpu()
         if kl is None:
-            kl = compute_kl(old_lp, full["ref_logprobs"] if have_ref else old_lp, mask, estimator=cfg.kl_estimator)
+            kl = compute_kl(old_lp, full["ref_logprobs"] if have_ref else old_lp, mask, estimator=cfg.algo.kl.estimator)
         mean_kl = float(masked_mean(kl, mask))
         self.kl_ctl.update(float(kl.sum(-1).mean()), n)  # the controller wants per-sequence KL
         out = {k: sum(v) / len(v) for k, v in metrics.items()}

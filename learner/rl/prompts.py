@@ -30,17 +30,17 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str, *, evaluation: 
     rows, skipped = load_prompts(
         spec,
         tokenizer,
-        input_key=cfg.input_key,
-        label_key=cfg.label_key or None,
-        probs=None if evaluation else (cfg.prompt_data_probs or None),
-        split=cfg.eval_split if evaluation else cfg.prompt_split,
-        max_samples=cfg.max_samples,
-        seed=cfg.seed,
-        apply_chat_template=cfg.apply_chat_template,
-        input_template=cfg.input_template or None,
-        prompt_max_len=cfg.prompt_max_len,
-        skip_bad_rows=cfg.skip_bad_rows,
-        datasource_key=(cfg.eval_datasource_key or None) if evaluation else None,
+        input_key=cfg.data.input_key,
+        label_key=cfg.data.label_key or None,
+        probs=None if evaluation else (cfg.data.prompt_probs or None),
+        split=cfg.eval.split if evaluation else cfg.data.prompt_split,
+        max_samples=cfg.data.max_samples,
+        seed=cfg.train.seed,
+        apply_chat_template=cfg.data.apply_chat_template,
+        input_template=cfg.data.input_template or None,
+        prompt_max_len=cfg.data.prompt_max_len,
+        skip_bad_rows=cfg.data.skip_bad_rows,
+        datasource_key=(cfg.eval.datasource_key or None) if evaluation else None,
     )
     if skipped.total:
         log.warning("%s: %s", spec, skipped.report("prompts"))

@@ -39,6 +39,7 @@ from learner.rl.schedules import RunParts, Schedule, Turns, make_schedule, sched
 from learner.rl.schedules.base import broadcast_int
 from learner.rl.schedules.colocated import check_colocated_push, make_turns
 from learner.runtime.checkpoint import Checkpointer
+from learner.runtime.flags import model_options
 
 log = logging.getLogger("learner")
 
@@ -117,7 +118,7 @@ def init_process(cfg: PPOConfig) -> Process:
 
     info = E.init_distributed()
     setup_logging(info.rank)
-    E.set_host_malloc(cfg.host_malloc)
+    E.set_host_malloc(cfg.ds.host_malloc)
     try:
         cfg.check_world_size(info.world_size)
         check_colocated_push(cfg)
@@ -128,17 +129,12 @@ def init_process(cfg: PPOConfig) -> Process:
         for notice in cfg.notices:  # what the flags' checks changed, said once logging is up
             log.warning("%s", notice)
         _warn_foreign_flags(cfg)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.train.seed)
     return Process(info.rank, info.world_size, info.device)
 
 
 def _warn_foreign_flags(cfg: PPOConfig) -> None:
-    for name in cfg.ray_flags_used():
-        log.warning(
-            "--%s is a Ray placement flag; rayless has no placement: start the processes you want "
-            "(torchrun --nproc_per_node/--nnodes for learners, one rollout_service per engine)",
-            name,
-        )
+    # Ray placement and the other flags that cannot act are in cfg.notices (common.config's inert)
     for name, theirs in cfg.engine_flags_used():
         log.warning(
             "--%s configures vLLM engines, which rollout_service processes own here: start them with %s "
@@ -153,22 +149,22 @@ def load_data(cfg: PPOConfig, proc: Process) -> Data:
 
     from learner.rl.prompts import load_prompt_items
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.pretrain)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_items, eval_items = [], []
     if proc.rank0:
-        train_items = load_prompt_items(cfg, tokenizer, cfg.prompt_data)
-        if cfg.eval_dataset:
-            eval_items = load_prompt_items(cfg, tokenizer, cfg.eval_dataset, evaluation=True)
+        train_items = load_prompt_items(cfg, tokenizer, cfg.data.prompt_dataset)
+        if cfg.eval.dataset:
+            eval_items = load_prompt_items(cfg, tokenizer, cfg.eval.dataset, evaluation=True)
     n_items = broadcast_int(len(train_items))
-    steps_per_episode = n_items // cfg.rollout_batch_size
-    total_steps = steps_per_episode * cfg.num_episodes
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+    steps_per_episode = n_items // cfg.rollout.batch_size
+    total_steps = steps_per_episode * cfg.train.num_episodes
+    if cfg.train.max_steps:
+        total_steps = min(total_steps, cfg.train.max_steps)
     if total_steps == 0:
         raise RunError(
-            f"{cfg.prompt_data}: {n_items} usable prompts, fewer than one --rollout_batch_size "
-            f"({cfg.rollout_batch_size}); nothing to train"
+            f"{cfg.data.prompt_dataset}: {n_items} usable prompts, fewer than one --rollout_batch_size "
+            f"({cfg.rollout.batch_size}); nothing to train"
         )
     return Data(tokenizer, pad_id, train_items, eval_items, n_items, steps_per_episode, total_steps)
 
@@ -177,12 +173,14 @@ def build_trainer(cfg: PPOConfig, proc: Process, data: Data) -> Models:
     from learner.rl.policy_trainer import PolicyTrainer
     from learner.runtime import engine as E
 
-    samples_per_step = cfg.rollout_batch_size * cfg.n_samples_per_prompt
-    optimizer_steps = data.total_steps * cfg.max_epochs * (samples_per_step // cfg.train_batch_size)
-    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
-    engine = train_engine(cfg, model, cfg.actor_learning_rate, optimizer_steps)
+    samples_per_step = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    optimizer_steps = data.total_steps * cfg.train.max_epochs * (samples_per_step // cfg.train.batch_size)
+    model = E.load_causal_lm(
+        cfg.actor.model_name_or_path, **model_options(cfg.ds, cfg.actor.gradient_checkpointing_enable)
+    )
+    engine = train_engine(cfg, model, cfg.actor, optimizer_steps)
     critic = None
-    if cfg.advantage_estimator == "gae":
+    if cfg.algo.advantage.estimator == "gae":
         critic = make_critic(cfg, data.tokenizer, data.pad_id, proc.device, optimizer_steps)
     trainer = PolicyTrainer(engine, cfg, data.pad_id, proc.device, critic=critic)
     return Models(engine, critic, trainer)
@@ -196,7 +194,7 @@ def _other_rank_weights(cfg: PPOConfig, engine: Any, rank: int) -> Any:
 
 
 def _turns(cfg: PPOConfig, models: Models, proc: Process, rank0: Any) -> Turns:
-    if not cfg.colocate_all_models:
+    if not cfg.train.colocate_all:
         return Turns()
     trained = [models.engine] + ([models.critic.engine] if models.critic is not None else [])
     try:
@@ -211,7 +209,7 @@ def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: i
     step), the checkpoints. A step's evaluation comes before its checkpoint, which then keeps
     its score (--best_metric_key)."""
     try:
-        resumed = ckpt.resume() if cfg.load_checkpoint else None
+        resumed = ckpt.resume() if cfg.ckpt.load_enable else None
     except CheckpointError as e:
         raise RunError(str(e)) from None
     first = resumed.step + 1 if resumed else 1
@@ -219,14 +217,14 @@ def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: i
     # resumed weights, as the version they were at (version k after step k), before any prompt
     # is handed out: servers that outlived the old learner still hold its later weights.
     schedule.start(resumed.step if resumed else 0)
-    evaluating = bool(cfg.eval_dataset)
+    evaluating = bool(cfg.eval.dataset)
     if evaluating and not resumed:
         schedule.evaluate(0)
     for step in range(first, total_steps + 1):
         schedule.step(step)
-        if evaluating and eval_due(step, total_steps, cfg.eval_steps):
+        if evaluating and eval_due(step, total_steps, cfg.eval.steps):
             schedule.evaluate(step)
-        if cfg.save_steps > 0 and step % cfg.save_steps == 0:
+        if cfg.ckpt.save_steps > 0 and step % cfg.ckpt.save_steps == 0:
             with schedule.states_resident():
                 ckpt.save(step)
     schedule.finish()
@@ -235,10 +233,10 @@ def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: i
 def save_final(cfg: PPOConfig, models: Models, tokenizer: Any, proc: Process) -> None:
     from learner.runtime import engine as E
 
-    E.save_hf(models.engine, tokenizer, cfg.save_path)
+    E.save_hf(models.engine, tokenizer, cfg.ckpt.output_dir)
     if proc.rank0:
-        log.info("saved the policy to %s", cfg.save_path)
-    if models.critic is not None and cfg.save_value_network:
+        log.info("saved the policy to %s", cfg.ckpt.output_dir)
+    if models.critic is not None and cfg.critic.save_value_network:
         E.save_hf(models.critic.engine, tokenizer, critic_save_path(cfg))
         if proc.rank0:
             log.info("saved the critic to %s", critic_save_path(cfg))

@@ -39,9 +39,9 @@ def _sync_host(cfg: PPOConfig) -> str:
     there already), else this host's name. The weight-transfer stores listen on that address
     only when it is an IP address (``common.net.bind_address``); a host name, or a controller
     bound to every interface (0.0.0.0, *), leaves them on every interface (docs/security.md)."""
-    if cfg.sync_host:
-        return cfg.sync_host
-    bind = cfg.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if cfg.services.sync_host:
+        return cfg.services.sync_host
+    bind = cfg.services.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     address = bind_address(bind)
     if address:
         return address
@@ -52,7 +52,7 @@ def rank0_syncs_joiners(cfg: PPOConfig, world_size: int) -> bool:
     """Whether rank 0 may bring a joiner up to date between pushes: it reads the weights alone,
     which ZeRO-3 across ranks cannot (a gather is a collective) and which async training is
     changing meanwhile."""
-    return not (cfg.zero_stage == 3 and world_size > 1) and not cfg.async_train
+    return not (cfg.ds.zero_stage == 3 and world_size > 1) and not cfg.train.async_enable
 
 
 def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = None) -> WeightPublisher:
@@ -61,10 +61,10 @@ def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = Non
         engine,
         control=control,
         rank=rank,
-        backend=resolve_backend(cfg.weight_sync_backend),
+        backend=resolve_backend(cfg.vllm.sync_backend),
         host=_sync_host(cfg),
-        timeout_s=cfg.weight_sync_timeout_s,
-        lora_sync=cfg.lora_sync if cfg.lora_rank else "merged",
+        timeout_s=cfg.services.weight_sync_timeout_s,
+        lora_sync=cfg.services.lora_sync if cfg.ds.lora.rank else "merged",
     )
 
 

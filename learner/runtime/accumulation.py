@@ -39,7 +39,7 @@ log = logging.getLogger("rayless.engine")
 COALESCE_CHOICES = ("auto", "on", "off")
 
 
-def coalesce_flag(group: str) -> Any:
+def coalesce_flag(group: str, **kw: Any) -> Any:
     """The ``--coalesce_grad_reduction`` field of every trainer's config (one definition)."""
     return flag(
         "auto",
@@ -49,6 +49,7 @@ def coalesce_flag(group: str) -> Any:
         "DeepSpeed supports it (ZeRO-1/2/3 without the bf16 wrapper)",
         choices=COALESCE_CHOICES,
         group=group,
+        **kw,
     )
 
 

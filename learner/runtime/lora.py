@@ -32,14 +32,15 @@ log = logging.getLogger("rayless.lora")
 ADAPTER_DIR = "adapter"
 
 
-def lora_config(cfg: Any, *, modules_to_save: list[str] | None = None):
+def lora_config(lora: Any, *, modules_to_save: list[str] | None = None):
+    """peft's LoraConfig of a ``ds.lora`` section (``learner.runtime.flags.LoraSection``)."""
     from peft import LoraConfig
 
-    targets = cfg.target_modules
+    targets = lora.target_modules
     return LoraConfig(
-        r=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         # "all-linear": every linear layer but the output head (peft's own choice)
         target_modules=targets[0] if targets == ["all-linear"] else list(targets),
         modules_to_save=modules_to_save,
@@ -47,40 +48,41 @@ def lora_config(cfg: Any, *, modules_to_save: list[str] | None = None):
     )
 
 
-def _wrap(hf_model: torch.nn.Module, config: Any, cfg: Any) -> torch.nn.Module:
+def _wrap(hf_model: torch.nn.Module, config: Any, lora: Any, gradient_checkpointing: bool) -> torch.nn.Module:
     from peft import get_peft_model
 
     try:
         model = get_peft_model(hf_model, config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model ..."
-        raise ValueError(f"--target_modules {' '.join(cfg.target_modules)}: {e}") from None
-    if cfg.gradient_checkpointing:
+        raise ValueError(f"--ds.lora.target_modules {' '.join(lora.target_modules)}: {e}") from None
+    if gradient_checkpointing:
         # Checkpointed blocks of a frozen base need an input that requires grad, or no
         # gradient reaches the adapters inside them.
         model.enable_input_require_grads()
     return model
 
 
-def apply_lora(model: torch.nn.Module, cfg: Any) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: Any, *, gradient_checkpointing: bool = False) -> torch.nn.Module:
     """``model`` (a causal LM, or a ``learner.runtime.models.ScalarHeadModel``) with LoRA
-    adapters per ``cfg`` (``--lora_rank`` > 0; else returned as is). A scalar-head model keeps
-    its class: its ``hf_model`` becomes the peft model, the head trained in full."""
-    if cfg.lora_rank <= 0:
+    adapters per ``lora`` (the ``ds.lora`` section: rank > 0; else returned as is). A
+    scalar-head model keeps its class: its ``hf_model`` becomes the peft model, the head
+    trained in full. ``gradient_checkpointing``: the model checkpoints its blocks."""
+    if lora.rank <= 0:
         return model
     inner = getattr(model, "hf_model", None)
     if isinstance(inner, torch.nn.Module):
         head = model.head_name
-        model.hf_model = _wrap(inner, lora_config(cfg, modules_to_save=[head]), cfg)
+        model.hf_model = _wrap(inner, lora_config(lora, modules_to_save=[head]), lora, gradient_checkpointing)
         wrapped = model.hf_model
     else:
-        model = wrapped = _wrap(model, lora_config(cfg), cfg)
+        model = wrapped = _wrap(model, lora_config(lora), lora, gradient_checkpointing)
     trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     total = sum(p.numel() for p in wrapped.parameters())
     log.info(
         "LoRA rank %d alpha %d on %s: %d of %d parameters train (%.2f%%)",
-        cfg.lora_rank,
-        cfg.lora_alpha,
-        cfg.target_modules,
+        lora.rank,
+        lora.alpha,
+        lora.target_modules,
         trainable,
         total,
         100.0 * trainable / max(total, 1),

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import flag
+from common.config import flag, section
 
 REDACTED = "<redacted>"
 # --use_wandb values that mean "on, the key is elsewhere" and "off" (OpenRLHF reads any
@@ -61,48 +61,61 @@ class Secret:
 
 
 @dataclass
-class WandbFlags:
-    """Weights & Biases (OpenRLHF's flags). The metrics go there besides metrics.jsonl and TensorBoard."""
+class WandbSection:
+    """Weights & Biases (OpenRLHF's ``logger.wandb.*``). The metrics go there besides metrics.jsonl and TensorBoard."""
 
-    use_wandb: str = flag(
+    key: str = flag(
         "",
         "log to Weights & Biases (rank 0): the API key, or True when the key is in WANDB_API_KEY / wandb login "
         "(or none is needed: WANDB_MODE=offline); the key is never logged. A failed start warns and the run "
         "goes on with its other sinks",
-        group="wandb",
+        flat="use_wandb",
     )
-    wandb_org: str = flag("", "wandb entity (team or user); empty: the key's default entity", group="wandb")
-    wandb_group: str = flag("", "wandb run group", group="wandb")
-    wandb_project: str = flag("", "wandb project (empty: rayless_<trainer>, e.g. rayless_train_ppo)", group="wandb")
-    wandb_run_name: str = flag("", "wandb run name (empty: <trainer>_MMDDTHH:MM, as OpenRLHF)", group="wandb")
+    org: str = flag("", "wandb entity (team or user); empty: the key's default entity", flat="wandb_org")
+    group: str = flag("", "wandb run group", flat="wandb_group")
+    project: str = flag("", "wandb project (empty: rayless_<trainer>, e.g. rayless_train_ppo)", flat="wandb_project")
+    run_name: str = flag("", "wandb run name (empty: <trainer>_MMDDTHH:MM, as OpenRLHF)", flat="wandb_run_name")
 
-    def check_wandb(self) -> None:
-        """``--use_wandb``: off, on, or on with a key (held as a ``Secret`` from here on)."""
-        value = self.use_wandb
+    def __post_init__(self) -> None:
+        """The key: off, on, or on with a key (held as a ``Secret`` from here on)."""
+        value = self.key
         if isinstance(value, Secret):  # already checked (dataclasses.replace re-runs __post_init__)
             return
         value = str(value).strip()
         if value.lower() in _FALSE:
-            self.use_wandb = ""
+            self.key = ""
         elif value.lower() in _TRUE:
-            self.use_wandb = "True"
+            self.key = "True"
         else:
-            self.use_wandb = Secret(value)
+            self.key = Secret(value)  # type: ignore[assignment]  # a str that does not print
 
     @property
-    def wandb_enabled(self) -> bool:
-        return bool(self.use_wandb)
+    def enabled(self) -> bool:
+        return bool(self.key)
 
-    def wandb_key(self) -> str | None:
-        """The API key given with ``--use_wandb`` (None: on without one, or off)."""
-        return self.use_wandb.reveal() if isinstance(self.use_wandb, Secret) else None
+    def api_key(self) -> str | None:
+        """The API key given with ``--logger.wandb.key`` (None: on without one, or off)."""
+        return self.key.reveal() if isinstance(self.key, Secret) else None
 
-    def wandb_names(self, trainer: str) -> tuple[str, str]:
+    def names(self, trainer: str) -> tuple[str, str]:
         """(project, run name) with the defaults filled in; ``trainer``: ``train_ppo``, ``train_sft``, ..."""
         short = trainer.removeprefix("train_")
-        project = self.wandb_project or f"rayless_{trainer}"
-        name = self.wandb_run_name or f"{short}_{datetime.datetime.now():%m%dT%H:%M}"
+        project = self.project or f"rayless_{trainer}"
+        name = self.run_name or f"{short}_{datetime.datetime.now():%m%dT%H:%M}"
         return project, name
+
+
+@dataclass
+class LoggerSection:
+    """Where metrics go (OpenRLHF's ``logger.*``; docs/tracking.md)."""
+
+    logging_steps: int = flag(1, "log every N steps", flat="logging_steps")
+    tensorboard_dir: str = flag("", "TensorBoard log dir (empty: off)", flat="use_tensorboard")
+    wandb: WandbSection = section(WandbSection, "Weights & Biases")
+
+    def __post_init__(self) -> None:
+        if self.logging_steps < 1:
+            raise ValueError(f"--logger.logging_steps (--logging_steps) must be >= 1, got {self.logging_steps}")
 
 
 def public_config(cfg: Any) -> dict[str, Any]:
@@ -114,6 +127,9 @@ def public_config(cfg: Any) -> dict[str, Any]:
     return json.loads(to_json(cfg))  # to_json prints a Secret as <redacted>
 
 
+_KEY_FLAGS = ("--use_wandb", "--logger.wandb.key")  # both spellings of the key's flag
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` with the key after ``--use_wandb`` (or in ``--use_wandb=KEY``) replaced by
     ``<redacted>``; on/off values are kept, they say what the run does."""
@@ -122,12 +138,12 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
         if hide_next:
             out.append(arg if arg.strip().lower() in _TRUE | _FALSE else REDACTED)
             hide_next = False
-        elif arg == "--use_wandb":
+        elif arg in _KEY_FLAGS:
             out.append(arg)
             hide_next = True
-        elif arg.startswith("--use_wandb="):
-            value = arg.split("=", 1)[1]
-            out.append(arg if value.strip().lower() in _TRUE | _FALSE else f"--use_wandb={REDACTED}")
+        elif arg.split("=", 1)[0] in _KEY_FLAGS and "=" in arg:
+            name, value = arg.split("=", 1)
+            out.append(arg if value.strip().lower() in _TRUE | _FALSE else f"{name}={REDACTED}")
         else:
             out.append(arg)
     return out

@@ -32,31 +32,34 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from learner.runtime.tracking import REDACTED, WandbFlags, public_config, redact_argv
+from learner.runtime.tracking import REDACTED, WandbSection, redact_argv
 
 log = logging.getLogger("rayless.metrics")
 
 STEP_KEY = "step"  # the x axis of every chart: the record's step
 
 
-def wandb_sink(cfg: WandbFlags, *, trainer: str, folder: str | Path) -> WandbSink | None:
-    """The sink a trainer's config asks for (``--use_wandb``), or None."""
-    if not cfg.wandb_enabled:
+def wandb_sink(
+    flags: WandbSection, *, trainer: str, config: Mapping[str, Any], folder: str | Path
+) -> WandbSink | None:
+    """The sink the ``logger.wandb`` section asks for (``--logger.wandb.key`` / ``--use_wandb``), or
+    None; ``config``: the run's whole config, secrets redacted (``tracking.public_config``)."""
+    if not flags.enabled:
         return None
-    return WandbSink(cfg, trainer=trainer, config=public_config(cfg), folder=folder)
+    return WandbSink(flags, trainer=trainer, config=config, folder=folder)
 
 
 class WandbSink:
     """``log(record)`` per metrics record, ``table(...)`` for generated samples; ``close()`` finishes the run.
 
     Args:
-        flags: the trainer's wandb flags (its config).
+        flags: the trainer's ``logger.wandb`` section.
         trainer: ``train_ppo``, ``train_sft``, ...: the default project and run name.
         config: what the run records as its config (secrets already redacted).
         folder: where wandb writes its ``wandb/`` folder unless ``WANDB_DIR`` says otherwise.
     """
 
-    def __init__(self, flags: WandbFlags, *, trainer: str, config: Mapping[str, Any], folder: str | Path) -> None:
+    def __init__(self, flags: WandbSection, *, trainer: str, config: Mapping[str, Any], folder: str | Path) -> None:
         self.flags = flags
         self.trainer = trainer
         self.config = dict(config)
@@ -80,19 +83,19 @@ class WandbSink:
             return True
         if self.failed:
             return False
-        key = self.flags.wandb_key()
+        key = self.flags.api_key()
         try:
             import wandb
 
-            project, name = self.flags.wandb_names(self.trainer)
+            project, name = self.flags.names(self.trainer)
             folder = Path(os.environ.get("WANDB_DIR") or self.folder)
             folder.mkdir(parents=True, exist_ok=True)
             settings = wandb.Settings(api_key=key) if key else None  # a session key: nothing written to ~/.netrc
             with _redacted_argv():
                 run = wandb.init(
-                    entity=self.flags.wandb_org or None,
+                    entity=self.flags.org or None,
                     project=project,
-                    group=self.flags.wandb_group or None,
+                    group=self.flags.group or None,
                     name=name,
                     id=self.run_id,
                     resume="allow" if self.run_id else None,
@@ -118,7 +121,7 @@ class WandbSink:
         try:
             self.run.log(dict(record))
         except Exception as e:  # noqa: BLE001 - see _fail
-            self._fail("failed to log", e, self.flags.wandb_key())
+            self._fail("failed to log", e, self.flags.api_key())
 
     def table(self, step: int, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         """A ``wandb.Table`` of ``rows`` under ``key`` at ``step`` (generated samples)."""
@@ -129,7 +132,7 @@ class WandbSink:
 
             self.run.log({STEP_KEY: step, key: wandb.Table(columns=list(columns), data=[list(r) for r in rows])})
         except Exception as e:  # noqa: BLE001 - see _fail
-            self._fail("failed to log a table", e, self.flags.wandb_key())
+            self._fail("failed to log a table", e, self.flags.api_key())
 
     def _fail(self, what: str, e: BaseException, key: str | None) -> None:
         message = f"{type(e).__name__}: {e}"

@@ -67,10 +67,11 @@ def _expected_crcs(tiny_model_dir: Path, prompts: Path) -> dict[int, int]:
     """What an uninterrupted run trains at each step: the PromptStream's batch."""
     from transformers import AutoTokenizer
 
+    from common.config import build
     from learner.rl.config import PPOConfig
     from learner.rl.prompts import PromptStream, fingerprint, load_prompt_items
 
-    cfg = PPOConfig(pretrain=str(tiny_model_dir), **{
+    cfg = build(PPOConfig, pretrain=str(tiny_model_dir), **{
         "prompt_data": str(prompts), "input_key": "input", "n_samples_per_prompt": 4, "rollout_batch_size": 8,
         "train_batch_size": 32, "micro_train_batch_size": 32, "seed": 0,
     })  # fmt: skip

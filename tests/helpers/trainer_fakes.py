@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from common.config import build
 from learner.rl.config import PPOConfig
 
 
@@ -50,4 +51,4 @@ def small_ppo_config(model_dir, **kw) -> PPOConfig:
         init_kl_coef=0.0,
         seed=0,
     )
-    return PPOConfig(**{**base, **kw})
+    return build(PPOConfig, **{**base, **kw})

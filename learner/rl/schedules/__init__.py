@@ -18,12 +18,12 @@ SCHEDULES: dict[str, type[Schedule]] = {s.kind: s for s in (LockstepSchedule, As
 
 def schedule_kind(cfg: PPOConfig) -> str:
     """The schedule class the flags ask for (PPOConfig refuses --colocate_all_models with --async_train)."""
-    return AsyncSchedule.kind if cfg.async_train else LockstepSchedule.kind
+    return AsyncSchedule.kind if cfg.train.async_enable else LockstepSchedule.kind
 
 
 def schedule_name(cfg: PPOConfig) -> str:
     """The schedule as the run's log names it: lockstep, async, or colocated (lockstep with turns)."""
-    return "colocated" if cfg.colocate_all_models else schedule_kind(cfg)
+    return "colocated" if cfg.train.colocate_all else schedule_kind(cfg)
 
 
 def make_schedule(parts: RunParts) -> Schedule:

@@ -204,16 +204,16 @@ class AsyncSchedule(Schedule):
     def _start_pump(self, first_step: int) -> None:
         cfg, driver = self.cfg, self.driver
         keep = None
-        if cfg.dynamic_filtering:
+        if cfg.algo.dynamic_filtering_enable:
             from learner.algorithms.shaping import dynamic_filter_mask
 
-            reward_range = tuple(cfg.dynamic_filtering_reward_range) or None
+            reward_range = tuple(cfg.algo.dynamic_filtering_range) or None
 
             def keep(samples):
                 rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
                 return bool(dynamic_filter_mask(rewards, len(samples), reward_range)[0])
 
-        B = cfg.rollout_batch_size
+        B = cfg.rollout.batch_size
         # Where the run stands in the prompt stream: the checkpoint's feed state, or (a fresh
         # run, or a resume from a checkpoint without one) the state of a run that trained steps
         # 1..first_step-1 with nothing pending, as lockstep leaves it.
@@ -232,7 +232,7 @@ class AsyncSchedule(Schedule):
             driver.controller,
             driver.prompts.stream(int(state["next_position"])),
             batch_groups=B,
-            max_staleness=cfg.max_staleness,
+            max_staleness=cfg.train.max_staleness,
             total_groups=self.parts.total_steps * B,  # a run total, as the restored counters are
             keep_group=keep,
             first_position=int(state["next_position"]),
@@ -284,13 +284,13 @@ class AsyncSchedule(Schedule):
         cfg = self.cfg
         if self.pump is None:
             self._start_pump(step)
-        groups = self.pump.next_batch(step - 1, cfg.generate_timeout_s + cfg.score_timeout_s)
+        groups = self.pump.next_batch(step - 1, cfg.services.generate_timeout_s + cfg.services.score_timeout_s)
         # Which prompts each step trains, by stream position: what an audit of a resumed run
         # (nothing skipped, nothing twice) reads; ranges keep the line short.
         log.info("step %d trains stream positions %s", step, _ranges(g.position for g in groups))
         with self.pump.hold() as feed:
             failed = feed.counters["dropped_failed"]
-        rollout = Rollout([s for g in groups for s in g.samples], cfg.n_samples_per_prompt)
+        rollout = Rollout([s for g in groups for s in g.samples], cfg.rollout.n_samples_per_prompt)
         batch = StepBatch(rollout, failed - self._failed_before, sum(len(s.response) for s in rollout.samples))
         self._failed_before = failed
         return batch
@@ -324,7 +324,7 @@ class AsyncSchedule(Schedule):
         idle = feed.rollout_idle_s
         feed.check_accounting()
         span = max(now - self._last_report, 1e-6)
-        metrics = _lag_metrics(rollout.samples, step - 1, cfg.max_staleness, result.old_logprobs)
+        metrics = _lag_metrics(rollout.samples, step - 1, cfg.train.max_staleness, result.old_logprobs)
         metrics.update(
             {
                 "async/dropped_stale": counters["dropped_stale"],
@@ -339,7 +339,7 @@ class AsyncSchedule(Schedule):
                 "async/is_truncated_frac": result.metrics.get("policy/is_filter_frac", 0.0),
             }
         )
-        if cfg.dynamic_filtering:
+        if cfg.algo.dynamic_filtering_enable:
             metrics["filter/groups_filtered"] = counters["dropped_filtered"]
         self._last_report, self._last_idle = now, idle
         return metrics

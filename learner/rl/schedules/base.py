@@ -257,7 +257,7 @@ class Schedule(abc.ABC):
             except BaseException:
                 broadcast_decision(Decision.STOP)  # release the other ranks before raising here
                 raise
-            decision = Decision.TRAIN if len(batch.rollout) >= cfg.train_batch_size else Decision.SKIP
+            decision = Decision.TRAIN if len(batch.rollout) >= cfg.train.batch_size else Decision.SKIP
         decision = broadcast_decision(decision)
         if decision is Decision.STOP:
             raise StoppedByRank0(f"step {step}: rank 0 (the controller) failed; its log has the error")
@@ -267,8 +267,10 @@ class Schedule(abc.ABC):
             return decision
         wait_s = time.time() - t0
         self.turns.after_generate()
-        rollout = broadcast_rollout(batch.rollout if batch else None, cfg.n_samples_per_prompt, device=parts.device)
-        rollout.samples = rollout.samples[: len(rollout) // cfg.train_batch_size * cfg.train_batch_size]
+        rollout = broadcast_rollout(
+            batch.rollout if batch else None, cfg.rollout.n_samples_per_prompt, device=parts.device
+        )
+        rollout.samples = rollout.samples[: len(rollout) // cfg.train.batch_size * cfg.train.batch_size]
         self.turns.before_train()
         result = self.train(rollout, step)
         self.turns.after_train()

@@ -100,17 +100,15 @@ def make_turns(
     RolloutClient (None on the other ranks). Raises ValueError for a combination that cannot
     work (ZeRO-3 offload without FusedAdam)."""
     notes = notes or CannotAct()
-    learner = LearnerStates(
-        engines, device, enabled=cfg.deepspeed_enable_sleep, adam_offload=cfg.adam_offload, notes=notes
-    )
+    learner = LearnerStates(engines, device, enabled=cfg.ds.enable_sleep, adam_offload=cfg.ds.adam_offload, notes=notes)
     memory = None
     if rollout is not None:
         memory = EngineMemory(
             rollout,
-            sleep=cfg.vllm_enable_sleep,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            sleep=cfg.vllm.enable_sleep,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
             notes=notes,
-            timeout_s=cfg.weight_sync_timeout_s,
+            timeout_s=cfg.services.weight_sync_timeout_s,
         )
     return ColocatedTurns(learner, memory)
 
@@ -119,11 +117,11 @@ def check_colocated_push(cfg: PPOConfig) -> None:
     """Raises ValueError when --colocate_all_models would push weights over NCCL: a learner rank
     and an engine worker on one GPU cannot both join an NCCL group (NCCL refuses two ranks on one
     device). OpenRLHF hands them over by CUDA IPC there, which rayless does not have yet."""
-    if not cfg.colocate_all_models:
+    if not cfg.train.colocate_all:
         return
     from common.weights import resolve_backend
 
-    if resolve_backend(cfg.weight_sync_backend) == "nccl":
+    if resolve_backend(cfg.vllm.sync_backend) == "nccl":
         raise ValueError(
             "--colocate_all_models: the learner and its engines share GPUs, and NCCL refuses two ranks on one "
             "GPU, so the weight push cannot use --vllm_sync_backend/--weight_sync_backend nccl (auto picks it on "

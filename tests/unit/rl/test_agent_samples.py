@@ -46,7 +46,7 @@ def _step(model_dir, rollout: Rollout, **kw):
     cfg = small_ppo_config(model_dir, generate_max_len=6, **kw)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = GradEngine(model, cfg.train_batch_size // cfg.micro_train_batch_size)
+    engine = GradEngine(model, cfg.train.batch_size // cfg.train.micro_batch_size)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"))
     return engine, trainer.step(rollout, on_policy=False).metrics
 

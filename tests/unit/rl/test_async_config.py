@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import parse
+from common.config import build, parse
 from learner.rl.config import PPOConfig
 
 BASE = ["--pretrain", "m", "--prompt_data", "p", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2"]
@@ -17,18 +17,21 @@ def cfg(*args: str) -> PPOConfig:
 
 def test_lockstep_keeps_its_defaults():
     c = cfg()
-    assert not c.async_train and c.max_staleness == 1 and c.is_correction == ""
-    assert cfg("--is_correction", "none").is_correction == ""
-    assert cfg("--is_correction", "icepop", "--is_correction_low_high", "0.5", "2").is_correction == "icepop"
+    assert not c.train.async_enable and c.train.max_staleness == 1 and c.algo.advantage.is_correction == ""
+    assert cfg("--is_correction", "none").algo.advantage.is_correction == ""
+    assert (
+        cfg("--is_correction", "icepop", "--is_correction_low_high", "0.5", "2").algo.advantage.is_correction
+        == "icepop"
+    )
 
 
 def test_async_defaults_to_tis_and_takes_an_explicit_choice():
     c = cfg("--async_train")
-    assert c.async_train and c.max_staleness == 1 and c.is_correction == "tis"
-    assert cfg("--async_train", "--max_staleness", "0").max_staleness == 0
-    assert cfg("--async_train", "--is_correction", "seq_mask_tis").is_correction == "seq_mask_tis"
+    assert c.train.async_enable and c.train.max_staleness == 1 and c.algo.advantage.is_correction == "tis"
+    assert cfg("--async_train", "--max_staleness", "0").train.max_staleness == 0
+    assert cfg("--async_train", "--is_correction", "seq_mask_tis").algo.advantage.is_correction == "seq_mask_tis"
     # Off only when asked for by name.
-    assert cfg("--async_train", "--is_correction", "none").is_correction == ""
+    assert cfg("--async_train", "--is_correction", "none").algo.advantage.is_correction == ""
 
 
 @pytest.mark.parametrize(
@@ -42,6 +45,6 @@ def test_async_defaults_to_tis_and_takes_an_explicit_choice():
 def test_contradictions_are_refused_naming_the_flag(kw, needle):
     base = dict(pretrain="m", prompt_data="p", rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8)
     with pytest.raises(ValueError, match=needle):
-        PPOConfig(**base, micro_train_batch_size=2, **kw)
+        build(PPOConfig, **base, micro_train_batch_size=2, **kw)
     with pytest.raises(SystemExit):  # and on the command line, a usage error
         cfg(*[f"--{k}" if v is True else f"--{k}={v}" for k, v in kw.items()])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common import protocol as P
+from common.config import build
 from common.transport import Endpoint
 from helpers.async_fakes import FakeReward, FakeRollout
 from learner.controller.controller import Controller
@@ -102,7 +103,8 @@ def setup():
 
 
 def run_schedule(c, *, k: int, steps: int, train_s: float):
-    cfg = PPOConfig(
+    cfg = build(
+        PPOConfig,
         pretrain="m",
         prompt_data="p",
         rollout_batch_size=B,
@@ -177,7 +179,7 @@ def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
     save is done again, and nothing it had pending is lost)."""
     c, _ = setup
     steps, k_save = 6, 3
-    cfg = PPOConfig(
+    cfg = build(PPOConfig, 
         pretrain="m", prompt_data="p", rollout_batch_size=B, n_samples_per_prompt=G,
         train_batch_size=B * G, micro_train_batch_size=B * G, async_train=True, max_staleness=1,
         generate_timeout_s=20, score_timeout_s=20,
@@ -216,9 +218,9 @@ def test_a_resumed_run_trains_every_prompt_once_across_the_restart(setup):
     assert [r["step"] for r in rows] == list(range(k_save + 1, steps + 1))
     # The counters are the run's: admission after the resume saw the groups trained before it.
     assert rows[-1]["async/trained_groups"] == steps * B
-    assert rows[-1]["async/outstanding_max"] <= (cfg.max_staleness + 1) * B
+    assert rows[-1]["async/outstanding_max"] <= (cfg.train.max_staleness + 1) * B
     lags = [step - 1 - s.policy_version for step, b in enumerate(resumed.parts.trainer.trained, k_save + 1) for s in b]
-    assert min(lags) >= 0 and max(lags) <= cfg.max_staleness
+    assert min(lags) >= 0 and max(lags) <= cfg.train.max_staleness
 
 
 @pytest.mark.parametrize("kind", ["lockstep", "async"])
@@ -230,7 +232,7 @@ def test_evaluations_between_steps_are_never_trained_on_and_keep_the_accounting(
     evaluation's kept apart."""
     c, _ = setup
     steps, async_train = 6, kind == "async"
-    cfg = PPOConfig(
+    cfg = build(PPOConfig, 
         pretrain="m", prompt_data="p", rollout_batch_size=B, n_samples_per_prompt=G,
         train_batch_size=B * G, micro_train_batch_size=B * G, async_train=async_train,
         eval_dataset="e", eval_steps=2, eval_n_samples_per_prompt=3, generate_timeout_s=20, score_timeout_s=20,
@@ -247,7 +249,7 @@ def test_evaluations_between_steps_are_never_trained_on_and_keep_the_accounting(
     through_pump, eval_counters = [], []
     for step in range(1, steps + 1):
         sched.step(step)
-        if eval_due(step, steps, cfg.eval_steps):
+        if eval_due(step, steps, cfg.eval.steps):
             through_pump.append(sched.eval_collect() is not None)
             sched.evaluate(step)
             if getattr(sched, "pump", None) is not None:
@@ -271,6 +273,6 @@ def test_evaluations_between_steps_are_never_trained_on_and_keep_the_accounting(
         ]
         step_rows = [r for r in sink.rows if "async/admitted" in r]
         assert step_rows[-1]["async/admitted"] == steps * B  # evaluation took no training admission
-        assert max(r["async/outstanding_max"] for r in step_rows) <= (cfg.max_staleness + 1) * B
+        assert max(r["async/outstanding_max"] for r in step_rows) <= (cfg.train.max_staleness + 1) * B
     else:
         assert through_pump == [False, False, False]

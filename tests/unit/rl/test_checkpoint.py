@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import build
 from learner.algorithms.kl import AdaptiveKLController, FixedKLController
 from learner.controller.types import PromptItem
 from learner.rl import checkpoint as C
@@ -61,8 +62,8 @@ class FakeTrainer:
     def __init__(self, cfg: PPOConfig, value: float = 0.0, slow_s: float = 0.0) -> None:
         self.engine = FakeEngine(value, slow_s)
         self.critic = None
-        self.kl_ctl = AdaptiveKLController(0.1, 6.0, 1000) if cfg.kl_target else FixedKLController(0.1)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.kl_ctl = AdaptiveKLController(0.1, 6.0, 1000) if cfg.algo.kl.target else FixedKLController(0.1)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.steps_done = 0
 
     def state_dict(self):  # as PolicyTrainer's
@@ -101,7 +102,7 @@ def cfg_for(tmp_path: Path, **kw) -> PPOConfig:
         micro_train_batch_size=2,
         max_ckpt_num=2,
     )
-    return PPOConfig(**{**args, **kw})
+    return build(PPOConfig, **{**args, **kw})
 
 
 class FakeSchedule:
@@ -116,7 +117,7 @@ class FakeSchedule:
 
 
 def fake_driver(cfg: PPOConfig, tmp_path: Path, n_prompts: int = 8) -> FakeDriver:
-    return FakeDriver(PromptStream(items(n_prompts), cfg.rollout_batch_size), tmp_path / "metrics.jsonl")
+    return FakeDriver(PromptStream(items(n_prompts), cfg.rollout.batch_size), tmp_path / "metrics.jsonl")
 
 
 def checkpointer(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common import protocol as P
+from common.config import build
 from common.transport import PeerUnavailable, RemoteError
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
@@ -118,7 +119,7 @@ def _cfg(**kw) -> PPOConfig:
         deepspeed_enable_sleep=True,
         weight_sync_backend="gloo",
     )
-    return PPOConfig(**{**base, **kw})
+    return build(PPOConfig, **{**base, **kw})
 
 
 def _schedule(rec: Recorder, *, device="cuda", notes=None, **kw):
@@ -138,7 +139,7 @@ def test_the_flag_selects_the_colocated_schedule_and_async_is_refused():
 def test_sleep_flags_without_colocation_are_turned_off_as_in_openrlhf(caplog):
     with caplog.at_level(logging.WARNING, logger="learner"):
         cfg = _cfg(colocate_all_models=False)
-    assert not cfg.vllm_enable_sleep and not cfg.deepspeed_enable_sleep
+    assert not cfg.vllm.enable_sleep and not cfg.ds.enable_sleep
     assert "--vllm_enable_sleep acts only with --colocate_all_models: turned off" in cfg.notices
     assert not caplog.records  # the run says it once logging is set up (learner.rl.run.init_process)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from common.config import build
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, load_critic, response_values
@@ -63,7 +64,7 @@ def _cfg(model_dir, **kw) -> PPOConfig:
         critic_learning_rate=1e-2,
         actor_learning_rate=1e-3,
     )
-    return PPOConfig(**{**base, **kw})
+    return build(PPOConfig, **{**base, **kw})
 
 
 def test_values_are_read_where_the_logits_are_and_padding_does_not_change_them(tiny_model_dir):

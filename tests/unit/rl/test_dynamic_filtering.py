@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
+from common.config import build
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.filtering import filter_and_refill
@@ -47,7 +48,7 @@ def _cfg(**kw) -> PPOConfig:
         dynamic_filtering=True,
         dynamic_filtering_max_collects=2,
     )
-    return PPOConfig(**{**base, **kw})
+    return build(PPOConfig, **{**base, **kw})
 
 
 def _more():

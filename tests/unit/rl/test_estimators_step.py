@@ -50,6 +50,7 @@ CASES = {
 def worker(model_dir: str) -> None:
     import torch
 
+    from common.config import build
     from learner.controller.types import Rollout, ScoredSample
     from learner.rl.config import PPOConfig
     from learner.rl.critic import Critic, load_critic
@@ -116,17 +117,17 @@ def worker(model_dir: str) -> None:
 
     results = {}
     for name, kw in CASES.items():
-        cfg = PPOConfig(**{**common, **kw})
+        cfg = build(PPOConfig, **{**common, **kw})
         critic = None
-        if cfg.advantage_estimator == "gae":
-            critic_engine = engine_for(load_critic(model_dir, zero_stage=2), cfg.critic_learning_rate)
+        if cfg.algo.advantage.estimator == "gae":
+            critic_engine = engine_for(load_critic(model_dir, zero_stage=2), cfg.critic.adam.lr)
             critic = Critic(
                 critic_engine,
                 pad_id=0,
                 device=info.device,
                 micro_rollout_batch_size=4,
-                value_clip=cfg.value_clip,
-                coalesce=engine_coalesces(critic_engine, cfg.coalesce_grad_reduction),
+                value_clip=cfg.critic.value_clip,
+                coalesce=engine_coalesces(critic_engine, cfg.ds.coalesce_grad_reduction),
             )
         trainer = PolicyTrainer(policy, cfg, pad_id=0, device=info.device, critic=critic)
         stamp()

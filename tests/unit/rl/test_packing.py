@@ -126,16 +126,16 @@ def _assert_same_grads(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 
 def _step(model_dir, packed: bool, on_policy: bool, rollout: Rollout, **kw):
     cfg = _cfg(model_dir, packing_samples=packed, **kw)
-    accum = cfg.train_batch_size // cfg.micro_train_batch_size
+    accum = cfg.train.batch_size // cfg.train.micro_batch_size
     critic = None
-    if cfg.advantage_estimator == "gae":
+    if cfg.algo.advantage.estimator == "gae":
         torch.manual_seed(0)
         critic = Critic(
             GradEngine(load_critic(str(model_dir)), accum),
             pad_id=0,
             device=torch.device("cpu"),
-            micro_rollout_batch_size=cfg.micro_rollout_batch_size,
-            value_clip=cfg.value_clip,
+            micro_rollout_batch_size=cfg.rollout.micro_batch_size,
+            value_clip=cfg.critic.value_clip,
         )
     engine = GradEngine(_model(model_dir), accum)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
@@ -238,4 +238,4 @@ def test_the_flag_parses_as_in_openrlhf():
         ["--pretrain", "m", "--prompt_data", "p", "--advantage_estimator", "reinforce", "--packing_samples"],
         prog="learner.train_ppo",
     )
-    assert cfg.packing_samples
+    assert cfg.ds.packing_samples

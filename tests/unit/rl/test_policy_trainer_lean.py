@@ -47,7 +47,7 @@ def _rollout(n: int = 8, ref: bool = False) -> Rollout:
 
 def _step(model_dir, on_policy: bool, rollout: Rollout | None = None, **kw):
     cfg = small_ppo_config(model_dir, **kw)
-    engine = GradEngine(_model(model_dir), accum=cfg.train_batch_size // cfg.micro_train_batch_size)
+    engine = GradEngine(_model(model_dir), accum=cfg.train.batch_size // cfg.train.micro_batch_size)
     trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"))
     result = trainer.step(rollout or _rollout(), on_policy=on_policy)
     return engine, result.metrics, result

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from common.config import parse
+from common.config import build, parse
 from learner.rl.config import PPOConfig
 
 BASE = dict(
@@ -20,22 +20,22 @@ BASE = dict(
 
 
 def cfg(**kw) -> PPOConfig:
-    return PPOConfig(**{**BASE, **kw})
+    return build(PPOConfig, **{**BASE, **kw})
 
 
 def test_defaults_are_valid():
     c = cfg()
-    assert c.clip_low_high == (0.2, 0.2)
+    assert c.actor.clip_low_high == (0.2, 0.2)
     assert c.critic_path == "m"
 
 
 def test_the_default_estimator_is_openrlhfs_gae_and_group_estimators_need_a_group():
     """OpenRLHF's train_ppo_ray defaults to PPO with a critic and one sample per prompt."""
-    c = PPOConfig(pretrain="m", prompt_data="p")
-    assert c.advantage_estimator == "gae" and c.n_samples_per_prompt == 1
+    c = build(PPOConfig, pretrain="m", prompt_data="p")
+    assert c.algo.advantage.estimator == "gae" and c.rollout.n_samples_per_prompt == 1
     for name in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline"):
         with pytest.raises(ValueError, match=f"--advantage_estimator {name} compares samples of one prompt"):
-            PPOConfig(pretrain="m", prompt_data="p", advantage_estimator=name)
+            build(PPOConfig, pretrain="m", prompt_data="p", advantage_estimator=name)
 
 
 @pytest.mark.parametrize(
@@ -83,22 +83,29 @@ def test_lora_flags_of_the_rl_learner_are_checked():
     """--lora_rank is OptimizerFlags' (shared with the supervised trainers), checked the same
     way; --lora_sync adapter without --lora_rank says it does nothing."""
     c = cfg(lora_rank=8, lora_alpha=32)
-    assert (c.lora_rank, c.lora_alpha, c.lora_sync, c.target_modules) == (8, 32, "merged", ["all-linear"])
-    assert cfg(lora_rank=8, zero_stage=3).zero_stage == 3  # the push gathers each weight with its adapter
-    with pytest.raises(ValueError, match=r"--lora_alpha must be > 0, got 0"):
+    assert (c.ds.lora.rank, c.ds.lora.alpha, c.services.lora_sync, c.ds.lora.target_modules) == (
+        8,
+        32,
+        "merged",
+        ["all-linear"],
+    )
+    assert cfg(lora_rank=8, zero_stage=3).ds.zero_stage == 3  # the push gathers each weight with its adapter
+    with pytest.raises(ValueError, match=r"\(--lora_alpha\) must be > 0, got 0"):
         cfg(lora_rank=8, lora_alpha=0)
     assert cfg(lora_rank=8, lora_sync="adapter").notices == []
     assert cfg(lora_sync="adapter").notices == ["--lora_sync adapter has no effect without --lora_rank"]
-    assert cfg().lora_rank == 0  # the default is off
+    assert cfg().ds.lora.rank == 0  # the default is off
 
 
 def test_gspo_switches_the_default_aggregation_with_a_notice(caplog):
     with caplog.at_level(logging.WARNING):
         c = cfg(policy_loss_type="gspo")
-    assert c.loss_agg_mode == "seq_mean_token_mean"
+    assert c.actor.loss_agg_mode == "seq_mean_token_mean"
     # Said once the run has set up logging, on rank 0 (learner.rl.run.init_process), not while parsing.
     assert any("seq_mean_token_mean" in n for n in c.notices) and not caplog.records
-    assert cfg(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean").loss_agg_mode == "seq_mean_token_mean"
+    assert (
+        cfg(policy_loss_type="gspo", loss_agg_mode="seq_mean_token_mean").actor.loss_agg_mode == "seq_mean_token_mean"
+    )
 
 
 def test_evaluation_flags_that_cannot_do_what_they_say_are_explained():
@@ -108,7 +115,7 @@ def test_evaluation_flags_that_cannot_do_what_they_say_are_explained():
     assert any("make --eval_steps a multiple of --save_steps" in n for n in unranked.notices)
     ranked = cfg(eval_dataset="e", best_metric_key="eval/accuracy", save_steps=4, eval_steps=8)
     assert not ranked.notices
-    assert cfg(disable_ds_ckpt=True, save_hf_ckpt=True).disable_ds_ckpt
+    assert cfg(disable_ds_ckpt=True, save_hf_ckpt=True).ckpt.disable_ds
 
 
 def test_accepted_algorithm_flags():
@@ -123,9 +130,9 @@ def test_accepted_algorithm_flags():
     )
     assert c.critic_path == "rm"
     assert cfg(advantage_estimator="gae", critic_pretrain="c", reward_pretrain="rm").critic_path == "c"
-    assert cfg(eps_clip_low_high=[0.2, 0.28]).clip_low_high == (0.2, 0.28)
-    assert cfg(is_correction="icepop", is_correction_low_high=[0.5, 2.0]).is_correction == "icepop"
-    assert cfg(dynamic_filtering=True, dynamic_filtering_reward_range=[0.0, 1.0]).dynamic_filtering
+    assert cfg(eps_clip_low_high=[0.2, 0.28]).actor.clip_low_high == (0.2, 0.28)
+    assert cfg(is_correction="icepop", is_correction_low_high=[0.5, 2.0]).algo.advantage.is_correction == "icepop"
+    assert cfg(dynamic_filtering=True, dynamic_filtering_reward_range=[0.0, 1.0]).algo.dynamic_filtering_enable
 
 
 def test_world_size_checks():
@@ -171,7 +178,7 @@ def test_cli_errors_name_the_flag(capsys):
             "64",
         ],
     )
-    assert c.clip_low_high == (0.2, 0.28)
+    assert c.actor.clip_low_high == (0.2, 0.28)
 
 
 def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
@@ -188,13 +195,15 @@ def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
     params = c.agent_params()
     assert params.agent.startswith("env.py:") and len(params.agent.split(":")[1]) == 12
     assert (params.max_len, params.max_turns, params.step_timeout_s) == (96, 3, 60.0)
-    assert c.min_reward_services == 0 and any("no reward service is waited for" in n for n in c.notices)
+    assert c.services.min_reward_services == 0 and any("no reward service is waited for" in n for n in c.notices)
     env.write_text("class AgentExecutor: pass\n")  # another version of the file: another identity
     assert cfg(agent_func_path=str(env)).agent_params().agent != params.agent
-    assert cfg(agent_func_path=str(env), init_kl_coef=0.01).min_reward_services == 1  # the reference scores
+    assert cfg(agent_func_path=str(env), init_kl_coef=0.01).services.min_reward_services == 1  # the reference scores
     with pytest.raises(ValueError, match="--agent_func_path with --reward_pretrain"):
         cfg(agent_func_path=str(env), reward_pretrain="rm")
-    assert cfg().max_len == cfg().prompt_max_len + cfg().generate_max_len and cfg().agent_params() is None
+    assert (
+        cfg().data.max_len == cfg().data.prompt_max_len + cfg().rollout.max_new_tokens and cfg().agent_params() is None
+    )
 
 
 def test_rollout_admission_refuses_another_agent_or_too_short_a_server_by_name(tmp_path):

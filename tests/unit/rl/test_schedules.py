@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import build
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.config import PPOConfig
 from learner.rl.driver import StepBatch
@@ -69,7 +70,8 @@ class Recorder:
 
 
 def _schedule(rec: Recorder, *, driver: bool = True, train_batch_size: int = 4):
-    cfg = PPOConfig(
+    cfg = build(
+        PPOConfig,
         pretrain="m",
         prompt_data="p",
         rollout_batch_size=4,

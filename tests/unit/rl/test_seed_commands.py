@@ -23,24 +23,29 @@ def test_the_seed_command_parses_with_only_the_module_swapped(workflow, caplog):
     with caplog.at_level(logging.WARNING):
         cfg = parse(PPOConfig, argv(command))
     # PPO with a critic, one sample per prompt: OpenRLHF's default estimator.
-    assert cfg.advantage_estimator == "gae" and cfg.n_samples_per_prompt == 1
-    assert cfg.critic_learning_rate == 9e-6 and cfg.zero_stage == 3 and cfg.bf16
+    assert cfg.algo.advantage.estimator == "gae" and cfg.rollout.n_samples_per_prompt == 1
+    assert cfg.critic.adam.lr == 9e-6 and cfg.ds.zero_stage == 3 and cfg.ds.bf16
     # The hybrid engine: the colocated schedule, both halves asked to sleep.
     assert schedule_name(cfg) == "colocated"
-    assert cfg.vllm_enable_sleep and cfg.deepspeed_enable_sleep and cfg.vllm_gpu_memory_utilization == 0.5
-    assert cfg.packing_samples and cfg.gradient_checkpointing and cfg.apply_chat_template
-    assert cfg.weight_sync_backend == "nccl"  # --vllm_sync_backend
-    assert cfg.enforce_eager and cfg.save_hf_ckpt and cfg.max_samples == 100000
+    assert cfg.vllm.enable_sleep and cfg.ds.enable_sleep and cfg.vllm.gpu_memory_utilization == 0.5
+    assert cfg.ds.packing_samples and cfg.actor.gradient_checkpointing_enable and cfg.data.apply_chat_template
+    assert cfg.vllm.sync_backend == "nccl"  # --vllm_sync_backend
+    assert cfg.vllm.enforce_eager and cfg.ckpt.save_hf and cfg.data.max_samples == 100000
     # Ray placement flags are accepted and explained at start-up, not silently used.
-    assert set(cfg.ray_flags_used()) >= {"actor_num_nodes", "vllm_num_engines", "ref_num_gpus_per_node"}
+    said = " ".join(cfg.notices)
+    assert all(f"--{name} " in said for name in ("actor.num_nodes", "ref.num_gpus_per_node")), said
     assert dict(cfg.engine_flags_used()) == {
-        "enforce_eager": "--enforce_eager",
-        "vllm_tensor_parallel_size": "--tensor_parallel_size",
+        "vllm.enforce_eager": "--enforce_eager",
+        "vllm.tensor_parallel_size": "--tensor_parallel_size",
     }
     if workflow == "workflow1":
-        assert cfg.reward_pretrain == "OpenRLHF/Llama-3-8b-rm-700k" and cfg.normalize_reward
+        assert cfg.reward.model_name_or_path == "OpenRLHF/Llama-3-8b-rm-700k" and cfg.reward.normalize_enable
     else:
-        assert cfg.remote_rm_url == "/path/to/reward_func.py" and cfg.label_key == "answer" and not cfg.reward_pretrain
+        assert (
+            cfg.reward.remote_url == "/path/to/reward_func.py"
+            and cfg.data.label_key == "answer"
+            and not cfg.reward.model_name_or_path
+        )
         assert any("--normalize_reward normalises a reward model's scores" in n for n in cfg.notices)
 
 
@@ -48,9 +53,9 @@ def test_the_wandb_line_parses_too_and_its_token_is_not_logged():
     """The README's command lacks a backslash before --use_wandb; joined, it parses as well, wandb
     is on, and the token is in neither the config's repr nor its logged JSON."""
     cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow1"])), "--use_wandb", "secret-token"])
-    assert cfg.wandb_enabled and cfg.wandb_key() == "secret-token"
+    assert cfg.logger.wandb.enabled and cfg.logger.wandb.api_key() == "secret-token"
     assert "secret-token" not in repr(cfg) and "secret-token" not in to_json(cfg)
-    assert json.loads(to_json(cfg))["use_wandb"] == "<redacted>"
+    assert json.loads(to_json(cfg))["logger"]["wandb"]["key"] == "<redacted>"
 
 
 def test_an_openrlhf_command_with_its_wandb_and_eval_flags_parses_with_only_the_module_swapped():
@@ -64,15 +69,21 @@ def test_an_openrlhf_command_with_its_wandb_and_eval_flags_parses_with_only_the_
         "--disable_ds_ckpt",
     ]
     cfg = parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), *extra])
-    assert cfg.wandb_enabled and cfg.wandb_key() is None  # the key comes from WANDB_API_KEY / wandb login
-    assert (cfg.wandb_org, cfg.wandb_group, cfg.wandb_project) == ("my-team", "llama3-8b", "openrlhf_train_ppo")
-    assert cfg.wandb_names("train_ppo") == ("openrlhf_train_ppo", "ppo_0101T00:00")
-    assert cfg.use_tensorboard == "/openrlhf/tb"
-    assert (cfg.eval_dataset, cfg.eval_split, cfg.eval_steps) == ("OpenRLHF/prompt-collection-v0.1", "test", 10)
-    assert (cfg.eval_temperature, cfg.eval_n_samples_per_prompt) == (0.6, 4)
-    assert cfg.disable_ds_ckpt and cfg.save_hf_ckpt and cfg.best_metric_key == "eval_default_pass1"
+    assert (
+        cfg.logger.wandb.enabled and cfg.logger.wandb.api_key() is None
+    )  # the key comes from WANDB_API_KEY / wandb login
+    assert (cfg.logger.wandb.org, cfg.logger.wandb.group, cfg.logger.wandb.project) == (
+        "my-team",
+        "llama3-8b",
+        "openrlhf_train_ppo",
+    )
+    assert cfg.logger.wandb.names("train_ppo") == ("openrlhf_train_ppo", "ppo_0101T00:00")
+    assert cfg.logger.tensorboard_dir == "/openrlhf/tb"
+    assert (cfg.eval.dataset, cfg.eval.split, cfg.eval.steps) == ("OpenRLHF/prompt-collection-v0.1", "test", 10)
+    assert (cfg.eval.temperature, cfg.eval.n_samples_per_prompt) == (0.6, 4)
+    assert cfg.ckpt.disable_ds and cfg.ckpt.save_hf and cfg.ckpt.best_metric_key == "eval_default_pass1"
     # rayless's older alias of --eval_dataset still works.
-    assert parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), "--eval_data", "e.jsonl"]).eval_dataset == (
+    assert parse(PPOConfig, [*argv(ported(SEED_PPO_COMMANDS["workflow2"])), "--eval_data", "e.jsonl"]).eval.dataset == (
         "e.jsonl"
     )
 

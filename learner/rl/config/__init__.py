@@ -1,0 +1,285 @@
+"""Flags of ``learner.train_ppo``: one config of sections, named as OpenRLHF 0.10 names them.
+
+``--actor.adam.lr`` and the older ``--actor_learning_rate`` are one flag (``common.config``);
+each section is ``learner.rl.config.sections``' and checks its own fields, and every rule that
+spans sections is here, in ``PPOConfig.__post_init__``. Code that needs one section takes that
+section (``cfg.algo``, ``cfg.rollout``); what needs several takes them one by one.
+
+OpenRLHF's Ray placement flags are accepted and explained: here, placement is which processes
+you start and where (see README's multi-terminal recipe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import flag, section
+from learner.algorithms.estimators import ESTIMATORS
+from learner.rl.config.sections import (
+    ActorSection,
+    AgentSection,
+    AlgoSection,
+    CriticSection,
+    DataSection,
+    EvalSection,
+    PPOCkptSection,
+    PPODSSection,
+    PPOLoggerSection,
+    RefSection,
+    RewardSection,
+    RolloutSection,
+    ServicesSection,
+    TrainSection,
+    VLLMSection,
+)
+from learner.runtime.flags import OPTIMIZER_FLAT, AdamSection
+
+__all__ = ["PPOConfig", "ENGINE_FLAGS"]
+
+# OpenRLHF passes these to the vLLM engines it creates; here each rollout_service is started
+# with its own engine flags (launch.local and the Slurm scripts pass them on).
+ENGINE_FLAGS = {"vllm.enforce_eager": "--enforce_eager", "vllm.tensor_parallel_size": "--tensor_parallel_size"}
+
+# RL keeps its own optimizer defaults: a constant LR without warm-up (the seed's, and what the
+# demo's figures were measured with), where OpenRLHF 0.10 warms up 3 % then decays by cosine.
+_RL_OPTIM = {"lr_scheduler": "constant_with_warmup", "lr_warmup_ratio": 0.0}
+
+
+@dataclass
+class PPOConfig:
+    """Every flag of ``learner.train_ppo``, by section. Checks that rewrite a flag (a default
+    switched to fit another flag, a flag that cannot act) do not log while the flags parse,
+    before logging is set up and on every rank: they are kept in ``notices``, which the run
+    logs once, on rank 0 (``learner.rl.run.init_process``)."""
+
+    actor: ActorSection = section(
+        ActorSection,
+        "the policy: model, optimizer (AdamW), loss",
+        flat={**OPTIMIZER_FLAT, "adam.lr": "actor_learning_rate"},
+        defaults=_RL_OPTIM,
+    )
+    critic: CriticSection = section(
+        CriticSection,
+        "the critic (--algo.advantage.estimator gae)",
+        flat={**OPTIMIZER_FLAT, "adam.lr": "critic_learning_rate"},
+        defaults={**_RL_OPTIM, "adam": lambda: AdamSection(lr=9e-6)},
+    )
+    ref: RefSection = section(RefSection, "the reference model (KL)")
+    reward: RewardSection = section(RewardSection, "rewards and their shaping")
+    rollout: RolloutSection = section(RolloutSection, "generation: batch sizes and sampling")
+    train: TrainSection = section(TrainSection, "the training loop and its schedule")
+    algo: AlgoSection = section(AlgoSection, "advantages, KL, dynamic filtering")
+    ds: PPODSSection = section(PPODSSection, "DeepSpeed and numerics")
+    vllm: VLLMSection = section(VLLMSection, "the rollout engines, as the learner sees them")
+    ckpt: PPOCkptSection = section(
+        PPOCkptSection, "checkpoints and the final model", defaults={"output_dir": "./ckpt/ppo"}
+    )
+    logger: PPOLoggerSection = section(PPOLoggerSection, "metrics")
+    eval: EvalSection = section(EvalSection, "held-out evaluation")
+    data: DataSection = section(DataSection, "the prompts")
+    agent: AgentSection = section(AgentSection, "multi-turn agents (rayless's own)")
+    services: ServicesSection = section(ServicesSection, "processes and the wire (rayless's own)")
+    local_rank: int = flag(-1, "set by the deepspeed launcher", inert="the rank comes from the environment (torchrun)")
+    use_ms: bool = flag(False, "ModelScope hub", inert="no hub is reached at run time: pass local paths")
+    notices: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.notices = []  # common.config puts the inert flags' lines first
+        if not self.ds.lora.rank and self.services.lora_sync != "merged":
+            self.notices.append(f"--lora_sync {self.services.lora_sync} has no effect without --lora_rank")
+        self._check_batches()
+        self._check_agent()
+        self._check_logging()
+        self._check_async()
+        self._check_colocate()
+        self._check_algorithm()
+        if self.reward.normalize_enable and not self.reward.model_name_or_path:
+            # OpenRLHF scripts carry it with rule rewards too; it only concerns a reward model.
+            self.notices.append(
+                "--normalize_reward normalises a reward model's scores; without --reward_pretrain it does nothing"
+            )
+
+    # ------------------------------------------------------------------ rules across sections
+    def _check_batches(self) -> None:
+        spec = ESTIMATORS[self.algo.advantage.estimator]
+        g = self.rollout.n_samples_per_prompt
+        if g < spec.min_group:
+            raise ValueError(
+                f"--advantage_estimator {spec.name} compares samples of one prompt: "
+                f"needs --n_samples_per_prompt >= {spec.min_group}, got {g}"
+            )
+        samples = self.rollout.batch_size * g
+        if samples % self.train.batch_size:
+            raise ValueError(
+                f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step must be a "
+                f"multiple of --train_batch_size {self.train.batch_size}"
+            )
+
+    def _check_agent(self) -> None:
+        if not self.data.max_len:
+            self.data.max_len = self.data.prompt_max_len + self.rollout.max_new_tokens
+        if not self.train.agent_func_path:
+            return
+        if not self.train.agent_func_path.endswith(".py"):
+            raise ValueError(f"--agent_func_path {self.train.agent_func_path}: an agent is a Python file (.py)")
+        if self.reward.model_name_or_path:
+            raise ValueError(
+                "--agent_func_path with --reward_pretrain: the agent's rewards are the reward; adding a reward "
+                "model's on top is not built (docs/agents.md)"
+            )
+        self.agent_params()  # the file is read now: a missing one fails here, naming the flag
+        if not self.algo.kl.needed and self.services.min_reward_services:
+            self.services.min_reward_services = 0
+            self.notices.append(
+                "--agent_func_path without KL: the agent scores its episodes, no reward service is waited for"
+            )
+
+    def _check_logging(self) -> None:
+        """Evaluation and the checkpoint flags that go with it."""
+        if self.eval.temperature == 0 and self.eval.n_samples_per_prompt > 1:
+            self.notices.append(
+                f"--eval_temperature 0 is greedy: the {self.eval.n_samples_per_prompt} samples of each evaluation "
+                "prompt are the same answer, so pass@n equals pass@1 (--eval_n_samples_per_prompt 1 costs less)"
+            )
+        key = self.ckpt.best_metric_key
+        explicit_best = key not in ("", "none")
+        if explicit_best and not self.eval.dataset:
+            raise ValueError(f"--best_metric_key {key} ranks checkpoints by an evaluation: it needs --eval_dataset")
+        steps, save = self.eval.steps, self.ckpt.save_steps
+        if explicit_best and save and (steps < 0 or steps % save):
+            # A checkpoint is ranked by the evaluation of its own weights, at its own step.
+            self.notices.append(
+                f"--best_metric_key ranks a checkpoint by the evaluation at its step, but with --eval_steps "
+                f"{steps} and --save_steps {save} some evaluations have no checkpoint to keep: "
+                "make --eval_steps a multiple of --save_steps"
+            )
+
+    def _check_async(self) -> None:
+        """--async_train's flags, and the IS correction it defaults (``auto`` resolves here)."""
+        adv = self.algo.advantage
+        if not self.train.async_enable:
+            if self.train.max_staleness != 1:
+                raise ValueError("--max_staleness bounds the async schedule's lag: it needs --async_train")
+            adv.is_correction = "" if adv.is_correction in ("auto", "none") else adv.is_correction
+            return
+        if adv.is_correction == "":
+            # Samples are up to K versions old: without a correction the update is biased by the lag.
+            raise ValueError(
+                "--async_train trains on samples from older weights and needs --is_correction "
+                "(default tis); pass --is_correction none to train without one"
+            )
+        if adv.is_correction == "none":
+            self.notices.append("--async_train with --is_correction none: no importance correction for the policy lag")
+            adv.is_correction = ""
+        elif adv.is_correction == "auto":
+            adv.is_correction = "tis"
+
+    def _check_colocate(self) -> None:
+        """--colocate_all_models and its sleep flags (OpenRLHF's meanings, docs/colocated.md)."""
+        if self.train.colocate_all and self.train.async_enable:
+            # Colocated engines sleep while the learner trains; async keeps them generating then.
+            raise ValueError(
+                "--colocate_all_models and --async_train contradict each other: colocated engines and learner "
+                "take turns on the same GPUs, async generates while training; drop one of them"
+            )
+        if self.train.async_enable and self.vllm.enable_sleep:
+            raise ValueError("--vllm_enable_sleep makes the engines sleep while training: not with --async_train")
+        for name, holder in (("vllm_enable_sleep", self.vllm), ("deepspeed_enable_sleep", self.ds)):
+            if holder.enable_sleep and not self.train.colocate_all:
+                # As OpenRLHF: without colocation nothing else wants the memory, so the flag is off.
+                self.notices.append(f"--{name} acts only with --colocate_all_models: turned off")
+                holder.enable_sleep = False
+
+    def _check_algorithm(self) -> None:
+        """Flag combinations that would fail deep inside a step, refused at parse time."""
+        actor, adv = self.actor, self.algo.advantage
+        if actor.policy_loss_type == "gspo" and actor.loss_agg_mode != "seq_mean_token_mean":
+            # GSPO's ratio is per sequence, so its loss is a mean over sequences. The default
+            # token_mean is switched (the user did not ask for anything else); an explicit
+            # other sequence mode is a contradiction and refused.
+            if actor.loss_agg_mode != "token_mean":
+                raise ValueError(
+                    f"--policy_loss_type gspo needs --loss_agg_mode seq_mean_token_mean, got {actor.loss_agg_mode}"
+                )
+            self.notices.append(
+                "--policy_loss_type gspo: using --loss_agg_mode seq_mean_token_mean (GSPO's loss is a "
+                "mean over sequences)"
+            )
+            actor.loss_agg_mode = "seq_mean_token_mean"
+        if adv.is_correction:
+            if len(adv.is_correction_threshold) != 2:
+                raise ValueError(
+                    f"--is_correction_low_high takes two numbers (low high), got {adv.is_correction_threshold}"
+                )
+            low, high = adv.is_correction_threshold
+            if not (0 <= low < 1 < high):
+                raise ValueError(
+                    f"--is_correction {adv.is_correction}: thresholds must satisfy "
+                    f"0 <= low < 1 < high (a ratio of 1 must pass), got {low} {high}"
+                )
+        if self.algo.dynamic_filtering_enable and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(
+                "--dynamic_filtering drops groups whose rewards are all equal: needs "
+                f"--n_samples_per_prompt >= 2, got {self.rollout.n_samples_per_prompt}"
+            )
+        spec = ESTIMATORS[adv.estimator]
+        if spec.needs_critic:
+            if adv.gamma <= 0 or adv.gamma > 1 or adv.lambd < 0 or adv.lambd > 1:
+                raise ValueError(f"--gamma must be in (0, 1] and --lambd in [0, 1], got {adv.gamma} {adv.lambd}")
+            if self.critic.adam.lr <= 0:
+                raise ValueError(f"--critic_learning_rate must be > 0, got {self.critic.adam.lr}")
+            return
+        if self.critic.freezing_steps:
+            raise ValueError("--freezing_actor_steps warms up a critic: only with --advantage_estimator gae")
+        if self.critic.save_value_network:
+            raise ValueError(
+                f"--save_value_network saves the critic, and --advantage_estimator {adv.estimator} has none: only "
+                "with --advantage_estimator gae"
+            )
+        if adv.gamma != 1.0 and not spec.any_gamma:
+            raise ValueError(
+                f"--advantage_estimator {adv.estimator} uses a group baseline: --gamma must be 1, got {adv.gamma}"
+            )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def needs_critic(self) -> bool:
+        return ESTIMATORS[self.algo.advantage.estimator].needs_critic
+
+    @property
+    def critic_path(self) -> str:
+        return self.critic.model_name_or_path or self.reward.model_name_or_path or self.actor.model_name_or_path
+
+    def check_world_size(self, world: int) -> None:
+        """Run-time checks that need the number of learner ranks (called by learner.rl.run)."""
+        t = self.train
+        if t.batch_size % (t.micro_batch_size * world):
+            raise ValueError(
+                f"--train_batch_size {t.batch_size} must be a multiple of "
+                f"--micro_train_batch_size {t.micro_batch_size} x {world} learner ranks"
+            )
+        if self.rollout.batch_size % world:
+            raise ValueError(
+                f"--rollout_batch_size {self.rollout.batch_size} must be divisible by the {world} learner ranks"
+            )
+
+    def agent_params(self) -> Any:
+        """The ``AgentParams`` every prompt batch carries, or None without an agent."""
+        if not self.train.agent_func_path:
+            return None
+        from common.agent_file import agent_identity
+        from common.protocol import AgentParams
+
+        return AgentParams(
+            agent=agent_identity(self.train.agent_func_path),
+            max_len=self.data.max_len,
+            max_turns=self.agent.max_turns,
+            step_timeout_s=self.agent.step_timeout_s,
+        )
+
+    def engine_flags_used(self) -> list[tuple[str, str]]:
+        """(learner flag, rollout_service flag) of vLLM engine flags given to the learner."""
+        from common.config import get
+
+        return [(name, ENGINE_FLAGS[name]) for name in ENGINE_FLAGS if get(self, name)]
