@@ -226,7 +226,7 @@ class Controller:
         self.counters["error_replies"] += 1
         ids = list(dict.fromkeys(err.prompt_ids or prompt_ids))
         log.error("%s answered %s: %s (prompts %s)", peer, err.code, err.message, ids[:8])
-        self.ledger.lost(ids, f"answered {err.code}: {err.message}", holder=peer)
+        self.ledger.lost(ids, f"answered {err.code}: {err.message}", holder=peer, error=True)
 
     def _dispatch_generation(self) -> None:
         queued = self.ledger.queued()

@@ -40,6 +40,11 @@ class Entry:
     # The controller's policy version when last handed out: the sample's version is at least this.
     dispatched_version: int = 0
     score_attempts: int = 0  # times sent for scoring
+    # Of those, how many the peer answered with an error (rather than dying or going silent),
+    # and the last such answer: what a prompt that is given up on is reported with.
+    generate_errors: int = 0
+    score_errors: int = 0
+    last_error: str = ""
     samples: Any = None  # SampleBatch (one prompt's n samples) once generated
     scores: Any = None  # ScoredBatch once scored
     history: list[str] = field(default_factory=list)  # "generating@r0", "lost: ..." — for errors
@@ -88,10 +93,7 @@ class PromptLedger:
         for pid in prompt_ids:
             e = self._get(pid, State.QUEUED, "start generation")
             if e.attempts >= self.max_attempts:
-                raise LedgerError(
-                    f"prompt {pid} was handed out {e.attempts} times and never came back "
-                    f"(history: {', '.join(e.history)}); giving up rather than looping"
-                )
+                raise LedgerError(_given_up(e, "was handed out", e.attempts, e.generate_errors, "never came back"))
             e.state, e.holder, e.deadline = State.GENERATING, peer, now + self.generate_timeout_s
             e.attempts += 1
             e.dispatched_version = version
@@ -114,8 +116,7 @@ class PromptLedger:
             e = self._get(pid, State.SCORING, "start scoring")
             if e.score_attempts >= self.max_attempts:
                 raise LedgerError(
-                    f"prompt {pid} was sent for scoring {e.score_attempts} times and never scored "
-                    f"(history: {', '.join(e.history)}); giving up rather than looping"
+                    _given_up(e, "was sent for scoring", e.score_attempts, e.score_errors, "never scored")
                 )
             e.score_attempts += 1
             e.holder, e.deadline = peer, deadline
@@ -136,11 +137,12 @@ class PromptLedger:
         self.counters["done"] += 1
         return True
 
-    def lost(self, prompt_ids: Iterable[int], reason: str, holder: str | None = None) -> list[int]:
+    def lost(self, prompt_ids: Iterable[int], reason: str, holder: str | None = None, error: bool = False) -> list[int]:
         """The peer holding these died: generation goes back to the queue, scoring back to
         'awaiting scoring' (the samples are kept: re-generating would waste work). ``holder``:
         only prompts that peer holds now; one that passed its deadline there and went to
-        another peer stays with the other (None: whoever holds them, as for a deadline)."""
+        another peer stays with the other (None: whoever holds them, as for a deadline).
+        ``error``: the peer answered them with an error (``reason``), counted per prompt."""
         back = []
         for pid in prompt_ids:
             e = self.entries.get(pid)
@@ -149,6 +151,12 @@ class PromptLedger:
             if holder is not None and e.holder != holder:
                 continue
             e.history.append(f"lost@{e.holder}: {reason}")
+            if error:
+                e.last_error = f"{e.holder} {reason}"
+                if e.state is State.GENERATING:
+                    e.generate_errors += 1
+                else:
+                    e.score_errors += 1
             if e.state is State.GENERATING:
                 e.state = State.QUEUED
             e.holder, e.deadline = "", float("inf")
@@ -187,3 +195,15 @@ class PromptLedger:
         if e.state is not want:
             raise LedgerError(f"cannot {what} for prompt {pid}: it is {e.state.value}, not {want.value}")
         return e
+
+
+def _given_up(e: Entry, sent: str, n: int, errors: int, silent: str) -> str:
+    """Why a prompt is given up on after it ``sent`` ``n`` times: every time answered with an
+    error (the last one quoted), some times, or none (``silent``: lost to deaths and deadlines)."""
+    if errors >= n:
+        what = f"answered with an error each time (the last: {e.last_error})"
+    elif errors:
+        what = f"answered with an error {errors} time(s) (the last: {e.last_error}) and otherwise {silent}"
+    else:
+        what = silent
+    return f"prompt {e.prompt_id} {sent} {n} times and {what}; giving up rather than looping (history: {', '.join(e.history)})"

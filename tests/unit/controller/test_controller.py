@@ -14,7 +14,7 @@ import torch
 from common import protocol as P
 from common.transport import Endpoint, handshake
 from learner.controller.controller import Controller, ServicesMissing
-from learner.controller.ledger import PromptLedger
+from learner.controller.ledger import LedgerError, PromptLedger
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
 from learner.controller.types import PromptItem
@@ -23,10 +23,11 @@ from learner.controller.types import PromptItem
 class FakeService(threading.Thread):
     """A rollout or reward service: answers work until stopped; `die()` = silent SIGKILL."""
 
-    def __init__(self, address, name, role, capacity=4, hold=False, agent=False, fail_episodes=()):
+    def __init__(self, address, name, role, capacity=4, hold=False, agent=False, fail_episodes=(), fail_always=False):
         super().__init__(daemon=True)
         self.agent = agent  # answer PromptBatches as agent episodes (see _episodes)
         self.fail_episodes = set(fail_episodes)  # prompt ids whose episodes fail, the first time each
+        self.fail_always = fail_always  # ... or every time
         self.batches: list[P.PromptBatch] = []
         self.score_prompts: list[list[int]] = []  # prompt tokens of each sample a ScoreRequest carried
         self.score_logprobs: list = []  # each ScoreRequest's sampler log-probs (None: not sent)
@@ -58,7 +59,8 @@ class FakeService(threading.Thread):
                     continue
                 if self.agent:
                     for pid in [p for p in msg.prompt_ids if p in self.fail_episodes]:
-                        self.fail_episodes.discard(pid)
+                        if not self.fail_always:
+                            self.fail_episodes.discard(pid)
                         err = P.Error(code="agent_failed", message=f"prompt {pid}: step() returned no 'done'")
                         self.ep.send(P.Error(code=err.code, message=err.message, prompt_ids=[pid]))
                         msg = _without(msg, pid)
@@ -262,12 +264,12 @@ def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctr
 AGENT = P.AgentParams(agent="env.py:0123456789ab", max_len=64, max_turns=3, step_timeout_s=5.0)
 
 
-def _agent_controller(scores_locally: bool, drop_failed: bool = False):
+def _agent_controller(scores_locally: bool, drop_failed: bool = False, max_attempts: int = 5):
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
     c = Controller(
         RolloutClient(ep, pool),
-        PromptLedger(generate_timeout_s=30, score_timeout_s=30),
+        PromptLedger(generate_timeout_s=30, score_timeout_s=30, max_attempts=max_attempts),
         sampling=P.SamplingParams(n=2, max_new_tokens=4),
         max_prompts_per_request=2,
         agent=AGENT,
@@ -353,6 +355,28 @@ def test_a_failed_episode_is_issued_again_or_dropped_as_the_flag_says(drop):
             _check_episodes(res.rollout.samples, r)
             assert c.ledger.counters["reissued"] == 1 and res.failed_groups == 0
             assert r.seen.count(1) == 2  # the failed prompt was handed out twice
+    finally:
+        r.die()
+        ep.close(0)
+
+
+def test_a_prompt_answered_with_an_error_each_time_is_given_up_on_quoting_the_error():
+    """Every episode of prompt 1 fails (--agent_failure retry): after its attempts the run
+    stops saying the prompt came back with an error each time, and which, not that it never
+    came back."""
+    c, ep = _agent_controller(scores_locally=True, max_attempts=2)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True, fail_episodes={1}, fail_always=True)
+    r.start()
+    try:
+        c.wait_for_services(1, 0, timeout_s=10)
+        with pytest.raises(LedgerError) as got:
+            c.collect(_agent_items(), timeout_s=20)
+        msg = str(got.value)
+        assert msg.startswith(
+            "prompt 1 was handed out 2 times and answered with an error each time (the last: "
+            "agent-r0 answered agent_failed: prompt 1: step() returned no 'done'); giving up"
+        ), msg
+        assert "never came back" not in msg
     finally:
         r.die()
         ep.close(0)

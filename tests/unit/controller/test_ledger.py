@@ -107,6 +107,47 @@ def test_gives_up_scoring_after_max_attempts():
         led.start_scoring([0], "rw2")
 
 
+def test_a_prompt_answered_with_an_error_each_time_says_so_and_quotes_the_last():
+    led, _ = make(1, max_attempts=2)
+    for peer in ("r0", "r1"):
+        led.start_generation([0], peer)
+        led.lost([0], f"answered agent_failed: env raised on {peer}", holder=peer, error=True)
+    with pytest.raises(LedgerError) as got:
+        led.start_generation([0], "r2")
+    msg = str(got.value)
+    assert msg.startswith(
+        "prompt 0 was handed out 2 times and answered with an error each time "
+        "(the last: r1 answered agent_failed: env raised on r1); giving up rather than looping (history: "
+    ), msg
+    assert "never came back" not in msg
+
+
+def test_errors_and_silence_mixed_are_both_said():
+    led, clock = make(1, max_attempts=3)
+    led.start_generation([0], "r0")
+    led.lost([0], "r0 died")
+    led.start_generation([0], "r1")
+    led.lost([0], "answered bad_request: prompt too long", holder="r1", error=True)
+    led.start_generation([0], "r2")
+    clock.t = 100.0
+    assert led.expire() == [0]
+    with pytest.raises(LedgerError, match=r"^prompt 0 was handed out 3 times and answered with an error 1 time\(s\) "
+                       r"\(the last: r1 answered bad_request: prompt too long\) and otherwise never came back;"):  # fmt: skip
+        led.start_generation([0], "r3")
+
+
+def test_scoring_answered_with_an_error_each_time_says_so():
+    led, _ = make(1, max_attempts=2)
+    led.start_generation([0], "r0")
+    led.generated(0, "s", "r0")
+    for peer in ("rw0", "rw1"):
+        led.start_scoring([0], peer)
+        led.lost([0], "answered bad_request: no text", holder=peer, error=True)
+    with pytest.raises(LedgerError, match=r"^prompt 0 was sent for scoring 2 times and answered with an error each "
+                       r"time \(the last: rw1 answered bad_request: no text\);"):  # fmt: skip
+        led.start_scoring([0], "rw2")
+
+
 def test_wrong_transitions_are_errors_not_silent():
     led, _ = make(1)
     with pytest.raises(LedgerError, match="it is queued, not scoring"):

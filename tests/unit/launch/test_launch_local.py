@@ -6,7 +6,7 @@ import time
 import pytest
 
 from common.config import ConfigError
-from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, Role, Supervisor, build_roles, loopback_env
+from launch.local import TORCHRUN_LOOPBACK_ENV, LocalConfig, Role, Supervisor, build_roles, error_line, loopback_env
 
 DATA = "--prompt_data p"  # the one flag the learner requires beside --pretrain
 
@@ -305,3 +305,82 @@ def test_an_agent_run_gives_every_rollout_server_the_agent_file_and_starts_no_id
     roles = build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=f"{agent} --init_kl_coef 0.01"))
     (reward,) = [r for r in roles if r.kind == "reward"]
     assert "--ref_pretrain" in reward.cmd and "--reward_func" not in reward.cmd
+
+
+# What a learner's log ends with when it fails: the error, then the interpreter's exit noise.
+NANOBIND_EXIT = [
+    "nanobind: leaked 3 instances!",
+    ' - leaked instance 0x7f3a2c0b4e50 of type "triton._C.libtriton.ir.context"',
+    "nanobind: leaked 41 types!",
+    ' - leaked type "triton._C.libtriton.ir.builder"',
+    "nanobind: leaked 250 functions!",
+    ' - leaked function "get_int1"',
+    "nanobind: this is likely caused by a reference counting issue in the binding code.",
+    "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: "
+    "There appear to be 1 leaked semaphore objects to clean up at shutdown",
+    "  warnings.warn('resource_tracker: There appear to be %d '",
+]
+LEDGER = "prompt 3 was handed out 5 times and answered with an error each time (the last: r0 answered agent_failed: x)"
+
+
+def _traceback(exc: str, prefix: str = "") -> list[str]:
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/repo/learner/rl/run.py", line 200, in run',
+        "    schedule.step(step)",
+        '  File "/repo/learner/controller/ledger.py", line 96, in start_generation',
+        "    raise LedgerError(",
+        exc,
+    ]
+    return [prefix + ln for ln in lines]
+
+
+@pytest.mark.parametrize(
+    "log, want",
+    [
+        # one process: its traceback, then a page of exit noise
+        (["2026-12-03 INFO learner: step 4/10", *_traceback(f"learner.controller.ledger.LedgerError: {LEDGER}"),
+          *NANOBIND_EXIT * 20], f"LedgerError: {LEDGER}"),
+        # two ranks under torchrun: rank 1 stops because rank 0 failed, then torchrun's summary
+        ([*_traceback(f"learner.controller.ledger.LedgerError: {LEDGER}", "[rank0]: "),
+          *_traceback("learner.rl.schedules.base.StoppedByRank0: step 4: rank 0 (the controller) failed", "[rank1]: "),
+          *_traceback("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "),
+          "============================================================", "learner.train_ppo FAILED",
+          *NANOBIND_EXIT], f"LedgerError: {LEDGER}"),
+        # a RunError: the learner's own line, no traceback
+        (["learner: --prompt_data data.jsonl: no such file", *NANOBIND_EXIT],
+         "learner: --prompt_data data.jsonl: no such file"),
+        # chained: the one raised last, as Python prints it last
+        ([*_traceback("KeyError: 'step'"), "", "During handling of the above exception, another exception occurred:",
+          "", *_traceback("RuntimeError: the checkpoint has no step")], "RuntimeError: the checkpoint has no step"),
+        (["2026-12-03 INFO learner: step 10/10", *NANOBIND_EXIT], None),  # nothing raised
+    ],
+)  # fmt: skip
+def test_the_error_line_is_the_last_exception_of_rank_0_not_exit_noise(log, want):
+    assert error_line(log) == want
+
+
+def test_a_failed_learner_shows_its_error_first_and_no_exit_noise(tmp_path, capsys):
+    """The learner raises, then its interpreter prints a page of nanobind's "leaked" lines at
+    exit, as triton's bindings do: launch.local says the error in one line before the log's
+    tail, and the tail is the error's own lines, not the noise."""
+    noise = "\n".join(NANOBIND_EXIT * 20)
+    code = (
+        "import atexit, sys\n"
+        f"atexit.register(lambda: print({noise!r}, file=sys.stderr))\n"
+        "class LedgerError(RuntimeError): pass\n"
+        "print('step 4/10', flush=True)\n"
+        f"raise LedgerError({LEDGER!r})\n"
+    )
+    cfg = LocalConfig(run_dir=str(tmp_path), pretrain="x", stop_timeout_s=5, quiet=True)
+    roles = [_role("rollout-0", "import time; time.sleep(120)", tmp_path), _role("learner", code, tmp_path)]
+    assert _supervise(roles, cfg) == 1
+    err = capsys.readouterr().err
+    assert "nanobind" in roles[1].log.read_text()  # the noise is in the log, where it belongs
+    lines = err.strip().splitlines()
+    assert lines[:3] == [
+        "the learner exited with code 1",
+        f"error: LedgerError: {LEDGER}",
+        f"see its log: {roles[1].log}; its last lines (exit noise left out):",
+    ], err
+    assert "nanobind" not in err and "resource_tracker" not in err and lines[-1].strip() == f"LedgerError: {LEDGER}"
