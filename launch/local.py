@@ -188,7 +188,7 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
             file=sys.stderr,
         )
     n_reward = cfg.reward_services
-    if learner.agent_func_path and not learner.kl_needed and not reward_extra and not cfg.reward_args:
+    if learner.train.agent_func_path and not learner.algo.kl.needed and not reward_extra and not cfg.reward_args:
         # The agent's rewards are the reward and no reference model is needed: a reward service
         # would have nothing to do (docs/agents.md).
         if n_reward and not cfg.external_services:
@@ -279,20 +279,20 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
     started with its engine flags, so the learner's are passed on (the user's --rollout_args,
     after them, win). The sleep mode only with --colocate_all_models, as OpenRLHF."""
     out = []
-    if learner.vllm_gpu_memory_utilization is not None:
-        out += ["--gpu_memory_utilization", str(learner.vllm_gpu_memory_utilization)]
-    if learner.vllm_tensor_parallel_size:
-        out += ["--tensor_parallel_size", str(learner.vllm_tensor_parallel_size)]
-    if learner.enforce_eager:
+    if learner.vllm.gpu_memory_utilization is not None:
+        out += ["--gpu_memory_utilization", str(learner.vllm.gpu_memory_utilization)]
+    if learner.vllm.tensor_parallel_size:
+        out += ["--tensor_parallel_size", str(learner.vllm.tensor_parallel_size)]
+    if learner.vllm.enforce_eager:
         out.append("--enforce_eager")
-    if learner.colocate_all_models and learner.vllm_enable_sleep:
+    if learner.train.colocate_all and learner.vllm.enable_sleep:
         out.append("--enable_sleep")
-    if learner.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
-        out += ["--agent_func_path", os.path.abspath(learner.agent_func_path)]
-    if learner.lora_rank and learner.lora_sync == "adapter":  # vLLM serves the learner's adapter
-        out += ["--enable_lora", "--max_lora_rank", str(learner.lora_rank)]
-        if learner.async_train:  # requests of every version within the bound run side by side
-            out += ["--max_loras", str(learner.max_staleness + 1)]
+    if learner.train.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
+        out += ["--agent_func_path", os.path.abspath(learner.train.agent_func_path)]
+    if learner.ds.lora.rank and learner.services.lora_sync == "adapter":  # vLLM serves the learner's adapter
+        out += ["--enable_lora", "--max_lora_rank", str(learner.ds.lora.rank)]
+        if learner.train.async_enable:  # requests of every version within the bound run side by side
+            out += ["--max_loras", str(learner.train.max_staleness + 1)]
     return out
 
 
@@ -328,7 +328,7 @@ def _colocated_devices(cfg: LocalConfig, learner: PPOConfig) -> dict | None:
     GPUs. The learner sees them all (rank r takes GPU r); rollout server i takes the next
     --tensor_parallel_size of them, so its engine shares those GPUs with the learner ranks
     there. None without colocation or GPUs (CPU: nothing to place)."""
-    if not learner.colocate_all_models:
+    if not learner.train.colocate_all:
         return None
     gpus = visible_gpus()
     if not gpus:
@@ -359,14 +359,19 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
     """OpenRLHF puts reward/reference model flags on the trainer; here a reward service serves
     them, so the learner's flags are passed on to it (one place to say it, as users expect)."""
     out = []
-    if learner.reward_pretrain:
-        out += ["--reward_pretrain", learner.reward_pretrain]
-    if learner.remote_rm_url:
-        out += ["--remote_rm_url", learner.remote_rm_url]
-    if learner.ref_pretrain or learner.kl_needed:
+    if learner.reward.model_name_or_path:
+        out += ["--reward_pretrain", learner.reward.model_name_or_path]
+    if learner.reward.remote_url:
+        out += ["--remote_rm_url", learner.reward.remote_url]
+    if learner.ref.model_name_or_path or learner.algo.kl.needed:
         # reference log-probs at the sampling temperature
-        out += ["--ref_pretrain", learner.ref_pretrain or learner.pretrain, "--temperature", str(learner.temperature)]
-    if learner.normalize_reward and learner.reward_pretrain:  # a reward model's scores only
+        out += [
+            "--ref_pretrain",
+            learner.ref.model_name_or_path or learner.actor.model_name_or_path,
+            "--temperature",
+            str(learner.rollout.temperature),
+        ]
+    if learner.reward.normalize_enable and learner.reward.model_name_or_path:  # a reward model's scores only
         out.append("--normalize_reward")
     return out
 
@@ -382,7 +387,7 @@ def phase_env(cfg: LocalConfig) -> dict[str, dict[str, str]]:
     slower here (docs/performance.md), so it is left to the user's environment."""
     mode = cfg.cpu_cores
     if mode == "auto":
-        mode = "phases" if _cpu_vllm() and not learner_config(cfg).async_train else "split"
+        mode = "phases" if _cpu_vllm() and not learner_config(cfg).train.async_enable else "split"
     if mode != "phases":
         return {}
     n = len(os.sched_getaffinity(0))
