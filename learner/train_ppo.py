@@ -4,15 +4,20 @@
     python -m learner.train_ppo ...            # one learner process
 
 Rank 0 is also the controller: it binds ``--controller_bind``, waits for the services, and
-runs the lockstep schedule
+runs one of three schedules (``learner/rl/schedules/``): lockstep (the default)
 
     collect rollout_batch_size prompts x n_samples_per_prompt  (rollout + reward services)
     -> PPO/GRPO update on every rank                            (DeepSpeed)
     -> push the new weights to every rollout server             (torch.distributed)
 
-Flags follow OpenRLHF's ``train_ppo_ray``; ``--help`` lists them all. The services are
-separate processes: start them yourself (README's multi-terminal recipe) or with
-``python -m launch.local``.
+colocated (``--train.colocate_all``: the same order, learner and engines taking turns on the
+same GPUs; docs/colocated.md) or async (``--train.async_enable``: generation never stops, every
+trained sample within ``--train.max_staleness`` versions; docs/async.md).
+
+Flags follow OpenRLHF's ``train_ppo_ray``, in both spellings: 0.10's dotted names
+(``--actor.adam.lr``) and the older flat ones (``--actor_learning_rate``), mixed freely;
+``--help`` lists each flag once with both names, by section. The services are separate
+processes: start them yourself (README's multi-terminal recipe) or with ``python -m launch.local``.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class PolicyTrainer:
     def __init__(
         self, engine: Any, cfg: PPOConfig, pad_id: int, device: torch.device, critic: Critic | None = None
     ) -> None:
-        if (cfg.algo.advantage.estimator == "gae") != (critic is not None):
+        if cfg.needs_critic != (critic is not None):
             raise ValueError("a critic is needed exactly when --advantage_estimator is gae")
         self.engine = engine
         self.critic = critic

@@ -160,6 +160,18 @@ def load_data(cfg: PPOConfig, proc: Process) -> Data:
     steps_per_episode = n_items // cfg.rollout.batch_size
     total_steps = steps_per_episode * cfg.train.num_episodes
     if cfg.train.max_steps:
+        if cfg.train.max_steps > total_steps and proc.rank0:
+            # Said at start-up: a run that stops early without a word looks like a crash or a bug.
+            log.warning(
+                "--max_steps %d: the prompts run out first: %d usable prompts / --rollout_batch_size %d = %d "
+                "step(s) per episode x --num_episodes %d = %d step(s); raise --num_episodes to train longer",
+                cfg.train.max_steps,
+                n_items,
+                cfg.rollout.batch_size,
+                steps_per_episode,
+                cfg.train.num_episodes,
+                total_steps,
+            )
         total_steps = min(total_steps, cfg.train.max_steps)
     if total_steps == 0:
         raise RunError(
@@ -180,7 +192,7 @@ def build_trainer(cfg: PPOConfig, proc: Process, data: Data) -> Models:
     )
     engine = train_engine(cfg, model, cfg.actor, optimizer_steps)
     critic = None
-    if cfg.algo.advantage.estimator == "gae":
+    if cfg.needs_critic:
         critic = make_critic(cfg, data.tokenizer, data.pad_id, proc.device, optimizer_steps)
     trainer = PolicyTrainer(engine, cfg, data.pad_id, proc.device, critic=critic)
     return Models(engine, critic, trainer)

@@ -44,12 +44,28 @@ class AdamSection:
             )
 
 
+_MUON = "Muon is not built in rayless yet (issue 38); --optim adam is what trains"
+
+
+@dataclass
+class MuonSection:
+    """OpenRLHF 0.10's Muon hyper-parameters (``--optim muon``), accepted; Muon itself is not built."""
+
+    lr: float = flag(0.02, "LR of Muon's 2-D weight group", inert=_MUON)
+    momentum: float = flag(0.95, "Muon momentum", inert=_MUON)
+    ns_steps: int = flag(5, "Newton-Schulz steps", inert=_MUON)
+    nesterov: bool = flag(True, "Nesterov momentum", inert=_MUON)
+    no_nesterov: bool = flag(False, "OpenRLHF's switch that turns --muon.nesterov off", inert=_MUON)
+
+
 @dataclass
 class OptimizerFields:
     """One trained model's optimizer: ``actor.*`` / ``critic.*`` in train_ppo, the top level in the
     supervised trainers (OpenRLHF 0.10's layout)."""
 
+    optim: str = flag("adam", "optimizer: adam (AdamW); muon is refused until it is built", choices=("adam", "muon"))
     adam: AdamSection = section(AdamSection, "AdamW")
+    muon: MuonSection = section(MuonSection, "Muon (not built yet)")
     lr_scheduler: str = flag(
         "cosine_with_min_lr",
         "LR schedule after warm-up",
@@ -60,6 +76,8 @@ class OptimizerFields:
     max_norm: float = flag(1.0, "gradient clipping norm (0: off)")
 
     def check_optimizer(self, where: str = "") -> None:
+        if self.optim != "adam":
+            raise ValueError(f"--{where}optim {self.optim}: {_MUON}")
         if not 0 <= self.lr_warmup_ratio <= 1:
             raise ValueError(f"--{where}lr_warmup_ratio must be in [0, 1], got {self.lr_warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -1,4 +1,5 @@
-"""LoRA for the supervised trainers (``--lora_rank`` and its siblings in ``learner.runtime.flags``).
+"""LoRA for every trainer (``--ds.lora.rank`` / ``--lora_rank`` and its siblings: ``learner.runtime.flags.LoraSection``):
+SFT, RM and DPO, and train_ppo, which pushes merged weights or the adapter (``--lora_sync``).
 
 ``apply_lora`` wraps the loaded model with a peft ``LoraConfig`` before DeepSpeed sees it: the
 base weights are frozen, so only the adapter (and, for a reward model, its ``score`` head, kept

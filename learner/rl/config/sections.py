@@ -18,7 +18,7 @@ from learner.runtime.checkpoint_config import CkptSection
 from learner.runtime.flags import DSSection, OptimizerFields
 from learner.runtime.tracking import LoggerSection
 
-_RAY = "Ray placement: rayless places what you start (torchrun --nnodes/--nproc_per_node for the learner, "
+_RAY = "Ray placement; rayless places nothing, the processes you start are the placement: "
 _NOT_YET = "not built yet (issue 38)"
 
 
@@ -49,8 +49,8 @@ class ActorSection(OptimizerFields):
         "entropy bonus coefficient (with 0, entropy is still logged every --logger.logging_steps)",
         flat="entropy_loss_coef",
     )
-    num_nodes: int = flag(1, "Ray placement", flat="actor_num_nodes", inert=_RAY + "rayless does not place the actor")
-    num_gpus_per_node: int = flag(8, "Ray placement", flat="actor_num_gpus_per_node", inert=_RAY + "rayless does not place the actor")
+    num_nodes: int = flag(1, "Ray placement", flat="actor_num_nodes", inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner")
+    num_gpus_per_node: int = flag(8, "Ray placement", flat="actor_num_gpus_per_node", inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner")
     gradient_checkpointing_reentrant: bool = flag(
         False, "reentrant checkpointing", inert="rayless uses non-reentrant checkpointing (torch's recommendation)"
     )
