@@ -343,7 +343,7 @@ class ServiceShell:
 
     # ------------------------------------------------------------------ signals
     def catch_signals(
-        self, loop: asyncio.AbstractEventLoop | None = None, then: Callable[[str], None] | None = None
+        self, loop: asyncio.AbstractEventLoop | None = None, then: Callable[[str], object] | None = None
     ) -> None:
         """SIGTERM/SIGINT become ``stop_signal`` (the last words to say). Without a loop the
         handler only records it: it may run in the middle of a socket call, so the serving

@@ -100,12 +100,13 @@ async def call_environment(fn: Any, *args: Any) -> Any:
     return await out if inspect.isawaitable(out) else out
 
 
-async def new_instance(cls: type) -> Any:
+async def new_instance(cls: type[Any]) -> Any:
     """``cls()``, one environment per episode. OpenRLHF's published example declares ``async def
     __init__``, which ``cls()`` cannot run (Python refuses an ``__init__`` that returns a
     coroutine); such an ``__init__`` is awaited here on a bare instance, so that file works too."""
     if inspect.iscoroutinefunction(cls.__init__):
-        env = cls.__new__(cls)
+        # mypy looks __new__ of a type[Any] up on the metaclass (type.__new__): it is the class's own here
+        env = cls.__new__(cls)  # type: ignore[call-overload]
         await env.__init__()
         return env
     return cls()

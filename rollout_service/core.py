@@ -58,10 +58,10 @@ import shutil
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -70,6 +70,9 @@ from common.vllm_memory import EngineStartRefused, check_start, choose_share, st
 from common.vllm_spin import IDLE_SPIN_ENV
 from common.weights import resolve_backend
 from rollout_service.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class RolloutCore:
     def __init__(self, cfg: RolloutConfig) -> None:
         self.cfg = cfg
         self.backend = resolve_backend(cfg.weight_transfer_backend)
-        self.llm = None
+        self.llm: AsyncLLM | None = None  # start() makes it, shutdown() drops it (see ``engine``)
         self.version = 0
         # No prompt starts on weights older than this (the controller's version at Welcome).
         self.version_floor = 0
@@ -260,7 +263,8 @@ class RolloutCore:
         if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
         # vLLM-CPU's memory check, before any of its processes exist: a refusal is one line.
-        check_start(self.resolve_memory_share(), model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
+        share = self.resolve_memory_share()
+        check_start(share, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
         for attempt in range(1, self.cfg.engine_start_attempts + 1):
             try:
                 self.llm = AsyncLLM.from_engine_args(self.engine_args())
@@ -272,7 +276,7 @@ class RolloutCore:
                 # check is read again here): the same start would be refused the same way.
                 if "initialization failed" not in str(e):
                     raise
-                refused = start_refusal(self.memory_share, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
+                refused = start_refusal(share, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)
                 if refused is not None:
                     raise EngineStartRefused(refused) from None
                 if attempt == self.cfg.engine_start_attempts:
@@ -283,13 +287,13 @@ class RolloutCore:
                     self.cfg.engine_start_attempts,
                     e,
                 )
-        engines = await self.llm.collective_rpc("rayless_weight_transfer_engine")
+        engines = await self.engine.collective_rpc("rayless_weight_transfer_engine")
         if not all(engines):
             raise RuntimeError(f"vLLM workers have no weight-transfer engine for backend {self.backend!r}: {engines}")
         self.workers = len(engines)
-        self.engine_dtype = str(self.llm.model_config.dtype).removeprefix("torch.")
-        self.worker_idle_spin_s = (await self.llm.collective_rpc("rayless_idle_spin_s"))[0]
-        await self.llm.update_weight_version(str(self.version))
+        self.engine_dtype = str(self.engine.model_config.dtype).removeprefix("torch.")
+        self.worker_idle_spin_s = (await self.engine.collective_rpc("rayless_idle_spin_s"))[0]
+        await self.engine.update_weight_version(str(self.version))
         log.info(
             "engine up: %s, %d worker(s), dtype %s, weight transfer %s (%s), idle spin %s s",
             self.cfg.model,
@@ -299,6 +303,13 @@ class RolloutCore:
             engines[0],
             self.worker_idle_spin_s,
         )
+
+    @property
+    def engine(self) -> AsyncLLM:
+        """``llm``, for the code that runs between ``start()`` and ``shutdown()``."""
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is not running (start() not called, or shut down)")
+        return self.llm
 
     def resolve_memory_share(self) -> float:
         """--gpu_memory_utilization, else this host's default (``common.vllm_memory``), once."""
@@ -440,7 +451,7 @@ class RolloutCore:
             raise BadRequest(f"prompt of {len(token_ids)} tokens leaves no room under agent.max_len {agent.max_len}")
         prompt_text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
-        vocab = self.llm.model_config.get_vocab_size()
+        vocab = self.engine.model_config.get_vocab_size()
 
         async def request(toks: list[int], turn_params: Any) -> tuple[Any, int]:
             if any(not (isinstance(t, int) and 0 <= t < vocab) for t in toks):
@@ -540,7 +551,7 @@ class RolloutCore:
                 prompt = TokensPrompt(prompt_token_ids=list(token_ids))
                 if self.cfg.enable_prefix_caching:
                     prompt["cache_salt"] = f"rayless-v{admitted}"
-                q = await self.llm.add_request(req_id, prompt, params, lora_request=lora)
+                q = await self.engine.add_request(req_id, prompt, params, lora_request=lora)
                 break
         self._in_flight[req_id] = prompt_id
         if lora is not None:
@@ -551,7 +562,7 @@ class RolloutCore:
                 if out.finished:
                     break
         except (asyncio.CancelledError, GeneratorExit):
-            await self.llm.abort(req_id)
+            await self.engine.abort(req_id)
             raise
         finally:
             q.close()
@@ -592,7 +603,7 @@ class RolloutCore:
 
     async def stream(self, batch: P.PromptBatch) -> AsyncIterator[PromptResult]:
         """Results of a batch as each prompt finishes (continuous batching inside vLLM)."""
-        seeds = batch.seeds or [None] * len(batch.prompt_ids)
+        seeds: Sequence[int | None] = batch.seeds or [None] * len(batch.prompt_ids)
         tasks = [
             asyncio.ensure_future(self.generate(pid, toks, batch.sampling, batch.policy_version, seed=seed))
             for pid, toks, seed in zip(batch.prompt_ids, batch.token_ids, seeds, strict=True)
@@ -611,14 +622,14 @@ class RolloutCore:
             self._holds.add(reason)
             if first:
                 # "keep": in-flight requests stay in vLLM and continue on resume.
-                await self.llm.pause_generation(mode="keep", clear_cache=False)
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
 
     async def _release(self, reason: str) -> None:
         if reason not in self._holds:
             return
         self._holds.discard(reason)
         if not self._holds:
-            await self.llm.resume_generation()
+            await self.engine.resume_generation()
         async with self._changed:
             self._changed.notify_all()
 
@@ -639,12 +650,12 @@ class RolloutCore:
     async def sleep(self, level: int = 1) -> None:
         self._check_sleep()
         await self._hold("sleep")
-        await self.llm.sleep(level, mode="abort")
+        await self.engine.sleep(level, mode="abort")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         self._check_sleep()
-        if await self.llm.wake_up(tags):
-            await self.llm.reset_prefix_cache()
+        if await self.engine.wake_up(tags):
+            await self.engine.reset_prefix_cache()
             await self._release("sleep")
 
     # ------------------------------------------------------------------ weights
@@ -679,14 +690,14 @@ class RolloutCore:
             self._group_open = True
             # The group's own timeouts (in init_info) end a stuck rendezvous; this is a backstop.
             await asyncio.wait_for(
-                self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), timeout_s + 10
+                self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)), timeout_s + 10
             )
         return self.workers
 
     async def close_weight_transfer(self) -> None:
         async with self._update_lock:
             self._group_open = False
-            await self.llm.shutdown_weight_transfer_engine()
+            await self.engine.shutdown_weight_transfer_engine()
 
     def abort_weight_sync(self, why: str) -> Awaitable[None]:
         """The controller that drove the weight group is gone (``why``). Weight calls it queued
@@ -738,7 +749,7 @@ class RolloutCore:
                     time.monotonic() - t1,
                 )
             try:
-                await self.llm.start_weight_update()
+                await self.engine.start_weight_update()
             except BaseException:
                 await self._fail_update()
                 raise
@@ -774,7 +785,7 @@ class RolloutCore:
                 raise BadRequest("WeightUpdate of weights in an adapter-only update (WeightUpdateStart.adapter_only)")
             t0 = time.perf_counter()
             try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
             except BaseException:
                 await self._fail_update()
                 raise
@@ -790,7 +801,7 @@ class RolloutCore:
                 raise BadRequest("WeightUpdateFinish without WeightUpdateStart")
             try:
                 if not self._update_adapter_only:
-                    await self.llm.finish_weight_update(weight_version=str(version))
+                    await self.engine.finish_weight_update(weight_version=str(version))
                 lora = await self._load_adapter(version) if self._pending_adapter is not None else None
             except BaseException:
                 await self._fail_update()
@@ -798,7 +809,7 @@ class RolloutCore:
             self._update_open = False
             # An adapter-only update leaves the KV of the weights alone; vLLM keys cached blocks
             # by adapter, and the version salt keeps versions apart anyway.
-            reset = False if self._update_adapter_only else await self.llm.reset_prefix_cache()
+            reset = False if self._update_adapter_only else await self.engine.reset_prefix_cache()
             if lora is not None or not self._update_adapter_only:
                 self._lora = lora  # whole weights without an adapter: served alone
             self.version = version
@@ -836,7 +847,7 @@ class RolloutCore:
         t0 = time.perf_counter()
         try:
             whole = not self._update_adapter_only  # the base weights come first (a joiner)
-            await self.llm.collective_rpc(
+            await self.engine.collective_rpc(
                 "rayless_receive_adapter", args=(info, str(folder), msgspec.to_builtins(lora), whole)
             )
         except BaseException:
@@ -853,7 +864,7 @@ class RolloutCore:
         (lora_id, folder), self._pending_adapter = self._pending_adapter, None
         req = LoRARequest(f"rayless-v{version}-{lora_id}", lora_id, str(folder))
         try:
-            if not await self.llm.add_lora(req):
+            if not await self.engine.add_lora(req):
                 raise RuntimeError(f"vLLM did not load the adapter of v{version} from {folder}")
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)

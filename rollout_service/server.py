@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +52,8 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
     """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample).
     Agent episodes (every sample of a batch is one, or none is) add their own prompt, action
     mask, reward, score, turns and logs."""
-    pids, idx, lens, toks, lps, reasons, versions = [], [], [], [], [], [], []
+    pids, idx, lens, toks, reasons, versions = [], [], [], [], [], []
+    lps: list[float] = []
     with_lp = all(s.logprobs is not None for r in results for s in r.samples)
     episodes = [s.episode for r in results for s in r.samples]
     agent = bool(episodes) and all(e is not None for e in episodes)
@@ -60,7 +63,7 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
             idx.append(i)
             lens.append(len(s.token_ids))
             toks.extend(s.token_ids)
-            if with_lp:
+            if with_lp and s.logprobs is not None:  # with_lp: every sample has them
                 lps.extend(s.logprobs)
             reasons.append(s.finish_reason)
             versions.append(s.policy_version)
@@ -100,13 +103,14 @@ class RolloutServer:
             reconnect_timeout_s=cfg.reconnect_timeout_s,
         )
         self._stop = asyncio.Event()
-        self._exit_code = ExitCode.STOPPED
+        self._exit_code: int = ExitCode.STOPPED  # or 128 + a signal's number (signal_exit)
         self._tasks: set[asyncio.Task] = set()
         self._prompt_tasks: dict[int, asyncio.Task] = {}  # prompt id -> its task, for Abort
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
         self._weights_dropped = False  # abort_weight_sync done for the current loss of the controller
-        self._handlers: dict[type, Callable[[P.Message], Awaitable[P.Message]]] = {
+        # Each takes the message type it is keyed by (see _call), which a dict's type cannot say: Any.
+        self._handlers: dict[type[P.Message], Callable[[Any], Awaitable[P.Message]]] = {
             P.WeightSyncInit: self._on_sync_init,
             P.WeightUpdateStart: self._on_update_start,
             P.WeightUpdate: self._on_update,
@@ -160,8 +164,8 @@ class RolloutServer:
             if msg is None:
                 continue
             if isinstance(msg, P.PromptBatch):
-                seeds = msg.seeds or [None] * len(msg.prompt_ids)
-                labels = msg.labels or [None] * len(msg.prompt_ids)
+                seeds: Sequence[int | None] = msg.seeds or [None] * len(msg.prompt_ids)
+                labels: Sequence[str | None] = msg.labels or [None] * len(msg.prompt_ids)
                 for pid, toks, seed, label in zip(msg.prompt_ids, msg.token_ids, seeds, labels, strict=True):
                     serve = self._serve_prompt(pid, toks, msg.sampling, msg.policy_version, seed, msg.agent, label)
                     self._track(pid, self._spawn(serve))
@@ -264,7 +268,7 @@ class RolloutServer:
     async def _fatal(self, why: str) -> None:
         await self._die(f"{self.name}: {why}", ExitCode.FATAL)
 
-    async def _die(self, last_words: str, code: ExitCode) -> None:
+    async def _die(self, last_words: str, code: int) -> None:
         if self._stop.is_set():
             return  # stopped on the controller's Shutdown: nobody is waiting for last words
         if await self.shell.asend_last_words(self.ep, last_words):
@@ -395,7 +399,8 @@ async def amain(cfg: RolloutConfig) -> int:
     # vLLM's start-up blocks this loop for seconds while it spawns the engine's processes. A
     # SIGTERM/SIGINT then must not kill this process alone: the engine's processes would outlive
     # it (holding their memory, a GPU's too). It is noted, and acted on once start() returns.
-    loop, stopped = asyncio.get_running_loop(), []
+    loop = asyncio.get_running_loop()
+    stopped: list[signal.Signals] = []
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stopped.append, sig)
     try:

@@ -246,11 +246,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         t0 = time.perf_counter()
         waited = 0.0
         reused, allocated = self.pool.reused, self.pool.allocated
-        buf = pending = None
+        buf = None
+        pending: tuple[torch.Tensor, list[tuple[torch.Tensor, Any]]] | None = None  # post()'s bucket b
         try:
             with disable_mtp_completeness_check():
                 pending = post(0) if plan else None
                 for b, idx in enumerate(plan):
+                    assert pending is not None  # bucket b was posted: before the loop, or in turn b - 1
                     buf, works = pending
                     t = time.perf_counter()
                     for piece, work in works:

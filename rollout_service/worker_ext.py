@@ -70,7 +70,9 @@ class RolloutWorkerExtension:
         engine.model = sink
         try:
             if whole:
-                self.update_weights(update_info)  # the worker's own path: its session checks and errors
+                # The worker's own path (its session checks and errors); a method of vLLM's Worker,
+                # which this class is mixed into, so mypy cannot see it on the class.
+                self.update_weights(update_info)  # type: ignore[attr-defined]
             else:  # no update session: nothing of the model is touched
                 engine.receive_weights(engine.parse_update_info(update_info))
         finally:
