@@ -38,7 +38,9 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check
-# (pyproject.toml [tool.ruff]); then mypy over common/ and learner/controller/ ([tool.mypy]).
+# (pyproject.toml [tool.ruff]); then mypy ([tool.mypy]) over common/, learner/controller/,
+# learner/runtime/, rollout_service/, reward_service/ and launch/ (learner/rl and
+# learner/supervised not yet).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
