@@ -173,7 +173,7 @@ def leaves(cls: type, prefix: str = "", flat: Mapping[str, str] | None = None, i
 def _defaults(cls: type) -> Any:
     """An instance with every default, built without validation (``__post_init__`` may require
     flags a bare default does not give)."""
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
@@ -408,7 +408,7 @@ def _build(cls: type[T], values: Mapping[str, Any], prefix: str = "", base: Any 
     hints = typing.get_type_hints(cls)
     base = base if base is not None else _defaults(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every config class is a dataclass
         if not f.init:
             continue
         path = f"{prefix}{f.name}"
@@ -450,7 +450,7 @@ def load_yaml(path: str, cls: type, parser: argparse.ArgumentParser | None = Non
         _fail(parser, str(e))
 
 
-def _fail(parser: argparse.ArgumentParser | None, msg: str):
+def _fail(parser: argparse.ArgumentParser | None, msg: str) -> typing.NoReturn:
     if parser is not None:
         parser.error(msg)
     raise ValueError(msg)

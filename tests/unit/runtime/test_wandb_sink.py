@@ -12,21 +12,23 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.config import flag
+from common.config import build, flag, section
 from helpers.wandb_offline import history, missing_from_history, offline_env, offline_runs, records, run_info
 from learner.runtime.metrics import MetricsWriter
-from learner.runtime.tracking import WandbFlags
+from learner.runtime.tracking import WandbSection, public_config
 from learner.runtime.wandb_sink import wandb_sink
 
 KEY = "k" * 20 + "0123456789abcdefghij"  # 40 characters: the shape of a wandb key
 
 
 @dataclass
-class Cfg(WandbFlags):
+class _Cfg:
     lr: float = flag(1e-3, "a flag of the trainer's own")
+    wandb: WandbSection = section(WandbSection, "Weights & Biases")
 
-    def __post_init__(self) -> None:
-        self.check_wandb()
+
+def Cfg(**flat) -> _Cfg:  # noqa: N802  # reads as the config it builds
+    return build(_Cfg, **flat)
 
 
 @pytest.fixture
@@ -40,8 +42,9 @@ def offline(tmp_path, monkeypatch):
     wandb.teardown()  # its service process ends with the test; the next test's env is read afresh
 
 
-def _writer(tmp_path, cfg: Cfg, name: str = "metrics.jsonl") -> MetricsWriter:
-    return MetricsWriter(tmp_path / name, tmp_path / "tb", wandb=wandb_sink(cfg, trainer="train_ppo", folder=tmp_path))
+def _writer(tmp_path, cfg: _Cfg, name: str = "metrics.jsonl") -> MetricsWriter:
+    sink = wandb_sink(cfg.wandb, trainer="train_ppo", config=public_config(cfg), folder=tmp_path)
+    return MetricsWriter(tmp_path / name, tmp_path / "tb", wandb=sink)
 
 
 def _records(path) -> list[dict]:
@@ -70,7 +73,7 @@ def test_every_key_and_step_of_the_metrics_file_is_in_the_offline_run(offline, m
     info = run_info(recs)
     assert info["project"] == "proj" and info["display_name"] == "run-a"
     config = info["config"]["update"]
-    assert config["lr"] == 1e-3 and config["use_wandb"] == "<redacted>"
+    assert config["lr"] == 1e-3 and "<redacted>" in json.dumps(config["wandb"])
     # The x axis of every chart is the record's step.
     metric = [r["metric"] for r in recs if r.get("type") == "metric"]
     assert {"glob_name": "*", "options": {"defined": True, "step_sync": True}, "step_metric": "step"} in metric
