@@ -197,6 +197,9 @@ def _sections(cls: type, prefix: str = "") -> Iterator[tuple[str, str]]:
             yield from _sections(sub, f"{prefix}{f.name}.")
 
 
+_SECRET_FLAGS = ("wandb.key",)  # flags whose values are secrets (learner.runtime.tracking.Secret)
+
+
 class _Seen:
     """Which spelling set each flag, so one flag given twice with two values is caught."""
 
@@ -208,6 +211,8 @@ class _Seen:
         spelling = opt.replace("--no-", "--", 1) if opt else opt
         prev = seen.get(dest)
         if prev is not None and prev[0] != spelling and prev[1] != value:
+            if dest.endswith(_SECRET_FLAGS):  # a key is never printed, not even in an error
+                parser.error(f"{prev[0]} and {opt} set the same flag (--{dest}) to different values: give it once")
             parser.error(
                 f"{_shown(prev[0], prev[1])} and {_shown(opt, value)} set the same flag (--{dest}) to "
                 "different values: give it once"
