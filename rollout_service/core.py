@@ -67,6 +67,7 @@ import msgspec
 
 from common import protocol as P
 from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
+from common.vllm_quiet import shutdown_async_llm
 from common.vllm_spin import IDLE_SPIN_ENV
 from common.weights import resolve_backend
 from rollout_service.config import RolloutConfig
@@ -326,7 +327,7 @@ class RolloutCore:
     async def shutdown(self) -> None:
         if self.llm is not None:
             llm, self.llm = self.llm, None
-            await asyncio.to_thread(llm.shutdown)
+            await shutdown_async_llm(llm)  # its output handler first: no EngineDeadError after a clean stop
         if self._lora_root is not None:
             for folder in self._loras.values():
                 shutil.rmtree(folder, ignore_errors=True)

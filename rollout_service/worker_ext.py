@@ -1,13 +1,15 @@
 """Code that runs inside vLLM's worker processes (named as vLLM's ``worker_extension_cls``).
 
 vLLM imports this class in every worker before the model loads and before the worker creates
-its message queues. Two things happen on the way:
+its message queues. Three things happen on the way:
 
 * registering our weight-transfer receivers (``rollout_service.weight_receiver``) puts them
   where the worker's ``load_model`` looks for the engine named by
   ``weight_transfer_config.backend``: this is the one place registration can happen;
 * ``common.vllm_spin.idle_spin_from_env``: the rollout server's ``--idle_spin_s`` (or a
-  launcher's), passed in the environment (``IDLE_SPIN_ENV``).
+  launcher's), passed in the environment (``IDLE_SPIN_ENV``);
+* ``common.vllm_quiet.quiet_rotary_reload_warning``: the workers load the pushed weights, and
+  vLLM warns there, for every push, that rotary embeddings (which have no weights) got none.
 
 ``rayless_receive_adapter`` takes a LoRA adapter pushed over the weight group (``--lora_sync
 adapter``) and writes it as the PEFT folder vLLM's ``add_lora`` loads.
@@ -20,11 +22,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from common.vllm_quiet import quiet_rotary_reload_warning
 from common.vllm_spin import idle_spin_from_env, idle_spin_in_force
 from rollout_service.weight_receiver import register
 
 register()
 idle_spin_from_env()
+quiet_rotary_reload_warning()
 
 
 class RolloutWorkerExtension:

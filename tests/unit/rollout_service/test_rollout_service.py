@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -496,3 +497,23 @@ def test_a_lora_adapter_is_served_by_vllm_and_pushes_after_the_first_send_it_alo
         stack.client.call("ra", P.WeightUpdateStart(policy_version=v + 9, adapter_only=True), timeout=30)
     assert err.value.error.code == "bad_request"
     assert stack.client.call("ra", P.GetHealth()).state == "serving"
+
+
+def test_a_server_shut_down_by_the_controller_leaves_no_fault_in_its_log(stack):
+    """What a user reads after a normal run: ra, which took weight pushes and served prompts, is
+    told to shut down and exits 0, and its log has neither vLLM's rotary-embedding reload warning
+    (once per layer per push before) nor an EngineDeadError traceback from the engine's output
+    handler at the stop (common/vllm_quiet.py). Last: ra serves nothing after it."""
+    if stack.pool.policy_version == 0:  # run alone: one push, for the reload warning to have its chance
+        perturb(stack.model, seed=9)
+        stack.fleet.push(1)
+    _run(stack, PROMPTS[:1], GREEDY, first_id=700, version=stack.pool.policy_version, to="ra")  # the handler runs
+    ra = next(s for s in stack.servers if s.name == "ra")
+    ra.killed = True  # it is meant to exit: the harness's liveness checks leave it be
+    assert isinstance(stack.client.call("ra", P.Shutdown(reason="the run is over")), P.Ack)
+    assert ra.proc.wait(120) == 0
+    log = ra.log_tail(10**7)
+    assert "shutdown requested by the controller" in log, log[-4000:]
+    assert re.search(r"served \d+ prompt\(s\), \d+ sample\(s\), [1-9]\d* weight update\(s\)", log), log[-4000:]
+    for fault in ("Failed to load weights", "EngineDeadError", "output_handler failed"):
+        assert fault not in log, log[-4000:]
