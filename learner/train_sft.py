@@ -2,47 +2,85 @@
 
 Run::
 
-    torchrun --nproc_per_node N -m learner.train_sft --pretrain MODEL --dataset data.jsonl \
-        --input_key question --output_key answer --apply_chat_template --save_path out/sft
+    torchrun --nproc_per_node N -m learner.train_sft --model.model_name_or_path MODEL \
+        --data.dataset data.jsonl --data.input_key question --data.output_key answer \
+        --data.apply_chat_template --ckpt.output_dir out/sft
+    torchrun ... -m learner.train_sft --pretrain MODEL --dataset data.jsonl ... --save_path out/sft
     deepspeed --module learner.train_sft ...        # same flags
     python -m learner.train_sft ...                 # a world of one
 
-Rows are prompt/response pairs (``--input_key``/``--output_key``) or, without
-``--output_key``, whole chats (a list of messages in ``--input_key``: every assistant turn
-is learned). ``--packing_samples`` packs each micro-batch into one row with attention kept
-within each sample (position-id restarts; see ``learner.supervised.sft_data``). The final model is
-saved in HF format to ``--save_path``.
+Flags are OpenRLHF 0.10's dotted names or the older flat ones (second line), mixed freely
+(``learner.supervised.config``). Rows are prompt/response pairs
+(``--data.input_key``/``--data.output_key``) or, without ``--data.output_key``, whole chats (a
+list of messages in ``--data.input_key``: every assistant turn is learned, OpenRLHF's
+``--data.multiturn``). ``--ds.packing_samples`` packs each micro-batch into one row with
+attention kept within each sample (position-id restarts; see ``learner.supervised.sft_data``).
+The final model is saved in HF format to ``--ckpt.output_dir`` (``--save_path``).
 
 Differences from OpenRLHF's ``train_sft``: the loss is normalised by the optimizer step's
 global response-token count (OpenRLHF: per micro-batch); packing also works on CPU (SDPA
-block-diagonal mask) without flash-attn; LoRA (``--lora_rank``) saves a merged model plus
-``SAVE_PATH/adapter`` (docs/trainers.md); no ring attention or MoE aux loss yet.
+block-diagonal mask) without flash-attn; LoRA (``--ds.lora.rank``) saves a merged model plus
+``OUTPUT_DIR/adapter`` (docs/trainers.md); no ring attention, MoE aux loss or Muon yet.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
-from common.config import flag, parse
-from learner.supervised.config import TrainerConfig
+from common.config import flag, parse, section
+from learner.supervised.config import DataSection, ModelSection, SupervisedCkptSection, TrainerConfig, TrainSection
+
+
+@dataclass
+class SFTModelSection(ModelSection):
+    """The trained causal LM."""
+
+    pretrain_mode_enable: bool = flag(
+        False, "loss on every token (continued pre-training), not just responses", flat="pretrain_mode"
+    )
+
+
+@dataclass
+class SFTDataSection(DataSection):
+    """Prompt/response rows, or whole chats."""
+
+    input_key: str = flag(
+        "input", "column with the prompt (or the whole chat without --data.output_key)", flat="input_key"
+    )
+    output_key: str = flag(
+        "", "column with the response; empty: --data.input_key holds chat messages", flat="output_key"
+    )
+    multiturn: bool = flag(
+        False,
+        "rows are whole chats in --data.input_key, every assistant turn learned (what rayless does with any chat "
+        "row when --data.output_key is empty); needs --data.apply_chat_template",
+        flat="multiturn",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.multiturn and (self.output_key or not self.apply_chat_template):
+            raise ValueError(
+                "--data.multiturn (--multiturn) learns whole chats: put each in --data.input_key, give no "
+                "--data.output_key, and add --data.apply_chat_template"
+            )
 
 
 @dataclass
 class SFTConfig(TrainerConfig):
-    save_path: str = flag(
-        "./ckpt/sft", "where the final HF-format model (and train_log.jsonl) are written", group="model"
+    """Every flag of ``learner.train_sft``, by section."""
+
+    packing: ClassVar[bool] = True
+    model: SFTModelSection = section(SFTModelSection, "the trained model")
+    train: TrainSection = section(TrainSection, "the training loop", defaults={"max_epochs": 2})
+    data: SFTDataSection = section(
+        SFTDataSection, "the training data", defaults={"input_template": "User: {}\nAssistant: "}
     )
-    input_key: str = flag("input", "column with the prompt (or the whole chat without --output_key)", group="data")
-    output_key: str = flag("", "column with the response; empty: --input_key holds chat messages", group="data")
-    input_template: str = flag(
-        "User: {}\nAssistant: ", "template with one {} for the prompt when not using the chat template", group="data"
+    ckpt: SupervisedCkptSection = section(
+        SupervisedCkptSection, "checkpoints and the final model", defaults={"output_dir": "./ckpt/sft"}
     )
-    pretrain_mode: bool = flag(False, "loss on every token (continued pre-training), not just responses", group="data")
-    packing_samples: bool = flag(
-        False, "pack each micro-batch into one row, attention kept within samples", group="data"
-    )
-    max_epochs: int = flag(2, "passes over the training data", group="optim")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.algorithms.dpo_loss import dpo_loss
 from learner.runtime import engine as E
+from learner.runtime.flags import model_options
 from learner.runtime.lora import apply_lora
 from learner.runtime.models import forward_logits, sequence_logprobs
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
@@ -22,6 +24,9 @@ from learner.supervised.trainer import (
     template,
     to_device,
 )
+
+if TYPE_CHECKING:
+    from learner.train_dpo import DPOConfig
 
 log = logging.getLogger("rayless.dpo")
 
@@ -42,15 +47,16 @@ class DPOTrainer(Trainer):
         with torch.no_grad():
             ref_c, ref_r, _ = self._logps(self.ref, batch)
         pol_c, pol_r, n_chosen = self._logps(self.engine, batch)
+        model = self.cfg.model
         return dpo_loss(
             pol_c,
             pol_r,
             ref_c,
             ref_r,
-            beta=self.cfg.beta,
-            label_smoothing=self.cfg.label_smoothing,
-            ipo=self.cfg.ipo,
-            nll_loss_coef=self.cfg.nll_loss_coef,
+            beta=model.beta,
+            label_smoothing=model.label_smoothing,
+            ipo=model.ipo_enable,
+            nll_loss_coef=model.nll_loss_coef,
             chosen_tokens=n_chosen,
         )
 
@@ -73,29 +79,30 @@ class DPOTrainer(Trainer):
         return {k: v / n for k, v in t.items()}
 
 
-def run(cfg) -> None:
+def run(cfg: DPOConfig) -> None:
     info, tok = setup_run(cfg, "dpo")
-    keys = ([cfg.prompt_key] if cfg.prompt_key else []) + [cfg.chosen_key, cfg.rejected_key]
+    data, ds = cfg.data, cfg.ds
     encode = functools.partial(
         pair_sample,
         tokenizer=tok,
-        prompt_key=cfg.prompt_key or None,
-        chosen_key=cfg.chosen_key,
-        rejected_key=cfg.rejected_key,
-        apply_chat_template=cfg.apply_chat_template,
-        input_template=template(cfg),
-        max_len=cfg.max_len,
+        prompt_key=data.prompt_key or None,
+        chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key,
+        apply_chat_template=data.apply_chat_template,
+        input_template=template(data),
+        max_len=data.max_len,
     )
-    train, evals = load_samples(cfg, keys, encode)
+    train, evals = load_samples(cfg, data.keys(), encode)
     check_resumable(cfg, DPOTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = apply_lora(E.load_causal_lm(cfg.pretrain, **cfg.model_options()), cfg)  # --lora_rank > 0
+    checkpointing = cfg.model.gradient_checkpointing_enable
+    model = E.load_causal_lm(cfg.model.model_name_or_path, **model_options(ds, checkpointing))
+    model = apply_lora(model, ds.lora, gradient_checkpointing=checkpointing)  # --ds.lora.rank > 0
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
-    ref = E.load_causal_lm(
-        cfg.ref_pretrain or cfg.pretrain, zero_stage=cfg.zero_stage, bf16=cfg.bf16, flash_attn=cfg.flash_attn
-    )
-    ref_engine = E.make_frozen_engine(ref, zero_stage=cfg.zero_stage, bf16=cfg.bf16, offload=cfg.ref_offload)
+    # The reference: its path defaults to the policy's (DPOConfig); frozen, so no checkpointing.
+    ref = E.load_causal_lm(cfg.ref.model_name_or_path, **model_options(ds, gradient_checkpointing=False))
+    ref_engine = E.make_frozen_engine(ref, zero_stage=ds.zero_stage, bf16=ds.bf16, offload=cfg.ref.offload)
     trainer = DPOTrainer(cfg, engine, ref_engine, train, collate, evals)
     log.info(
         "DPO: %d train / %d eval pairs, %d optimizer steps, grad accum %d, beta %g%s",
@@ -103,9 +110,9 @@ def run(cfg) -> None:
         len(evals or []),
         trainer.total_steps,
         trainer.accum,
-        cfg.beta,
-        " (IPO)" if cfg.ipo else f", label smoothing {cfg.label_smoothing}",
+        cfg.model.beta,
+        " (IPO)" if cfg.model.ipo_enable else f", label smoothing {cfg.model.label_smoothing}",
     )
     trainer.fit(trainer_checkpointer(cfg, trainer, tok, len(train)))
-    E.save_hf(engine, tok, cfg.save_path)
-    log.info("saved %s", cfg.save_path)
+    E.save_hf(engine, tok, cfg.ckpt.output_dir)
+    log.info("saved %s", cfg.ckpt.output_dir)

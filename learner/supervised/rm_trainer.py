@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.algorithms.rm_loss import reward_model_loss
 from learner.runtime import engine as E
+from learner.runtime.flags import model_options
 from learner.runtime.lora import apply_lora
 from learner.runtime.models import load_reward_model
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
@@ -23,6 +25,9 @@ from learner.supervised.trainer import (
     template,
     to_device,
 )
+
+if TYPE_CHECKING:
+    from learner.train_rm import RMConfig
 
 log = logging.getLogger("rayless.rm")
 
@@ -38,17 +43,19 @@ class RMTrainer(Trainer):
 
     def loss(self, batch, ctx):
         chosen, rejected = self._rewards(batch)
-        margin = batch["margin"] if self.cfg.margin_loss else None
-        loss, m = reward_model_loss(chosen, rejected, loss=self.cfg.loss, margin=margin)
+        model = self.cfg.model
+        margin = batch["margin"] if model.margin_loss_enable else None
+        loss, m = reward_model_loss(chosen, rejected, loss=model.loss_type, margin=margin)
         return loss, {"loss": loss.detach(), **m}
 
     def evaluate(self):
         sums = dict(pairs=0.0, correct=0.0, loss=0.0, r_sum=0.0, r_sq=0.0, margin=0.0)
+        model = self.cfg.model
         for batch in self.eval_loader:
             batch = to_device(batch)
             chosen, rejected = self._rewards(batch)
-            margin = batch["margin"] if self.cfg.margin_loss else None
-            loss, _ = reward_model_loss(chosen, rejected, loss=self.cfg.loss, margin=margin)
+            margin = batch["margin"] if model.margin_loss_enable else None
+            loss, _ = reward_model_loss(chosen, rejected, loss=model.loss_type, margin=margin)
             n = chosen.shape[0]
             both = torch.cat([chosen, rejected]).double()
             sums["pairs"] += n
@@ -72,34 +79,32 @@ class RMTrainer(Trainer):
         }
 
 
-def run(cfg) -> None:
+def run(cfg: RMConfig) -> None:
     info, tok = setup_run(cfg, "rm")
-    keys = (
-        ([cfg.prompt_key] if cfg.prompt_key else [])
-        + [cfg.chosen_key, cfg.rejected_key]
-        + ([cfg.margin_key] if cfg.margin_loss else [])
-    )
+    data, margin = cfg.data, cfg.model.margin_loss_enable
     encode = functools.partial(
         pair_sample,
         tokenizer=tok,
-        prompt_key=cfg.prompt_key or None,
-        chosen_key=cfg.chosen_key,
-        rejected_key=cfg.rejected_key,
-        margin_key=cfg.margin_key if cfg.margin_loss else None,
-        apply_chat_template=cfg.apply_chat_template,
-        input_template=template(cfg),
-        max_len=cfg.max_len,
+        prompt_key=data.prompt_key or None,
+        chosen_key=data.chosen_key,
+        rejected_key=data.rejected_key,
+        margin_key=data.margin_key if margin else None,
+        apply_chat_template=data.apply_chat_template,
+        input_template=template(data),
+        max_len=data.max_len,
         force_eos=True,
     )
-    train, evals = load_samples(cfg, keys, encode)
+    train, evals = load_samples(cfg, data.keys(margin=margin), encode)
     check_resumable(cfg, RMTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
     if evals is None:  # OpenRLHF: reward statistics over 1% of the training rows
-        evals = train[: max(cfg.micro_train_batch_size * info.world_size, len(train) // 100)]
-        log.info("no --eval_dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
+        evals = train[: max(cfg.train.micro_batch_size * info.world_size, len(train) // 100)]
+        log.info("no --eval.dataset: eval metrics and reward mean/std use %d training pairs", len(evals))
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
-    model = load_reward_model(cfg.pretrain, tokenizer=tok, **cfg.model_options())
-    model = apply_lora(model, cfg)  # --lora_rank > 0: the adapters and the score head train
+    checkpointing = cfg.model.gradient_checkpointing_enable
+    model = load_reward_model(cfg.model.model_name_or_path, tokenizer=tok, **model_options(cfg.ds, checkpointing))
+    # --ds.lora.rank > 0: the adapters and the score head train
+    model = apply_lora(model, cfg.ds.lora, gradient_checkpointing=checkpointing)
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = RMTrainer(cfg, engine, train, collate, evals)
     log.info(
@@ -115,16 +120,16 @@ def run(cfg) -> None:
     E.save_hf(
         engine,
         tok,
-        cfg.save_path,
+        cfg.ckpt.output_dir,
         config_updates={
             "mean": trainer.reward_mean,
             "std": trainer.reward_std,
-            "value_head_prefix": cfg.value_head_prefix,
+            "value_head_prefix": cfg.ds.value_head_prefix,
         },
     )
     log.info(
         "saved %s (reward mean %.4g, std %.4g, eval acc %.3f)",
-        cfg.save_path,
+        cfg.ckpt.output_dir,
         trainer.reward_mean,
         trainer.reward_std,
         final.get("acc", float("nan")),

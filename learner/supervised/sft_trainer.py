@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
 from learner.runtime import engine as E
+from learner.runtime.flags import model_options
 from learner.runtime.lora import apply_lora
 from learner.runtime.models import check_packable, forward_logits
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
@@ -22,6 +24,9 @@ from learner.supervised.trainer import (
     template,
     to_device,
 )
+
+if TYPE_CHECKING:
+    from learner.train_sft import SFTConfig
 
 log = logging.getLogger("rayless.sft")
 
@@ -53,27 +58,30 @@ class SFTTrainer(Trainer):
         return {"loss": total["nll"] / max(total["tokens"], 1.0), "tokens": total["tokens"]}
 
 
-def run(cfg) -> None:
+def run(cfg: SFTConfig) -> None:
     info, tok = setup_run(cfg, "sft")
-    keys = [cfg.input_key] + ([cfg.output_key] if cfg.output_key else [])
+    data, packing = cfg.data, cfg.ds.packing_samples
+    keys = [data.input_key] + ([data.output_key] if data.output_key else [])
     encode = functools.partial(
         sft_sample,
         tokenizer=tok,
-        input_key=cfg.input_key,
-        output_key=cfg.output_key or None,
-        apply_chat_template=cfg.apply_chat_template,
-        input_template=template(cfg),
-        max_len=cfg.max_len,
-        pretrain_mode=cfg.pretrain_mode,
+        input_key=data.input_key,
+        output_key=data.output_key or None,
+        apply_chat_template=data.apply_chat_template,
+        input_template=template(data),
+        max_len=data.max_len,
+        pretrain_mode=cfg.model.pretrain_mode_enable,
     )
     train, evals = load_samples(cfg, keys, encode)
     check_resumable(cfg, SFTTrainer.name, len(train))  # before the model loads: a wrong resume fails in seconds
-    collate = collate_packed if cfg.packing_samples else functools.partial(collate_padded, pad_id=tok.pad_token_id)
+    collate = collate_packed if packing else functools.partial(collate_padded, pad_id=tok.pad_token_id)
 
-    model = E.load_causal_lm(cfg.pretrain, **cfg.model_options())
-    if cfg.packing_samples:
+    checkpointing = cfg.model.gradient_checkpointing_enable
+    model = E.load_causal_lm(cfg.model.model_name_or_path, **model_options(cfg.ds, checkpointing))
+    if packing:
         check_packable(model, "SFT")  # before the engine: a refusal costs no DeepSpeed start-up
-    model = apply_lora(model, cfg)  # --lora_rank > 0: only the adapters reach the optimizer
+    # --ds.lora.rank > 0: only the adapters reach the optimizer
+    model = apply_lora(model, cfg.ds.lora, gradient_checkpointing=checkpointing)
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
     trainer = SFTTrainer(cfg, engine, train, collate, evals)
     log.info(
@@ -83,9 +91,9 @@ def run(cfg) -> None:
         trainer.total_steps,
         trainer.steps_per_epoch,
         trainer.accum,
-        "packed" if cfg.packing_samples else "padded",
+        "packed" if packing else "padded",
     )
     trainer.fit(trainer_checkpointer(cfg, trainer, tok, len(train)))
-    E.save_hf(engine, tok, cfg.save_path)
-    log.info("saved %s", cfg.save_path)
+    E.save_hf(engine, tok, cfg.ckpt.output_dir)
+    log.info("saved %s", cfg.ckpt.output_dir)
     torch.distributed.barrier()

@@ -8,11 +8,11 @@ micro-batches first (so a loss can be normalised by the step's global token coun
 sees a disjoint shard of each epoch's seeded permutation (``DistributedSampler``,
 ``drop_last``), so a resumed run skips exactly the micro-batches already trained on.
 
-Logged metrics go to the log, to ``{save_path}/train_log.jsonl`` (one JSON object per
+Logged metrics go to the log, to ``{ckpt.output_dir}/train_log.jsonl`` (one JSON object per
 logging or eval step, rank 0, written by ``learner.runtime.metrics.MetricsWriter`` as RL's
-metrics are), with ``--use_tensorboard DIR`` to TensorBoard under ``DIR/<sft|rm|dpo>``, and with
-``--use_wandb`` to Weights & Biases (a resumed run continues its wandb run: the id is in the
-checkpoint's client state).
+metrics are), with ``--logger.tensorboard_dir DIR`` (``--use_tensorboard``) to TensorBoard under
+``DIR/<sft|rm|dpo>``, and with ``--logger.wandb.key`` (``--use_wandb``) to Weights & Biases (a
+resumed run continues its wandb run: the id is in the checkpoint's client state).
 
 Import this module only after the config is parsed: it imports torch and DeepSpeed. The
 config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
@@ -32,12 +32,14 @@ import torch
 from learner.runtime import engine as E
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.checkpoint import Checkpointer
+from learner.runtime.flags import engine_options
 from learner.runtime.metrics import MetricsWriter
+from learner.supervised.config import DataSection, EvalSection, TrainerConfig, TrainSection
 
 log = logging.getLogger("rayless.trainer")
 
 
-def setup_run(cfg: Any, name: str):
+def setup_run(cfg: TrainerConfig, name: str):
     """Logging, seeds, process group, tokenizer. Returns ``(dist_info, tokenizer)``."""
     from common.config import log_config
 
@@ -47,20 +49,23 @@ def setup_run(cfg: Any, name: str):
         format=f"%(asctime)s {name}[{info.rank}] %(levelname)s %(message)s",
         force=True,
     )
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
     if info.rank == 0:
         log_config(cfg, log)
-    E.set_host_malloc(cfg.host_malloc)
-    return info, load_tokenizer(cfg)
+        for notice in cfg.notices:  # what the flags' checks found, said once logging is up
+            log.warning("%s", notice)
+    E.set_host_malloc(cfg.ds.host_malloc)
+    return info, load_tokenizer(cfg.model.model_name_or_path, cfg.data)
 
 
-def load_tokenizer(cfg: Any):
+def load_tokenizer(path: str, data: DataSection):
+    """The fast tokenizer of ``path``, with ``--data.tokenizer_chat_template`` when given."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.pretrain, use_fast=True)
-    if getattr(cfg, "tokenizer_chat_template", ""):
-        tok.chat_template = cfg.tokenizer_chat_template
+    tok = AutoTokenizer.from_pretrained(path, use_fast=True)
+    if data.tokenizer_chat_template:
+        tok.chat_template = data.tokenizer_chat_template
     if tok.pad_token is None:
         # Our collators pad with an attention mask and read rewards from it, so pad = eos is safe.
         tok.pad_token = tok.eos_token
@@ -79,43 +84,42 @@ def build_samples(rows, encode: Callable[[dict[str, Any]], Any], what: str) -> l
             samples.append(s)
     if dropped:
         log.warning(
-            "%s: dropped %d rows with no response token left within --max_len (first: %s)", what, dropped, first
+            "%s: dropped %d rows with no response token left within --data.max_len (first: %s)", what, dropped, first
         )
     return samples
 
 
 def load_samples(
-    cfg: Any, keys: Sequence[str], encode: Callable[[dict[str, Any]], Any]
+    cfg: TrainerConfig, keys: Sequence[str], encode: Callable[[dict[str, Any]], Any]
 ) -> tuple[list[Any], list[Any] | None]:
-    """The encoded training samples and the ``--eval_dataset`` ones (None when none is given)."""
-    train = build_samples(load_rows(cfg, keys), encode, "train")
-    eval_rows = load_rows(cfg, keys, eval_split=True)
+    """The encoded training samples and the ``--eval.dataset`` ones (None when none is given)."""
+    train = build_samples(load_rows(cfg.data, keys, seed=cfg.train.seed), encode, "train")
+    eval_rows = load_rows(cfg.data, keys, seed=cfg.train.seed, evaluation=cfg.eval)
     return train, (build_samples(eval_rows, encode, "eval") if eval_rows is not None else None)
 
 
-def template(cfg: Any) -> str | None:
-    t = getattr(cfg, "input_template", "") or None
-    if t and "{}" not in t:
-        raise ValueError(f"--input_template {t!r} has no {{}} for the input")
-    return t
+def template(data: DataSection) -> str | None:
+    """``--data.input_template``, None when empty (its ``{}`` is checked when the flags parse)."""
+    return data.input_template or None
 
 
-def load_rows(cfg: Any, keys: Sequence[str], *, eval_split: bool = False):
-    """The training (or ``--eval_dataset``) rows, key-checked; None when no eval data is given."""
+def load_rows(data: DataSection, keys: Sequence[str], *, seed: int, evaluation: EvalSection | None = None):
+    """The training rows (or, given the ``eval`` section, its ``--eval.dataset`` rows), key-checked;
+    None when no eval data is given."""
     from common.datasets import SkipCounter, load_mixed
 
-    source = cfg.eval_dataset if eval_split else cfg.dataset
+    source = evaluation.dataset if evaluation is not None else data.dataset
     if not source:
         return None
     skipped = SkipCounter()
     ds = load_mixed(
         source,
-        probs=None if eval_split else cfg.dataset_probs,
-        split=cfg.eval_split if eval_split else cfg.dataset_split,
-        max_samples=cfg.max_samples,
-        seed=cfg.seed,
+        probs=None if evaluation is not None else data.dataset_probs,
+        split=evaluation.split if evaluation is not None else data.dataset_split,
+        max_samples=data.max_samples,
+        seed=seed,
         required_keys=keys,
-        skip_bad_rows=cfg.skip_bad_rows,
+        skip_bad_rows=data.skip_bad_rows,
         skipped=skipped,
     )
     if skipped.total:
@@ -140,15 +144,15 @@ def loader(samples: Sequence[Any], collate: Callable, batch_size: int, *, shuffl
     return DataLoader(samples, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=drop_last)
 
 
-def steps_per_epoch(n_samples: int, cfg: Any, world: int) -> int:
+def steps_per_epoch(n_samples: int, train: TrainSection, world: int) -> int:
     """Optimizer steps in one epoch; raises when the data cannot fill one step."""
     from learner.runtime.deepspeed_config import grad_accum_steps
 
-    accum = grad_accum_steps(cfg.train_batch_size, cfg.micro_train_batch_size, world)
-    steps = (n_samples // world // cfg.micro_train_batch_size) // accum
+    accum = grad_accum_steps(train.batch_size, train.micro_batch_size, world)
+    steps = (n_samples // world // train.micro_batch_size) // accum
     if steps < 1:
         raise ValueError(
-            f"{n_samples} training samples cannot fill one optimizer step of --train_batch_size {cfg.train_batch_size}"
+            f"{n_samples} training samples cannot fill one optimizer step of --train_batch_size {train.batch_size}"
         )
     return steps
 
@@ -168,7 +172,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: TrainerConfig,
         engine: Any,
         train_samples: Sequence[Any],
         collate: Callable,
@@ -176,28 +180,31 @@ class Trainer:
     ) -> None:
         self.cfg, self.engine = cfg, engine
         self.collate = collate
+        train = cfg.train
         self.train_loader = loader(
-            train_samples, collate, cfg.micro_train_batch_size, shuffle=True, seed=cfg.seed, drop_last=True
+            train_samples, collate, train.micro_batch_size, shuffle=True, seed=train.seed, drop_last=True
         )
         self.eval_loader = (
-            loader(eval_samples, collate, cfg.micro_train_batch_size, shuffle=False, seed=cfg.seed, drop_last=False)
+            loader(eval_samples, collate, train.micro_batch_size, shuffle=False, seed=train.seed, drop_last=False)
             if eval_samples
             else None
         )
         self.accum = engine.gradient_accumulation_steps()
-        # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
-        self.coalesce = engine_coalesces(engine, cfg.coalesce_grad_reduction, name=self.name)
+        # Gradients reduced once per optimizer step, not per micro-batch (--ds.coalesce_grad_reduction)
+        self.coalesce = engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name=self.name)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.steps_per_epoch = len(self.train_loader) // self.accum
-        self.total_steps = self.steps_per_epoch * cfg.max_epochs
+        self.total_steps = self.steps_per_epoch * train.max_epochs
         self.metrics: MetricsWriter | None = None  # rank 0 only
         if E.is_rank0():
+            from learner.runtime.tracking import public_config
             from learner.runtime.wandb_sink import wandb_sink
 
-            tb_dir = Path(cfg.use_tensorboard) / self.name if cfg.use_tensorboard else None
+            logger, out = cfg.logger, cfg.ckpt.output_dir
+            tb_dir = Path(logger.tensorboard_dir) / self.name if logger.tensorboard_dir else None
             # wandb's run is finished by its exit hook when the process ends (after the final save).
-            wandb = wandb_sink(cfg, trainer=f"train_{self.name}", folder=cfg.save_path)
-            self.metrics = MetricsWriter(Path(cfg.save_path) / "train_log.jsonl", tb_dir, wandb=wandb)
+            wandb = wandb_sink(logger.wandb, trainer=f"train_{self.name}", config=public_config(cfg), folder=out)
+            self.metrics = MetricsWriter(Path(out) / "train_log.jsonl", tb_dir, wandb=wandb)
         self.global_step = 0
         self.last_eval: tuple = (-1, {})  # (step, metrics) of the latest evaluation
 
@@ -240,18 +247,18 @@ class Trainer:
         self.global_step = step
 
     def fit(self, ckpt: Checkpointer) -> None:
-        """Trains to the end, resuming from ``ckpt`` first with --load_checkpoint and saving
-        into it every --save_steps optimizer steps."""
+        """Trains to the end, resuming from ``ckpt`` first with --ckpt.load_enable and saving
+        into it every --ckpt.save_steps optimizer steps."""
         cfg = self.cfg
-        if cfg.load_checkpoint and ckpt.resume() is not None:
+        if cfg.ckpt.load_enable and ckpt.resume() is not None:
             log.info("resumed at optimizer step %d of %d", self.global_step, self.total_steps)
-        if cfg.eval_at_start and self.global_step == 0:
+        if cfg.eval.at_start and self.global_step == 0:
             self.run_eval()
-        eval_every = cfg.eval_steps if cfg.eval_steps > 0 else self.steps_per_epoch
+        eval_every = cfg.eval.steps if cfg.eval.steps > 0 else self.steps_per_epoch
         self.engine.train()
         t0, samples_since = time.time(), 0
         start_epoch = self.global_step // self.steps_per_epoch
-        for epoch in range(start_epoch, cfg.max_epochs):
+        for epoch in range(start_epoch, cfg.train.max_epochs):
             self.train_loader.sampler.set_epoch(epoch)
             batches = iter(self.train_loader)
             done_in_epoch = self.global_step - epoch * self.steps_per_epoch
@@ -267,8 +274,8 @@ class Trainer:
                         step.backward(loss)
                         per_micro.append(metrics)
                 self.global_step += 1
-                samples_since += cfg.train_batch_size
-                if self.global_step % cfg.logging_steps == 0 or self.global_step == self.total_steps:
+                samples_since += cfg.train.batch_size
+                if self.global_step % cfg.logger.logging_steps == 0 or self.global_step == self.total_steps:
                     m = mean_metrics(per_micro)
                     elapsed = time.time() - t0
                     m.update(
@@ -278,21 +285,19 @@ class Trainer:
                     self.log_metrics(m, "train")
                 if self.global_step % eval_every == 0:
                     self.run_eval()
-                if cfg.save_steps > 0 and self.global_step % cfg.save_steps == 0:
+                if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
                     ckpt.save(self.global_step)
 
 
-def make_train_engine(cfg: Any, model: torch.nn.Module, n_train: int, world: int):
+def make_train_engine(cfg: TrainerConfig, model: torch.nn.Module, n_train: int, world: int):
     """The trained engine with the common optimizer flags; also returns steps per epoch."""
-    per_epoch = steps_per_epoch(n_train, cfg, world)
+    per_epoch = steps_per_epoch(n_train, cfg.train, world)
     engine = E.make_engine(
         model,
-        **cfg.engine_options(),
-        train_batch_size=cfg.train_batch_size,
-        micro_train_batch_size=cfg.micro_train_batch_size,
-        learning_rate=cfg.learning_rate,
-        num_training_steps=per_epoch * cfg.max_epochs,
-        lr_scheduler=cfg.lr_scheduler,
+        **engine_options(cfg.ds, cfg),  # the optimizer fields are the config's top level (OpenRLHF's layout)
+        train_batch_size=cfg.train.batch_size,
+        micro_train_batch_size=cfg.train.micro_batch_size,
+        num_training_steps=per_epoch * cfg.train.max_epochs,
     )
     return engine, per_epoch
 

@@ -1,7 +1,7 @@
 """learner.train_dpo end to end: two ranks under torchrun, ZeRO-3 policy, the reference
-model offloaded (frozen ZeRO-3 engine with parameter offload), on the tiny model. The
-held-out chosen-minus-rejected margin and preference accuracy rise from their start (0 and
-0: policy = reference)."""
+model offloaded (frozen ZeRO-3 engine with parameter offload), on the tiny model, every flag
+in its dotted spelling (OpenRLHF 0.10's). The held-out chosen-minus-rejected margin and preference
+accuracy rise from their start (0 and 0: policy = reference)."""
 
 from __future__ import annotations
 
@@ -18,41 +18,41 @@ def test_dpo_two_ranks_zero3_ref_offload_raises_margin_and_accuracy(tiny_model_d
     save = tmp_path / "dpo"
     run_module(
         "learner.train_dpo",
-        [
-            "--pretrain",
+        [  # OpenRLHF 0.10's dotted names (test_sft.py runs the older flat ones)
+            "--model.model_name_or_path",
             str(tiny_model_dir),
-            "--dataset",
+            "--data.dataset",
             str(paths["pairs_train"]),
-            "--eval_dataset",
+            "--eval.dataset",
             str(paths["pairs_eval"]),
-            "--prompt_key",
+            "--data.prompt_key",
             "prompt",
-            "--chosen_key",
+            "--data.chosen_key",
             "chosen",
-            "--rejected_key",
+            "--data.rejected_key",
             "rejected",
-            "--apply_chat_template",
-            "--beta",
+            "--data.apply_chat_template",
+            "--model.beta",
             "0.1",
-            "--nll_loss_coef",
+            "--model.nll_loss_coef",
             "0.1",
-            "--train_batch_size",
+            "--train.batch_size",
             "16",
-            "--micro_train_batch_size",
+            "--train.micro_batch_size",
             "8",
-            "--learning_rate",
+            "--adam.lr",
             "1e-3",
-            "--max_epochs",
+            "--train.max_epochs",
             "1",
-            "--max_len",
+            "--data.max_len",
             "64",
-            "--zero_stage",
+            "--ds.zero_stage",
             "3",
-            "--ref_offload",
-            "--save_path",
+            "--ref.offload",
+            "--ckpt.output_dir",
             str(save),
-            "--eval_at_start",
-            "--logging_steps",
+            "--eval.at_start",
+            "--logger.logging_steps",
             "4",
         ],
         nproc=2,
@@ -63,7 +63,7 @@ def test_dpo_two_ranks_zero3_ref_offload_raises_margin_and_accuracy(tiny_model_d
     assert end["eval/reward_margin"] > 0.5, evals  # measured: see docs/trainers.md
     assert end["eval/acc"] >= 0.65, evals
     train = [r for r in read_log(save) if "train/nll" in r]
-    assert train, "the NLL term is logged when --nll_loss_coef > 0"
+    assert train, "the NLL term is logged when --model.nll_loss_coef > 0"
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""LoRA on the supervised trainers (``--lora_rank``, ``learner.runtime.lora``) on the tiny model.
+"""LoRA on the supervised trainers (``--ds.lora.rank`` / ``--lora_rank``, ``learner.runtime.lora``) on the tiny model.
 
 The engine checks run this file as a worker script (a world of one, plain python; a process
 group and DeepSpeed's globals live once per process): an optimizer step moves only the
@@ -29,32 +29,30 @@ def test_bad_lora_flags_fail_naming_the_flag():
 
     base = ["--pretrain", "m", "--dataset", "d.jsonl"]
     for extra, match in [
-        (["--lora_rank", "-1"], "--lora_rank must be >= 0"),
-        (["--lora_rank", "8", "--lora_alpha", "0"], "--lora_alpha must be > 0"),
-        (["--lora_rank", "8", "--lora_dropout", "1.5"], "--lora_dropout must be in"),
+        (["--lora_rank", "-1"], r"--ds.lora.rank \(--lora_rank\) must be >= 0"),
+        (["--ds.lora.rank", "8", "--lora_alpha", "0"], r"--ds.lora.alpha \(--lora_alpha\) must be > 0"),
+        (["--lora_rank", "8", "--ds.lora.dropout", "1.5"], r"--ds.lora.dropout \(--lora_dropout\) must be in"),
     ]:
         with pytest.raises(ValueError, match=match):
             parse(SFTConfig, base + extra, raise_errors=True)
-    cfg = parse(SFTConfig, base + ["--lora_rank", "8"], raise_errors=True)
-    assert cfg.target_modules == ["all-linear"] and cfg.lora_alpha == 16 and cfg.lora_dropout == 0.0
-    assert parse(SFTConfig, base + ["--lora_rank", "8", "--zero_stage", "3"], raise_errors=True).zero_stage == 3
+    lora = parse(SFTConfig, base + ["--lora_rank", "8"], raise_errors=True).ds.lora
+    assert lora.rank == 8 and lora.target_modules == ["all-linear"] and lora.alpha == 16 and lora.dropout == 0.0
+    cfg = parse(SFTConfig, base + ["--ds.lora.rank", "8", "--zero_stage", "3"], raise_errors=True)
+    assert cfg.ds.zero_stage == 3 and cfg.ds.lora.rank == 8
 
 
 def test_target_modules_naming_no_module_fails_naming_the_flag_and_named_ones_are_adapted(tiny_model_dir):
-    from types import SimpleNamespace
-
     from transformers import AutoModelForCausalLM
 
+    from learner.runtime.flags import LoraSection
     from learner.runtime.lora import apply_lora
 
-    cfg = SimpleNamespace(
-        lora_rank=4, lora_alpha=16, lora_dropout=0.0, target_modules=["no_such_proj"], gradient_checkpointing=False
-    )
+    lora = LoraSection(rank=4, alpha=16, dropout=0.0, target_modules=["no_such_proj"])
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match=r"^--target_modules no_such_proj: .*not found"):
-        apply_lora(model, cfg)
-    cfg.target_modules = ["q_proj", "v_proj"]  # named modules: only they are adapted
-    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg)
+    with pytest.raises(ValueError, match=r"^--ds.lora.target_modules no_such_proj: .*not found"):
+        apply_lora(model, lora)
+    lora.target_modules = ["q_proj", "v_proj"]  # named modules: only they are adapted
+    peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
     adapted = {n.split(".")[-4] for n, p in peft_model.named_parameters() if p.requires_grad}
     assert adapted == {"q_proj", "v_proj"}, adapted
 
@@ -107,16 +105,17 @@ def _common(model, save, lr: str, *extra: str) -> list[str]:
 
 
 def _pairs(paths) -> list[str]:
+    # OpenRLHF 0.10's dotted names beside _common's flat ones: the two spellings mix in one command
     return [
-        "--dataset",
+        "--data.dataset",
         str(paths["pairs_train"]),
-        "--eval_dataset",
+        "--eval.dataset",
         str(paths["pairs_eval"]),
-        "--prompt_key",
+        "--data.prompt_key",
         "prompt",
-        "--chosen_key",
+        "--data.chosen_key",
         "chosen",
-        "--rejected_key",
+        "--data.rejected_key",
         "rejected",
     ]
 
@@ -227,16 +226,10 @@ def _engine(model, *, bf16=False, zero_stage=0):
     )
 
 
-def _lora_cfg(gradient_checkpointing=True):
-    from types import SimpleNamespace
+def _lora():
+    from learner.runtime.flags import LoraSection
 
-    return SimpleNamespace(
-        lora_rank=8,
-        lora_alpha=16,
-        lora_dropout=0.0,
-        target_modules=["all-linear"],
-        gradient_checkpointing=gradient_checkpointing,
-    )
+    return LoraSection(rank=8, alpha=16, dropout=0.0, target_modules=["all-linear"])
 
 
 def _sft_step(engine, batch):
@@ -262,7 +255,7 @@ def _worker(model_dir: str, out: str) -> dict:
     result = {}
 
     # SFT, fp32 (one rank: stage 0), gradient checkpointing on a frozen base
-    model = apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora_cfg())
+    model = apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora(), gradient_checkpointing=True)
     eng = _engine(model)
     before = _snapshot(unwrap(eng))
     _sft_step(eng, batch)
@@ -278,7 +271,9 @@ def _worker(model_dir: str, out: str) -> dict:
     eng.train()
     # Checkpoint round trip: a second engine loaded from it takes the same next step.
     E.save_checkpoint(eng, Path(out) / "ckpt", tag="step1")
-    again = _engine(apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora_cfg()))
+    again = _engine(
+        apply_lora(E.load_causal_lm(model_dir, gradient_checkpointing=True), _lora(), gradient_checkpointing=True)
+    )
     E.load_checkpoint(again, Path(out) / "ckpt")
     s1, s2 = eng.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
     r["resume_optimizer_equal"] = s1.keys() == s2.keys() and all(
@@ -292,14 +287,14 @@ def _worker(model_dir: str, out: str) -> dict:
     result["sft_zero0"] = r
 
     # SFT, bf16 at ZeRO-2 (kept at stage 2 with one rank)
-    model = apply_lora(E.load_causal_lm(model_dir, zero_stage=2, bf16=True), _lora_cfg(False))
+    model = apply_lora(E.load_causal_lm(model_dir, zero_stage=2, bf16=True), _lora())
     eng = _engine(model, bf16=True, zero_stage=2)
     before = _snapshot(unwrap(eng))
     _sft_step(eng, batch)
     result["sft_zero2_bf16"] = _step_report(eng, before)
 
     # RM: adapters and the score head
-    rm = apply_lora(load_reward_model(model_dir, tokenizer=tok), _lora_cfg(False))
+    rm = apply_lora(load_reward_model(model_dir, tokenizer=tok), _lora())
     eng = _engine(rm)
     before = _snapshot(unwrap(eng))
     rewards = eng(batch["input_ids"], batch["attention_mask"])

@@ -30,6 +30,7 @@ def test_help_is_fast_and_imports_no_torch():
             timeout=60,
         )
         assert out.returncode == 0 and "--pretrain" in out.stdout and "--save_steps" in out.stdout
+        assert "--model.model_name_or_path" in out.stdout and "--ckpt.save_steps" in out.stdout  # both spellings
         assert time.time() - t0 < 5, f"{module} --help took {time.time() - t0:.1f}s"
     probe = (
         "import sys, learner.train_sft, learner.train_rm, learner.train_dpo; "
