@@ -15,7 +15,10 @@ import torch
 
 from common.protocol import Error, Hello, RewardCapabilities, RolloutCapabilities, SamplingParams
 from learner.rl.config import PPOConfig
+from learner.rl.config.sections import EvalSection, RolloutSection
+from learner.runtime.checkpoint_config import CkptSection
 from learner.runtime.flags import OptimizerFields, engine_options, model_options
+from learner.runtime.tracking import public_config
 
 log = logging.getLogger("learner")
 
@@ -33,29 +36,31 @@ def setup_logging(rank: int) -> None:
     )
 
 
-def sampling_params(cfg: PPOConfig, tokenizer: Any) -> tuple[SamplingParams, SamplingParams]:
+def sampling_params(
+    rollout: RolloutSection, evaluation: EvalSection, tokenizer: Any
+) -> tuple[SamplingParams, SamplingParams]:
     """(training sampling, evaluation sampling): evaluation draws --eval_n_samples_per_prompt at
     --eval_temperature (0: greedy), and is otherwise sampled as training is."""
     stop = sorted(i for i in {tokenizer.eos_token_id} if i is not None)
     sampling = SamplingParams(
-        n=cfg.rollout.n_samples_per_prompt,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+        n=rollout.n_samples_per_prompt,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
         stop_token_ids=stop,
         seed=None,
     )
-    evaluation = SamplingParams(
-        n=cfg.eval.n_samples_per_prompt,
-        temperature=cfg.eval.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+    held_out = SamplingParams(
+        n=evaluation.n_samples_per_prompt,
+        temperature=evaluation.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens,
         stop_token_ids=stop,
         seed=None,
     )
-    return sampling, evaluation
+    return sampling, held_out
 
 
 @dataclass
@@ -86,7 +91,7 @@ def build_rank0(
     from learner.rl.prompts import PromptStream
     from learner.rl.weight_push import WeightPush, make_publisher, rank0_syncs_joiners
 
-    sampling, eval_sampling = sampling_params(cfg, tokenizer)
+    sampling, eval_sampling = sampling_params(cfg.rollout, cfg.eval, tokenizer)
 
     def decode(ids: list[list[int]]) -> list[str]:
         return tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -95,7 +100,8 @@ def build_rank0(
     try:
         pool = ServicePool(endpoint, peer_timeout_s=cfg.services.peer_timeout_s, admit=rollout_admission(cfg))
         rollout = RolloutClient(endpoint, pool)
-        fleet = FleetWeights(pool, make_publisher(cfg, engine, rank=0, control=rollout))
+        publisher = make_publisher(cfg, engine, rank=0, control=rollout)
+        fleet = FleetWeights(pool, publisher)
         controller = Controller(
             rollout,
             PromptLedger(
@@ -114,16 +120,23 @@ def build_rank0(
         evaluator = None
         if eval_items:
             evaluator = Evaluator(eval_items, eval_sampling, threshold=cfg.eval.pass_threshold, seed=seed)
-        driver = Driver(cfg, controller, stream, metrics_writer(cfg), evaluator=evaluator, decode=decode)
+        driver = Driver(
+            cfg,
+            controller,
+            stream,
+            metrics_writer(cfg.logger, cfg.ckpt.output_dir, public_config(cfg)),
+            evaluator=evaluator,
+            decode=decode,
+        )
     except BaseException:
         endpoint.close()
         raise
-    return Rank0(rollout, WeightPush(fleet.publisher, fleet), driver)
+    return Rank0(rollout, WeightPush(publisher, fleet), driver)
 
 
-def critic_save_path(cfg: PPOConfig) -> str:
+def critic_save_path(ckpt: CkptSection) -> str:
     """Where --save_value_network writes the critic: next to the policy, as OpenRLHF does."""
-    return str(cfg.ckpt.output_dir).rstrip("/") + "_critic"
+    return str(ckpt.output_dir).rstrip("/") + "_critic"
 
 
 def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int) -> Any:

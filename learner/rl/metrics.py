@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from learner.rl.config import PPOConfig
+from learner.rl.config.sections import PPOLoggerSection
 from learner.runtime.metrics import MetricsWriter
 
 log = logging.getLogger("learner")
 
 
-def metrics_writer(cfg: PPOConfig) -> MetricsWriter:
-    """--metrics_file (default SAVE_PATH/metrics.jsonl), TensorBoard in --use_tensorboard
-    (default SAVE_PATH/tensorboard), and wandb with --use_wandb (its folder beside the metrics file)."""
-    from learner.runtime.tracking import public_config
+def metrics_writer(logger: PPOLoggerSection, output_dir: str, config: Mapping[str, Any]) -> MetricsWriter:
+    """--metrics_file (default OUTPUT_DIR/metrics.jsonl), TensorBoard in --use_tensorboard (default
+    OUTPUT_DIR/tensorboard), and wandb with --use_wandb (its folder beside the metrics file);
+    ``config``: the run's config as the trackers record it (secrets redacted)."""
     from learner.runtime.wandb_sink import wandb_sink
 
-    out = Path(cfg.ckpt.output_dir)
-    path = Path(cfg.logger.metrics_file or out / "metrics.jsonl")
-    wandb = wandb_sink(cfg.logger.wandb, trainer="train_ppo", config=public_config(cfg), folder=path.parent)
-    return MetricsWriter(path, cfg.logger.tensorboard_dir or out / "tensorboard", wandb=wandb)
+    out = Path(output_dir)
+    path = Path(logger.metrics_file or out / "metrics.jsonl")
+    wandb = wandb_sink(logger.wandb, trainer="train_ppo", config=config, folder=path.parent)
+    return MetricsWriter(path, logger.tensorboard_dir or out / "tensorboard", wandb=wandb)
 
 
 def run_metrics(controller: Any, batch: Any, n_samples: int, timings: dict[str, float]) -> dict[str, float]:

@@ -95,7 +95,7 @@ def run(cfg: PPOConfig) -> int:
         turns = _turns(cfg, models, proc, rank0)
         schedule = make_schedule(RunParts(cfg, models.trainer, weights, driver, proc.device, data.total_steps, turns))
         if proc.rank0:
-            log.info("schedule: %s", schedule_name(cfg))
+            log.info("schedule: %s", schedule_name(cfg.train))
         ckpt = rl_checkpointer(
             cfg, models.trainer, n_prompts=data.n_prompts, schedule=schedule, driver=driver, tokenizer=data.tokenizer
         )
@@ -249,6 +249,6 @@ def save_final(cfg: PPOConfig, models: Models, tokenizer: Any, proc: Process) ->
     if proc.rank0:
         log.info("saved the policy to %s", cfg.ckpt.output_dir)
     if models.critic is not None and cfg.critic.save_value_network:
-        E.save_hf(models.critic.engine, tokenizer, critic_save_path(cfg))
+        E.save_hf(models.critic.engine, tokenizer, critic_save_path(cfg.ckpt))
         if proc.rank0:
-            log.info("saved the critic to %s", critic_save_path(cfg))
+            log.info("saved the critic to %s", critic_save_path(cfg.ckpt))

@@ -8,7 +8,7 @@ and engines take turns on the same GPUs. ``schedule_name`` is what the run's log
 
 from __future__ import annotations
 
-from learner.rl.config import PPOConfig
+from learner.rl.config.sections import TrainSection
 from learner.rl.schedules.async_ import AsyncSchedule
 from learner.rl.schedules.base import Decision, RunParts, Schedule, StoppedByRank0, Turns
 from learner.rl.schedules.lockstep import LockstepSchedule
@@ -16,18 +16,19 @@ from learner.rl.schedules.lockstep import LockstepSchedule
 SCHEDULES: dict[str, type[Schedule]] = {s.kind: s for s in (LockstepSchedule, AsyncSchedule)}
 
 
-def schedule_kind(cfg: PPOConfig) -> str:
-    """The schedule class the flags ask for (PPOConfig refuses --colocate_all_models with --async_train)."""
-    return AsyncSchedule.kind if cfg.train.async_enable else LockstepSchedule.kind
+def schedule_kind(train: TrainSection) -> str:
+    """The schedule class the ``train`` section asks for (PPOConfig refuses --colocate_all_models
+    with --async_train)."""
+    return AsyncSchedule.kind if train.async_enable else LockstepSchedule.kind
 
 
-def schedule_name(cfg: PPOConfig) -> str:
+def schedule_name(train: TrainSection) -> str:
     """The schedule as the run's log names it: lockstep, async, or colocated (lockstep with turns)."""
-    return "colocated" if cfg.train.colocate_all else schedule_kind(cfg)
+    return "colocated" if train.colocate_all else schedule_kind(train)
 
 
 def make_schedule(parts: RunParts) -> Schedule:
-    return SCHEDULES[schedule_kind(parts.cfg)](parts)
+    return SCHEDULES[schedule_kind(parts.cfg.train)](parts)
 
 
 __all__ = [

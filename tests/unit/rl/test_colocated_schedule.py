@@ -130,8 +130,8 @@ def _schedule(rec: Recorder, *, device="cuda", notes=None, **kw):
 
 
 def test_the_flag_selects_the_colocated_schedule_and_async_is_refused():
-    assert schedule_name(_cfg()) == "colocated"
-    assert schedule_name(_cfg(colocate_all_models=False, vllm_enable_sleep=False)) == "lockstep"
+    assert schedule_name(_cfg().train) == "colocated"
+    assert schedule_name(_cfg(colocate_all_models=False, vllm_enable_sleep=False).train) == "lockstep"
     with pytest.raises(ValueError, match="--colocate_all_models and --async_train contradict"):
         _cfg(async_train=True, vllm_enable_sleep=False)
 

@@ -26,7 +26,7 @@ def test_the_seed_command_parses_with_only_the_module_swapped(workflow, caplog):
     assert cfg.algo.advantage.estimator == "gae" and cfg.rollout.n_samples_per_prompt == 1
     assert cfg.critic.adam.lr == 9e-6 and cfg.ds.zero_stage == 3 and cfg.ds.bf16
     # The hybrid engine: the colocated schedule, both halves asked to sleep.
-    assert schedule_name(cfg) == "colocated"
+    assert schedule_name(cfg.train) == "colocated"
     assert cfg.vllm.enable_sleep and cfg.ds.enable_sleep and cfg.vllm.gpu_memory_utilization == 0.5
     assert cfg.ds.packing_samples and cfg.actor.gradient_checkpointing_enable and cfg.data.apply_chat_template
     assert cfg.vllm.sync_backend == "nccl"  # --vllm_sync_backend
