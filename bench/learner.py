@@ -242,7 +242,7 @@ def worker(args) -> None:
             PPOConfig, **cfg_kw, zero_stage=stage, packing_samples=packed, coalesce_grad_reduction=coalesce, **lora
         )
         engine = E.make_engine(
-            apply_lora(E.load_causal_lm(str(path), zero_stage=stage), cfg),
+            apply_lora(E.load_causal_lm(str(path), zero_stage=stage), cfg.ds.lora),
             zero_stage=stage,
             bf16=False,
             train_batch_size=cfg.train.batch_size,

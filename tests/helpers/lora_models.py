@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 
@@ -13,12 +11,11 @@ def lora_model(model_dir, rank: int = 8, alpha: int = 16, b_scale: float = 0.05)
     any merge or adapter look right), in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from learner.runtime.flags import LoraSection
     from learner.runtime.lora import apply_lora
 
-    cfg = SimpleNamespace(
-        lora_rank=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=["all-linear"], gradient_checkpointing=False
-    )
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), cfg)
+    lora = LoraSection(rank=rank, alpha=alpha)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
