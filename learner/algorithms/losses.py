@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 Metrics = dict[str, torch.Tensor]
-Number = int | float | torch.Tensor
+Number: TypeAlias = int | float | torch.Tensor
 LOG_RATIO_CLAMP = 20.0
 
 

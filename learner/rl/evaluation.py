@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from common.protocol import SamplingParams
@@ -203,7 +203,7 @@ class EvalHistory:
             self._checked = bool(self.scores)
 
 
-def scores_in(run_state: dict[str, Any]) -> dict[int, float]:
+def scores_in(run_state: Mapping[str, Any]) -> dict[int, float]:
     """The evaluation scores by step kept in a checkpoint's run state (``state.json``)."""
     saved = run_state.get("driver", {}).get("eval", {}).get("scores", {})
     return {int(k): float(v) for k, v in saved.items()}

@@ -171,8 +171,9 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
     ).reshape(-1, _META_COLS)
     tokens = torch.cat([_token_ids(x) for x in s]) if s else torch.zeros(0, dtype=torch.long)
     lp = torch.cat([x.rollout_logprobs.float().reshape(-1) for x in s]) if s else torch.zeros(0)
-    has_ref = all(x.ref_logprobs is not None for x in s)
-    ref = torch.cat([x.ref_logprobs.float().reshape(-1) for x in s]) if s and has_ref else torch.zeros(0)
+    refs = [x.ref_logprobs for x in s if x.ref_logprobs is not None]
+    has_ref = len(refs) == len(s)
+    ref = torch.cat([r.float().reshape(-1) for r in refs]) if s and has_ref else torch.zeros(0)
     rewards = torch.tensor([x.reward for x in s], dtype=torch.float32)
     # The agent samples' action masks (all ones for the others), one entry per response token.
     masks = [x.action_mask.float() if x.action_mask is not None else torch.ones(len(x.response)) for x in s]
@@ -215,7 +216,9 @@ def broadcast_rollout(
         assert rollout is not None
         return rollout
     is_src = dist.get_rank() == src
-    parts = _pack(rollout) if is_src else None
+    if is_src:
+        assert rollout is not None, "rank src broadcasts its rollout"
+    parts = _pack(rollout) if rollout is not None and is_src else []
     sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 6, dtype=torch.long, device=device)
     dist.broadcast(sizes, src)
     dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32, torch.float32]
@@ -225,4 +228,7 @@ def broadcast_rollout(
         dist.broadcast(buf, src)
         out.append(buf.cpu())
     out[0] = out[0].reshape(-1, _META_COLS)
-    return _unpack(out, group_size) if not is_src else rollout
+    if not is_src:
+        return _unpack(out, group_size)
+    assert rollout is not None
+    return rollout

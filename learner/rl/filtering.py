@@ -17,6 +17,13 @@ from learner.rl.config import PPOConfig
 log = logging.getLogger("learner")
 
 
+def filter_reward_range(cfg: PPOConfig) -> tuple[float, float] | None:
+    """``--dynamic_filtering_reward_range`` as ``dynamic_filter_mask`` takes it (the config
+    admits none or two numbers)."""
+    r = cfg.algo.dynamic_filtering_range
+    return (r[0], r[1]) if r else None
+
+
 def filter_and_refill(
     controller: Any, cfg: PPOConfig, rollout: Rollout, more_items: Callable[[int], list[PromptItem]]
 ) -> tuple[Rollout, dict]:
@@ -28,7 +35,7 @@ def filter_and_refill(
     was kept (the schedule truncates it to a multiple of --train_batch_size, or skips the step
     when that is less than one train batch)."""
     G, want = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size
-    reward_range = tuple(cfg.algo.dynamic_filtering_range) or None
+    reward_range = filter_reward_range(cfg)
     kept: list = []
     seen = filtered = extra = 0
 

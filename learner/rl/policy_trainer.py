@@ -82,7 +82,7 @@ def _world() -> tuple[int, int]:
 
 
 @functools.cache
-def _takes_logits_to_keep(module_type: type) -> bool:
+def _takes_logits_to_keep(module_type: type[Any]) -> bool:
     """Whether an HF causal LM's forward can project only the last columns onto the vocabulary."""
     return "logits_to_keep" in inspect.signature(module_type.forward).parameters
 
@@ -106,7 +106,8 @@ def response_logprobs(
     padding. ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
     """
     T = batch["response"].shape[1]
-    keep = response_only and _takes_logits_to_keep(type(base_hf_model(unwrap(model))))  # peft passes it on
+    hf_class: type = type(base_hf_model(unwrap(model)))  # `type`: mypy's `type[Any]` is not Hashable for the cache
+    keep = response_only and _takes_logits_to_keep(hf_class)  # peft passes it on
     packed = "logit_index" in batch
     if packed:
         # No attention mask: transformers then finds the samples' boundaries in the position ids.
@@ -326,6 +327,7 @@ class PolicyTrainer:
 
                         mmask = batch["action_mask"]
                         if critic_step is not None:
+                            assert self.critic is not None and value_agg is not None  # both go with critic_step
                             for k, v in self.critic.train_micro_batch(
                                 batch, sl(old_values), sl(returns), value_agg, world, critic_step
                             ).items():

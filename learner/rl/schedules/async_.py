@@ -201,13 +201,14 @@ class AsyncSchedule(Schedule):
         self._feed_state: dict[str, Any] | None = None  # from a checkpoint, or the last feed's at its end
 
     # ------------------------------------------------------------------ rank 0's data path
-    def _start_pump(self, first_step: int) -> None:
-        cfg, driver = self.cfg, self.driver
+    def _start_pump(self, first_step: int) -> _Pump:
+        cfg, driver = self.cfg, self.rank0_driver
         keep = None
         if cfg.algo.dynamic_filtering_enable:
             from learner.algorithms.shaping import dynamic_filter_mask
+            from learner.rl.filtering import filter_reward_range
 
-            reward_range = tuple(cfg.algo.dynamic_filtering_range) or None
+            reward_range = filter_reward_range(cfg)
 
             def keep(samples):
                 rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -240,9 +241,10 @@ class AsyncSchedule(Schedule):
         if first_step > 1:
             feed.restore(state, driver.prompts.at)
         self._failed_before = feed.counters["dropped_failed"]  # run totals: a resumed feed's include the old run's
-        self.pump = _Pump(feed)
-        self.pump.start()
+        self.pump = pump = _Pump(feed)
+        pump.start()
         self._last_report = time.monotonic()
+        return pump
 
     def _stop_pump(self) -> dict[str, int]:
         if self.pump is None:
@@ -282,13 +284,12 @@ class AsyncSchedule(Schedule):
     # ------------------------------------------------------------------ the step
     def next_batch(self, step: int) -> StepBatch:
         cfg = self.cfg
-        if self.pump is None:
-            self._start_pump(step)
-        groups = self.pump.next_batch(step - 1, cfg.services.generate_timeout_s + cfg.services.score_timeout_s)
+        pump = self.pump if self.pump is not None else self._start_pump(step)
+        groups = pump.next_batch(step - 1, cfg.services.generate_timeout_s + cfg.services.score_timeout_s)
         # Which prompts each step trains, by stream position: what an audit of a resumed run
         # (nothing skipped, nothing twice) reads; ranges keep the line short.
         log.info("step %d trains stream positions %s", step, _ranges(g.position for g in groups))
-        with self.pump.hold() as feed:
+        with pump.hold() as feed:
             failed = feed.counters["dropped_failed"]
         rollout = Rollout([s for g in groups for s in g.samples], cfg.rollout.n_samples_per_prompt)
         batch = StepBatch(rollout, failed - self._failed_before, sum(len(s.response) for s in rollout.samples))
@@ -318,6 +319,7 @@ class AsyncSchedule(Schedule):
 
     def step_metrics(self, step: int, rollout: Rollout, result: StepResult, times: StepTimes) -> dict[str, float]:
         """Called inside ``data_path()``: the pump is parked."""
+        assert self.pump is not None, "the step's report comes before after_step stops the pump"
         cfg, feed = self.cfg, self.pump.feed
         now = time.monotonic()
         counters = dict(feed.counters)

@@ -157,6 +157,12 @@ class Schedule(abc.ABC):
         self._first: tuple[int, float] | None = None  # (step, time) this process started stepping at
 
     @property
+    def rank0_driver(self) -> Driver:
+        """The driver, for the code that runs on rank 0 only (``next_batch``, the report)."""
+        assert self.driver is not None, "rank 0 only: the other ranks have no driver"
+        return self.driver
+
+    @property
     def name(self) -> str:
         return self.turns.name or self.kind
 
@@ -263,6 +269,7 @@ class Schedule(abc.ABC):
             raise StoppedByRank0(f"step {step}: rank 0 (the controller) failed; its log has the error")
         if decision is Decision.SKIP:
             if self.driver is not None:
+                assert batch is not None  # rank 0 gathered it above
                 self.driver.skipped(step, batch)
             return decision
         wait_s = time.time() - t0
@@ -278,6 +285,7 @@ class Schedule(abc.ABC):
         self.turns.before_push()
         self.push_weights(step)
         if self.driver is not None:
+            assert batch is not None  # rank 0 gathered it above
             times = StepTimes(wait_s, train_s, time.time() - t0)
             self._report(step, batch, rollout, result, times)
         self.after_step(step)
@@ -296,7 +304,7 @@ class Schedule(abc.ABC):
         }
         with self.data_path():
             metrics = {**result.metrics, **self.step_metrics(step, rollout, result, times)}
-            self.driver.report(step, total, metrics, batch, n_trained=len(rollout), timings=timings)
+            self.rank0_driver.report(step, total, metrics, batch, n_trained=len(rollout), timings=timings)
 
     def eta_s(self, step: int) -> float:
         """Seconds left, from the steps this process ran (a resumed run's earlier steps are not its)."""

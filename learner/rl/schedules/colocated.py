@@ -75,6 +75,7 @@ class ColocatedTurns(Turns):
                 self.learner.offload()
 
     def before_generate(self) -> None:
+        assert self.engines is not None, "rank 0 only: it alone has the engines"
         self.engines.check_servers()  # joiners since the last step
         self.engines.wake()
 

@@ -24,7 +24,7 @@ class LockstepSchedule(Schedule):
     kind = "lockstep"
 
     def next_batch(self, step: int) -> StepBatch:
-        return self.driver.gather(step)
+        return self.rank0_driver.gather(step)
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing beyond the step: step s trains ``batch(s)`` whatever came before, so the

@@ -197,7 +197,8 @@ class EngineMemory:
         found gone (the pool reaps it; its prompts are re-issued)."""
         from common.transport import PeerUnavailable, RemoteError, TransportError
 
-        pending, failed = [], {}
+        pending: list[tuple[str, Any]] = []
+        failed: dict[str, BaseException] = {}
         for name in servers:
             try:
                 pending.append((name, self.rollout.request(name, make())))
@@ -216,8 +217,8 @@ class EngineMemory:
                     failed[name] = e
             except TransportError as e:
                 failed[name] = e
-        for name, e in failed.items():
-            log.warning("%s to %s failed: %s", what, name, e)
+        for name, err in failed.items():
+            log.warning("%s to %s failed: %s", what, name, err)
         return failed
 
     def _targets(self) -> list[str]:
