@@ -375,13 +375,12 @@ def test_policy_loss_argument_errors():
 
 def test_every_registered_variant_is_reachable_from_its_flag():
     # A registry entry no --choice names is dead code (seq_mask_tis was, once).
-    from dataclasses import fields
-
+    from common.config import leaves
     from learner.rl.config import PPOConfig
 
-    choices = {f.name: set(f.metadata["choices"] or ()) for f in fields(PPOConfig)}
-    assert choices["is_correction"] == set(IS_CORRECTIONS) | {"", "none", "auto"}
-    assert choices["policy_loss_type"] == set(POLICY_LOSSES)
+    choices = {leaf.path: set(leaf.meta["choices"] or ()) for leaf in leaves(PPOConfig)}
+    assert choices["algo.advantage.is_correction"] == set(IS_CORRECTIONS) | {"", "none", "auto"}
+    assert choices["actor.policy_loss_type"] == set(POLICY_LOSSES)
 
 
 def test_policy_loss_padding_garbage_is_ignored():
