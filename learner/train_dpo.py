@@ -22,7 +22,6 @@ Differences from OpenRLHF's ``train_dpo``: losses are pure functions in
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from common.config import flag, parse, section
@@ -103,4 +102,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -25,7 +25,6 @@ LoRA with ``--ds.lora.rank`` (the score head trains in full); no packing or ring
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -93,4 +92,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -25,7 +25,6 @@ block-diagonal mask) without flash-attn; LoRA (``--ds.lora.rank``) saves a merge
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,4 +94,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -33,6 +33,7 @@ log = logging.getLogger("rayless.dpo")
 
 class DPOTrainer(Trainer):
     name = "dpo"
+    cfg: DPOConfig
 
     def __init__(self, cfg, engine, ref_engine, *args, **kwargs) -> None:
         super().__init__(cfg, engine, *args, **kwargs)
@@ -64,10 +65,10 @@ class DPOTrainer(Trainer):
         loss, m = self._loss(batch)
         return loss, {"loss": loss.detach(), **m}
 
-    def evaluate(self):
-        sums = {}
+    def evaluate(self, batches):
+        sums: dict[str, float] = {}
         pairs = 0.0
-        for batch in self.eval_loader:
+        for batch in batches:
             loss, m = self._loss(to_device(batch))
             n = float(batch["margin"].shape[0])
             pairs += n

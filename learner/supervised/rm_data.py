@@ -68,7 +68,7 @@ def pair_sample(
 ) -> Pair | None:
     """One row to a Pair; None when truncation leaves either side without a response token."""
     prompt_value = row[prompt_key] if prompt_key else None
-    kw = dict(
+    kw: dict[str, Any] = dict(
         apply_chat_template=apply_chat_template, input_template=input_template, max_len=max_len, force_eos=force_eos
     )
     chosen = _encode(tokenizer, prompt_value, row[chosen_key], **kw)

@@ -34,6 +34,7 @@ log = logging.getLogger("rayless.rm")
 
 class RMTrainer(Trainer):
     name = "rm"
+    cfg: RMConfig
     reward_mean, reward_std = 0.0, 1.0
 
     def _rewards(self, batch):
@@ -48,10 +49,10 @@ class RMTrainer(Trainer):
         loss, m = reward_model_loss(chosen, rejected, loss=model.loss_type, margin=margin)
         return loss, {"loss": loss.detach(), **m}
 
-    def evaluate(self):
+    def evaluate(self, batches):
         sums = dict(pairs=0.0, correct=0.0, loss=0.0, r_sum=0.0, r_sq=0.0, margin=0.0)
         model = self.cfg.model
-        for batch in self.eval_loader:
+        for batch in batches:
             batch = to_device(batch)
             chosen, rejected = self._rewards(batch)
             margin = batch["margin"] if model.margin_loss_enable else None

@@ -33,6 +33,7 @@ log = logging.getLogger("rayless.sft")
 
 class SFTTrainer(Trainer):
     name = "sft"
+    cfg: SFTConfig
 
     def prepare_step(self, batches):
         # The step's response tokens over all ranks: one all-reduce per optimizer step.
@@ -46,9 +47,9 @@ class SFTTrainer(Trainer):
         # this micro-batch's share of the global mean, so undo both divisions.
         return loss * (self.world * self.accum), {"loss": m["nll"], "tokens": m["tokens"]}
 
-    def evaluate(self):
+    def evaluate(self, batches):
         sums = {"nll": 0.0, "tokens": 0.0}
-        for batch in self.eval_loader:
+        for batch in batches:
             batch = to_device(batch)
             logits = forward_logits(self.engine, batch)
             _, m = sft_loss(logits, batch["labels"], global_tokens=1.0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 WORDS = (
@@ -62,7 +63,7 @@ def prompt_rows(n: int, seed: int, max_operand: int = 20) -> list[dict[str, str]
     return [{"input": q, "label": str(ans)} for q, ans in (_question(rng, max_operand) for _ in range(n))]
 
 
-def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
+def write_jsonl(path: Path, rows: Sequence[Mapping[str, object]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

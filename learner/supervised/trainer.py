@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,8 @@ def mean_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 class Trainer:
     """The optimizer-step loop; subclasses give ``loss`` and ``evaluate`` (and may override
-    ``prepare_step``). ``engine`` is the trained DeepSpeed engine."""
+    ``prepare_step``). ``engine`` is the trained DeepSpeed engine; a subclass narrows ``cfg`` to
+    its trainer's config."""
 
     name = "train"
 
@@ -215,7 +216,8 @@ class Trainer:
     def loss(self, batch: dict[str, Any], step_ctx: Any):  # -> (loss, metrics of 0-dim tensors)
         raise NotImplementedError
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[dict[str, Any]]) -> dict[str, float]:
+        """Metrics over the eval micro-batches ``batches`` (this rank's shard), reduced over ranks."""
         raise NotImplementedError
 
     # ---- loop
@@ -230,7 +232,7 @@ class Trainer:
             return {}
         self.engine.eval()
         with torch.no_grad():
-            result = self.evaluate()
+            result = self.evaluate(self.eval_loader)
         self.engine.train()
         self.log_metrics(result, "eval")
         self.last_eval = (self.global_step, result)
