@@ -213,10 +213,11 @@ def test_models_that_cannot_keep_packed_samples_apart_are_refused(tiny_model_dir
 
 def test_sft_refuses_packing_for_such_a_model_before_building_its_engine(monkeypatch):
     """learner.train_sft --packing_samples makes the same check, right after loading the model."""
+    from common.config import build
     from learner.supervised import sft_trainer
     from learner.train_sft import SFTConfig
 
-    cfg = SFTConfig(pretrain="m", dataset="d", input_key="input", output_key="output", packing_samples=True)
+    cfg = build(SFTConfig, pretrain="m", dataset="d", input_key="input", output_key="output", packing_samples=True)
     tok = SimpleNamespace(pad_token_id=0)
     monkeypatch.setattr(sft_trainer, "setup_run", lambda cfg, name: (SimpleNamespace(world_size=1), tok))
     monkeypatch.setattr(sft_trainer, "load_samples", lambda cfg, keys, encode: ([], None))
