@@ -38,9 +38,8 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 # ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check
-# (pyproject.toml [tool.ruff]); then mypy ([tool.mypy]) over common/, learner/controller/,
-# learner/runtime/, rollout_service/, reward_service/ and launch/ (learner/rl and
-# learner/supervised not yet).
+# (pyproject.toml [tool.ruff]); then mypy ([tool.mypy]) over every package: common/, learner/
+# (its entry points included), rollout_service/, reward_service/ and launch/ (not bench/, tests/).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
