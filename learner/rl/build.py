@@ -139,6 +139,12 @@ def critic_save_path(ckpt: CkptSection) -> str:
     return str(ckpt.output_dir).rstrip("/") + "_critic"
 
 
+def trained_save_path(ckpt: CkptSection) -> str:
+    """Where the trained policy goes with --train.enable_ema: next to OUTPUT_DIR, which holds the
+    moving average, as OpenRLHF's does (it writes no trained policy then)."""
+    return str(ckpt.output_dir).rstrip("/") + "_trained"
+
+
 def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.device, optimizer_steps: int) -> Any:
     """The critic's own DeepSpeed engine: same ZeRO stage and batch sizes as the policy."""
     from learner.rl.critic import Critic, load_critic

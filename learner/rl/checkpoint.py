@@ -10,9 +10,12 @@ The parts (``state.json`` keys, directories)::
     schedule            the schedule's state (async: its feed, see below; lockstep: none)
     driver, metrics     rank 0: the prompt stream's fingerprint; where metrics.jsonl stood
     rng/                per rank, with the trainer's mini-batch shuffling generator
+    ema/                --train.enable_ema: the policy's moving average, each rank's shard
+                        (``learner.runtime.ema``), restored bit-exactly
     hf/                 with --save_hf_ckpt, the policy in HF format (never read back); with
-                        --disable_ds_ckpt the only weights: no policy/, critic/ (``weights``
-                        says so, and --load_checkpoint refuses such a checkpoint, naming why)
+                        --disable_ds_ckpt the only weights: no policy/, critic/, ema/ (``weights``
+                        says so, and --load_checkpoint refuses such a checkpoint, naming why).
+                        With --train.enable_ema the average, as OpenRLHF's; hf_trained/ the policy
     weights             whether the DeepSpeed states were saved (``checkpoint_policy.DEEPSPEED_STATES``)
 
 Which checkpoints survive a save: the newest --max_ckpt_num, and the one whose evaluation at
@@ -53,6 +56,7 @@ from learner.runtime.checkpoint_policy import DEEPSPEED_STATES, not_resumable, r
 
 CheckpointError = R.CheckpointError
 CheckpointMismatch = R.CheckpointMismatch
+EMA_PART = "ema"  # the policy's moving average (--train.enable_ema): ema/ds/rank_<r>.pt
 
 # Flags a resume must share with the run that saved: the DeepSpeed shards, the prompt order
 # and the meaning of "step k" depend on them. Anything else (learning rate, logging, timeouts)
@@ -95,6 +99,12 @@ def check_resumable(cfg: PPOConfig, *, n_prompts: int) -> Path | None:
         why = not_resumable(R.read_state(path).get("weights", {}))
         if why:
             raise CheckpointMismatch(f"cannot resume from {path}: {why}")
+        if cfg.train.enable_ema and not (path / EMA_PART).is_dir():
+            # an average started now would not be the run's: refused rather than resumed inexactly
+            raise CheckpointMismatch(
+                f"cannot resume from {path} with --train.enable_ema: it holds no moving average (it was saved "
+                "without it); resume without --train.enable_ema, or point --ckpt_path elsewhere to start afresh"
+            )
     return path
 
 
@@ -135,6 +145,8 @@ def rl_checkpointer(
     ckpt.add_engine("policy", trainer.engine, save=save_ds)
     if trainer.critic is not None:
         ckpt.add_engine("critic", trainer.critic.engine, save=save_ds)
+    if trainer.ema is not None:  # its shards, one file per rank, as an engine writes its own
+        ckpt.add_engine(EMA_PART, trainer.ema, save=save_ds)
     ckpt.add_state("weights", SavedWeights(save_ds))
     ckpt.add_state("kl_ctl", trainer.kl_ctl)
     ckpt.add_state("trainer", trainer)  # its step count (gates --freezing_actor_steps, entropy logging)
@@ -146,5 +158,9 @@ def rl_checkpointer(
     if cfg.ckpt.save_hf:
         from learner.runtime import engine as E
 
-        ckpt.add_export("hf", lambda d: E.save_hf(trainer.engine, tokenizer, d))
+        if trainer.ema is None:
+            ckpt.add_export("hf", lambda d: E.save_hf(trainer.engine, tokenizer, d))
+        else:  # the average where OpenRLHF puts it, the trained policy beside it
+            ckpt.add_export("hf", lambda d: trainer.ema.save_hf(trainer.engine, tokenizer, d))
+            ckpt.add_export("hf_trained", lambda d: E.save_hf(trainer.engine, tokenizer, d))
     return ckpt

@@ -71,6 +71,7 @@ from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
 from learner.rl.experience import collate, score_all_ranks
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
+from learner.runtime.ema import EMA
 from learner.runtime.lora import base_hf_model
 from learner.runtime.models import check_packable
 
@@ -174,6 +175,8 @@ class PolicyTrainer:
             else FixedKLController(cfg.algo.kl.init_coef)
         )
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        # --train.enable_ema: the average of the trained weights, after every policy optimizer step
+        self.ema = EMA(engine, cfg.train.ema_beta) if cfg.train.enable_ema else None
         # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
         self.coalesce = engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name="policy")
         self.packed = cfg.ds.packing_samples
@@ -372,6 +375,8 @@ class PolicyTrainer:
                         policy_step.backward(loss * scale)
                         for k, v in pm.items():
                             metrics[f"policy/{k}"].append(float(v))
+                if policy_step is not None and self.ema is not None:
+                    self.ema.update()  # the window closed: the optimizer has stepped
         if reuse and world > 1:
             old_lp = old_lp.to(self.device)
             dist.all_reduce(old_lp)  # each row was filled on exactly one rank, zeros elsewhere

@@ -8,7 +8,7 @@ Every learner rank runs ``run``, which reads top to bottom:
     build_rank0         rank 0 only: endpoint, pool, rollout client, publisher, controller, driver
     make_schedule       lockstep or async, with colocated turns under --colocate_all_models
     train               resume, first push, the steps, their evaluations and checkpoints
-    save_final          the HF policy (and critic)
+    save_final          the HF policy (and critic; with --train.enable_ema, the policy's average)
 
 Errors a user must act on are ``RunError`` (one line, naming the flag or file); the entry point
 (``learner.train_ppo.main``) turns them into an exit code. Nothing here exits the process.
@@ -31,6 +31,7 @@ from learner.rl.build import (
     make_critic,
     setup_logging,
     train_engine,
+    trained_save_path,
 )
 from learner.rl.checkpoint import CheckpointError, check_resumable, rl_checkpointer
 from learner.rl.config import PPOConfig
@@ -243,11 +244,24 @@ def train(cfg: PPOConfig, schedule: Schedule, ckpt: Checkpointer, total_steps: i
 
 
 def save_final(cfg: PPOConfig, models: Models, tokenizer: Any, proc: Process) -> None:
+    """The policy in HF format to --ckpt.output_dir; with --train.enable_ema its moving average
+    goes there instead (where OpenRLHF writes it) and the trained policy to OUTPUT_DIR_trained."""
     from learner.runtime import engine as E
 
-    E.save_hf(models.engine, tokenizer, cfg.ckpt.output_dir)
+    ema = models.trainer.ema
+    policy_dir = trained_save_path(cfg.ckpt) if ema is not None else cfg.ckpt.output_dir
+    E.save_hf(models.engine, tokenizer, policy_dir)
     if proc.rank0:
-        log.info("saved the policy to %s", cfg.ckpt.output_dir)
+        log.info("saved the policy to %s", policy_dir)
+    if ema is not None:
+        ema.save_hf(models.engine, tokenizer, cfg.ckpt.output_dir)
+        if proc.rank0:
+            log.info(
+                "saved the policy's moving average (beta %g, %d updates) to %s",
+                ema.beta,
+                ema.updates,
+                cfg.ckpt.output_dir,
+            )
     if models.critic is not None and cfg.critic.save_value_network:
         E.save_hf(models.critic.engine, tokenizer, critic_save_path(cfg.ckpt))
         if proc.rank0:

@@ -101,7 +101,8 @@ class Stateful(Protocol):
 
 @runtime_checkable
 class ShardedEngine(Protocol):
-    """An engine that writes its own shards into a directory, on every rank: DeepSpeed's."""
+    """An engine that writes its own shards into a directory, on every rank: DeepSpeed's, or the
+    policy's moving average (``learner.runtime.ema``)."""
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> Any: ...
 

@@ -240,8 +240,17 @@ class TrainSection:
         "async: weights change under in-flight requests",
         inert="rayless's async schedule always keeps in-flight requests across a push (docs/async.md)",
     )
-    enable_ema: bool = flag(False, "keep an EMA of the policy", inert=_NOT_YET)
-    ema_beta: float = flag(0.992, "EMA beta", inert=_NOT_YET)
+    enable_ema: bool = flag(
+        False,
+        "also keep an exponential moving average of the policy's trained weights (LoRA: the adapter), updated "
+        "after every optimizer step (fp32, 1/N per rank in host memory) and kept in checkpoints; the final EMA "
+        "model goes to --ckpt.output_dir, where OpenRLHF writes it, the trained policy to OUTPUT_DIR_trained "
+        "(--save_hf_ckpt: a checkpoint's hf/ and hf_trained/); rollout servers get the trained weights",
+        flat="enable_ema",
+    )
+    ema_beta: float = flag(
+        0.992, "--train.enable_ema's decay: ema = beta * ema + (1 - beta) * weights, in (0, 1)", flat="ema_beta"
+    )
     dynamic_batch_enable: bool = flag(False, "token-budget micro-batches", inert=_NOT_YET)
     max_tokens_per_gpu: int = flag(16192, "token budget of a training micro-batch", inert=_NOT_YET)
     full_determinism_enable: bool = flag(False, "deterministic kernels", inert=_NOT_YET)
@@ -249,6 +258,8 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0 < self.ema_beta < 1:  # 1 never moves, 0 is the trained weights: neither is an average
+            raise ValueError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"--train_batch_size {self.batch_size} must be a multiple of "

@@ -65,6 +65,7 @@ class FakeTrainer:
         self.kl_ctl = AdaptiveKLController(0.1, 6.0, 1000) if cfg.algo.kl.target else FixedKLController(0.1)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.steps_done = 0
+        self.ema = None  # --train.enable_ema: a learner.runtime.ema.EMA
 
     def state_dict(self):  # as PolicyTrainer's
         return {"steps_done": self.steps_done}
@@ -368,3 +369,90 @@ def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
     (root / "step_00000002" / "rng" / "rank_0.pt").unlink()
     with pytest.raises(R.DamagedCheckpoint, match=f"every checkpoint in {root} is damaged.*step_00000004: policy"):
         checkpointer(cfg, FakeTrainer(cfg), tmp_path).resume()
+
+
+# --------------------------------------------------------------------------- --train.enable_ema
+
+
+class Policy(torch.nn.Module):
+    """The policy's trained weights as the moving average reads them (the stand-in engine keeps
+    its own tensor: the engine restores the weights, the average is a part of its own)."""
+
+    def __init__(self, w: tuple[float, float] = (1.0, -2.0)) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(w))
+
+
+def _averaging_trainer(cfg: PPOConfig, policy: Policy) -> FakeTrainer:
+    from learner.runtime.ema import EMA
+
+    trainer = FakeTrainer(cfg)
+    trainer.ema = EMA(policy, cfg.train.ema_beta)
+    return trainer
+
+
+def _train(trainer: FakeTrainer, policy: Policy, weights: list[list[float]]) -> None:
+    for w in weights:  # an optimizer step moved the weights; the average follows
+        with torch.no_grad():
+            policy.w.copy_(torch.tensor(w))
+        trainer.ema.update()
+
+
+STEPS = [[0.1, 1 / 3], [0.7, -0.3], [1 / 7, 2.5], [-0.9, 0.01]]  # steps 1-4: no binary fractions
+
+
+def test_the_policys_moving_average_is_restored_bit_exactly_and_goes_on_as_uninterrupted(tmp_path):
+    cfg = cfg_for(tmp_path, enable_ema=True, ema_beta=0.9, load_checkpoint=True)
+    policy = Policy()
+    trainer = _averaging_trainer(cfg, policy)
+    ck = checkpointer(cfg, trainer, tmp_path)
+    _train(trainer, policy, STEPS[:2])
+    path = ck.save(2)
+    at_save = trainer.ema.shards["w"].clone()
+    _train(trainer, policy, STEPS[2:])  # the uninterrupted run
+    assert (path / "ema" / "ds" / "rank_0.pt").is_file()
+    assert "ema/ds/rank_0.pt" in manifest.read(path)  # damage to it is found like any other file's
+    assert C.check_resumable(cfg, n_prompts=8) == path
+
+    resumed_policy = Policy((5.0, 5.0))  # a new process: the average starts elsewhere, then loads
+    resumed = _averaging_trainer(cfg, resumed_policy)
+    assert checkpointer(cfg, resumed, tmp_path).resume().step == 2
+    assert torch.equal(resumed.ema.shards["w"], at_save) and resumed.ema.updates == 2
+    _train(resumed, resumed_policy, STEPS[2:])
+    assert torch.equal(resumed.ema.shards["w"], trainer.ema.shards["w"]) and resumed.ema.updates == 4
+
+
+def test_averaging_is_refused_on_a_checkpoint_without_an_average_and_may_be_dropped(tmp_path):
+    plain = cfg_for(tmp_path)
+    checkpointer(plain, FakeTrainer(plain), tmp_path).save(2)
+    averaging = cfg_for(tmp_path, enable_ema=True, load_checkpoint=True)
+    with pytest.raises(C.CheckpointMismatch, match=r"step_00000002 with --train.enable_ema: it holds no moving"):
+        C.check_resumable(averaging, n_prompts=8)
+    with pytest.raises(R.CheckpointError, match="ema: the ema engine could not load it.*without --train.enable_ema"):
+        checkpointer(averaging, _averaging_trainer(averaging, Policy()), tmp_path).resume()
+    # the other way round: a run that stops averaging resumes, leaving the average behind
+    checkpointer(averaging, _averaging_trainer(averaging, Policy()), tmp_path).save(4)
+    again = cfg_for(tmp_path, load_checkpoint=True)
+    assert checkpointer(again, FakeTrainer(again), tmp_path).resume().step == 4
+
+
+def test_with_save_hf_ckpt_a_checkpoint_holds_the_average_as_hf_and_the_trained_policy_beside(tmp_path, monkeypatch):
+    """As OpenRLHF's `{tag}_hf`: the average is the checkpoint's HF model; rayless keeps the
+    trained one beside it (hf_trained/). --disable_ds_ckpt leaves the average's shards out too."""
+    from learner.runtime import engine as E
+
+    written = {}
+
+    def save_hf(engine, tok, path, **kw):  # what each directory got: the module's w at the time
+        Path(path).mkdir(parents=True)
+        written[Path(path).name] = policy.w.detach().clone()
+
+    monkeypatch.setattr(E, "save_hf", save_hf)
+    cfg = cfg_for(tmp_path, enable_ema=True, ema_beta=0.5, save_hf_ckpt=True, disable_ds_ckpt=True)
+    policy = Policy()
+    trainer = _averaging_trainer(cfg, policy)
+    _train(trainer, policy, [[3.0, 0.0]])  # average (2, -1)
+    path = checkpointer(cfg, trainer, tmp_path).save(2)
+    assert sorted(p.name for p in path.iterdir()) == ["hf", "hf_trained", "manifest.json", "rng", "state.json"]
+    assert torch.equal(written["hf"], torch.tensor([2.0, -1.0]))
+    assert torch.equal(written["hf_trained"], torch.tensor([3.0, 0.0]))
