@@ -371,8 +371,16 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
             "--temperature",
             str(learner.rollout.temperature),
         ]
-    if learner.reward.normalize_enable and learner.reward.model_name_or_path:  # a reward model's scores only
-        out.append("--normalize_reward")
+    if learner.reward.model_name_or_path:  # a reward model's flags
+        if learner.reward.normalize_enable:
+            out.append("--normalize_reward")
+        if learner.ds.value_head_prefix != "score":
+            # Only a name the user gave: the service's own default (auto: the RM config's name,
+            # then score, then value_head) finds what the learner's default would, and more.
+            out += ["--value_head_prefix", learner.ds.value_head_prefix]
+    if out and learner.train.dynamic_batch_enable:
+        # the reference and reward-model forwards by the learner's no-grad token budget, as OpenRLHF's
+        out += ["--max_tokens_per_gpu", str(learner.rollout.max_tokens_per_gpu)]
     return out
 
 

@@ -152,13 +152,19 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
 
     path = cfg.critic_path
     log.info(
-        "critic: value model from %s (lr %g, value_clip %g, actor frozen for %d step(s))",
+        "critic: value model from %s (lr %g, value_clip %g, actor frozen for the first %d step(s))",
         path,
         cfg.critic.adam.lr,
         cfg.critic.value_clip,
-        cfg.critic.freezing_steps,
+        max(cfg.critic.freezing_steps + 1, 0),  # --freezing_actor_steps N: N + 1 steps (OpenRLHF's count)
     )
-    model = load_critic(path, tokenizer=tokenizer, **model_options(cfg.ds, cfg.actor.gradient_checkpointing_enable))
+    model = load_critic(
+        path,
+        tokenizer=tokenizer,
+        value_head_prefix=cfg.ds.value_head_prefix,
+        normalize=cfg.reward.normalize_enable,
+        **model_options(cfg.ds, cfg.actor.gradient_checkpointing_enable),
+    )
     engine = train_engine(cfg, model, cfg.critic, optimizer_steps)
     return Critic(
         engine,

@@ -4,8 +4,11 @@ The value model is a transformers ``*ForSequenceClassification`` (``num_labels=1
 ``score`` head is applied to EVERY position, not only the last: V_t is read at the hidden
 state that predicts response token t (column P - 1 + t, the same column as the policy's
 logits), i.e. the value of the state before the action, as in OpenRLHF's ``CriticModel``.
-Loading a trained reward model keeps its head (OpenRLHF's default: critic from the RM);
-loading a causal LM gives a fresh head, N(0, 1/(H+1)) (``learner.runtime.models.load_reward_model``).
+Loading a trained reward model keeps its head (OpenRLHF's default: critic from the RM), the
+tensor named by the checkpoint config's ``value_head_prefix``, else by ``--ds.value_head_prefix``
+(default ``score``); a checkpoint without it (a causal LM) gives a fresh head, N(0, 1/(H+1))
+(``learner.runtime.models.load_reward_model``). With ``--normalize_reward`` the values are
+``(V - mean) / std`` by the mean/std in the critic's config (a reward model's), as OpenRLHF's.
 
 The critic is its own DeepSpeed engine on every learner rank, with the policy's ZeRO stage
 and batch sizes. Per rollout step (called by ``learner.rl.policy_trainer``):
@@ -23,6 +26,7 @@ policy-gradient length bias, which a regression target does not have).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -34,20 +38,61 @@ from learner.rl.experience import score_all_ranks
 from learner.runtime.accumulation import OptimizerStep
 from learner.runtime.models import ScalarHeadModel, load_reward_model
 
+log = logging.getLogger(__name__)
+
 
 class ValueModel(ScalarHeadModel):
-    """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position."""
+    """``forward(input_ids, attention_mask, position_ids) -> (B, L)`` values at every position.
+
+    ``mean``/``std`` (``--normalize_reward``): values are ``(head - mean) / std``, in training and
+    scoring alike, as OpenRLHF's critic; 0 and 1 leave them as the head gives them."""
+
+    def __init__(self, hf_model: torch.nn.Module, *, mean: float = 0.0, std: float = 1.0) -> None:
+        super().__init__(hf_model)
+        self.mean, self.std = mean, std
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """``attention_mask`` None with position ids restarting per sample: a packed row."""
-        return self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
+        v = self.head(self.hidden_states(input_ids, attention_mask, position_ids))  # (B, L)
+        return v if (self.mean, self.std) == (0.0, 1.0) else (v - self.mean) / self.std
 
 
-def load_critic(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> ValueModel:
-    """A value model from a reward model (head kept) or a causal LM (fresh head)."""
-    return ValueModel(load_reward_model(path, tokenizer=tokenizer, **load_kwargs).hf_model)
+def saved_statistics(config: Any) -> tuple[float, float] | None:
+    """``(mean, std)`` a reward model's config carries (OpenRLHF's and our RM trainer's keys; a
+    1-element list is read as its element), or None when it has none."""
+    out = []
+    for key in ("mean", "std"):
+        v = getattr(config, key, None)
+        v = v[0] if isinstance(v, (list, tuple)) and len(v) == 1 else v
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return None
+        out.append(float(v))
+    return out[0], out[1]
+
+
+def load_critic(
+    path: str, *, tokenizer: Any = None, value_head_prefix: str = "score", normalize: bool = False, **load_kwargs: Any
+) -> ValueModel:
+    """A value model from a reward model (head kept) or a causal LM (fresh head); the head is
+    the checkpoint's tensor ``learner.runtime.models.head_prefix`` names (``--ds.value_head_prefix``),
+    and it is saved under that name, which its config records.
+
+    ``normalize`` (``--normalize_reward``): values normalised by the mean/std in the critic's
+    own config (a reward model's, written by its trainer), as OpenRLHF does; a config without
+    them leaves the values as they are (OpenRLHF's 0 and 1), said in the log."""
+    hf = load_reward_model(path, tokenizer=tokenizer, value_head_prefix=value_head_prefix, **load_kwargs).hf_model
+    stats = saved_statistics(hf.config) if normalize else None
+    if normalize:
+        if stats is None:
+            log.info("--normalize_reward: %s has no mean/std in its config: the critic's values stay as they are", path)
+        elif not stats[1] > 0:
+            raise ValueError(f"--normalize_reward: {path}/config.json has std={stats[1]}, must be > 0")
+        else:
+            log.info("--normalize_reward: the critic's values are (V - %g) / %g, from %s's config", *stats, path)
+    mean, std = stats if stats is not None else (0.0, 1.0)
+    return ValueModel(hf, mean=mean, std=std)
 
 
 def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:

@@ -17,7 +17,7 @@ Runs on every learner rank with the same ``Rollout`` (see ``learner.rl.experienc
 
 With ``--advantage_estimator gae`` a ``learner.rl.critic.Critic`` adds its old values to step 2
 (GAE advantages and returns) and a value-loss update to every micro-batch of step 3; during
-the first ``--freezing_actor_steps`` steps only the critic is updated.
+the first ``--freezing_actor_steps`` + 1 steps only the critic is updated (OpenRLHF's count).
 
 The difference between the learner's old log-probs and vLLM's sampling log-probs is logged
 as ``rollout/logprob_diff`` over the samples of the weights being trained (lag 0): the health
@@ -193,6 +193,13 @@ class PolicyTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps_done = int(state["steps_done"])
 
+    def actor_updates(self) -> bool:
+        """Whether this step updates the policy: not while the step, counted from 0, is <=
+        ``--freezing_actor_steps`` N (the critic's warm-up), i.e. the first N + 1 steps are the
+        critic's alone; OpenRLHF's count (``global_steps > freezing_steps``, from 0), where its
+        help says N. Negative: every step."""
+        return self.steps_done > self.cfg.critic.freezing_steps
+
     def optimizer_step(self) -> OptimizerStep:
         """The window of one policy optimizer step: ``backward`` each of its micro-batches."""
         return OptimizerStep(self.engine, coalesce=self.coalesce)
@@ -224,7 +231,7 @@ class PolicyTrainer:
                 cfg.reward.overlong_buffer_len,
                 cfg.reward.overlong_penalty_factor,
             )
-        if cfg.reward.stop_properly_penalty_coef >= 0:
+        if cfg.reward.stop_properly_penalty_coef is not None:  # OpenRLHF's: >= 0 scales, < 0 replaces
             truncated = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
             r = stop_properly_penalty(r, truncated, cfg.reward.stop_properly_penalty_coef)
         if cfg.reward.clip_range:
@@ -253,7 +260,7 @@ class PolicyTrainer:
             and not cfg.train.recompute_old_logprobs
             and cfg.train.max_epochs == 1
             and len(rollout) == cfg.train.batch_size
-            and self.steps_done >= cfg.critic.freezing_steps
+            and self.actor_updates()
             and not kl_in_reward
         )
 
@@ -296,7 +303,7 @@ class PolicyTrainer:
             lambd=cfg.algo.advantage.lambd,
             std_norm=not cfg.algo.advantage.no_std_norm,
         )
-        update_actor = self.steps_done >= cfg.critic.freezing_steps
+        update_actor = self.actor_updates()
         # Full-vocabulary entropy: with grad when in the loss, else a no-grad metric on logged steps.
         entropy_in_loss = cfg.actor.entropy_coef != 0
         log_entropy = entropy_in_loss or self.steps_done % cfg.logger.logging_steps == 0

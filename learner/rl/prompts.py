@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str, *, evaluation: bool = False) -> list[PromptItem]:
     """The prompts of ``spec``: --prompt_data's (its split and mixing probabilities), or with
-    ``evaluation`` --eval_dataset's (its split; each item names its data source)."""
+    ``evaluation`` --eval_dataset's (its split; each item names its data source).
+
+    ``--max_samples`` N as OpenRLHF's ``prepare_datasets``: the training prompts are the first N
+    of each source, mixed, and then the first N of the mix; the evaluation prompts are the first
+    N of all sources one after another (so a large first source can leave later ones out)."""
     from common.datasets import load_prompts
 
     rows, skipped = load_prompts(
@@ -34,7 +38,7 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str, *, evaluation: 
         label_key=cfg.data.label_key or None,
         probs=None if evaluation else (cfg.data.prompt_probs or None),
         split=cfg.eval.split if evaluation else cfg.data.prompt_split,
-        max_samples=cfg.data.max_samples,
+        max_samples=None if evaluation else cfg.data.max_samples,
         seed=cfg.train.seed,
         apply_chat_template=cfg.data.apply_chat_template,
         input_template=cfg.data.input_template or None,
@@ -44,6 +48,9 @@ def load_prompt_items(cfg: PPOConfig, tokenizer: Any, spec: str, *, evaluation: 
     )
     if skipped.total:
         log.warning("%s: %s", spec, skipped.report("prompts"))
+    if len(rows) > cfg.data.max_samples:
+        log.info("%s: the first %d of %d prompts (--max_samples)", spec, cfg.data.max_samples, len(rows))
+        rows = rows[: cfg.data.max_samples]
     log.info("%s: %d prompts", spec, len(rows))
     return [PromptItem(tokens=r.input_ids, text=r.prompt, label=r.label, source=r.datasource) for r in rows]
 

@@ -116,7 +116,10 @@ def run(cfg: PPOConfig) -> int:
 
 def init_process(cfg: PPOConfig) -> Process:
     from learner.runtime import engine as E
+    from learner.runtime.determinism import seed_everything
 
+    # First: --full_determinism_enable's cuBLAS workspace is read when CUDA makes its first handle.
+    seed_everything(cfg.train.seed, full_determinism=cfg.train.full_determinism_enable)
     info = E.init_distributed()
     setup_logging(info.rank)
     E.set_host_malloc(cfg.ds.host_malloc)
@@ -130,7 +133,8 @@ def init_process(cfg: PPOConfig) -> Process:
         for notice in cfg.notices:  # what the flags' checks changed, said once logging is up
             log.warning("%s", notice)
         _warn_foreign_flags(cfg)
-    torch.manual_seed(cfg.train.seed)
+        if cfg.train.full_determinism_enable:
+            log.info("--full_determinism_enable: torch runs deterministic kernels only (slower on GPUs)")
     return Process(info.rank, info.world_size, info.device)
 
 

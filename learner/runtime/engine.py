@@ -238,6 +238,7 @@ def load_pretrained(
     transformers' ``HfDeepSpeedConfig``, so no rank ever holds the whole model; the config
     object is kept on the model because transformers only holds it weakly. Weights load in
     bf16 with ``bf16`` (DeepSpeed keeps fp32 master copies in the optimizer), else fp32.
+    With ``output_loading_info=True`` it returns ``(model, info)``, as transformers does.
     """
     if auto_class is None:
         from transformers import AutoModelForCausalLM
@@ -249,14 +250,15 @@ def load_pretrained(
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
     kwargs = dict(dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=attn_implementation(flash_attn))
     kwargs.update(from_pretrained_kwargs)
-    model = auto_class.from_pretrained(path, **kwargs)
+    loaded = auto_class.from_pretrained(path, **kwargs)
+    model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
     model._rayless_hf_ds_config = hf_ds_config  # keep transformers' weak reference alive
     if gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA, ref models) and ZeRO-3 hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # training never reuses a KV cache
-    return model
+    return (model, info) if info is not None else model
 
 
 def load_causal_lm(path: str, **kwargs: Any) -> torch.nn.Module:

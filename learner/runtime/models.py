@@ -66,23 +66,51 @@ class RewardModel(ScalarHeadModel):
         return self.head(last)  # (B,)
 
 
-def load_reward_model(path: str, *, tokenizer: Any = None, **load_kwargs: Any) -> RewardModel:
-    """A reward model from a causal LM (new head) or a saved reward model (head kept).
+def head_prefix(config: Any, value_head_prefix: str = "score") -> str:
+    """The name of a checkpoint's scalar head: the one its config records (``value_head_prefix``,
+    which our RM trainer and OpenRLHF write), else ``--ds.value_head_prefix``; OpenRLHF's rule."""
+    recorded = getattr(config, "value_head_prefix", None)
+    return recorded if isinstance(recorded, str) and recorded else value_head_prefix
 
-    ``load_kwargs`` go to ``learner.runtime.engine.load_pretrained`` (zero_stage, bf16, ...). A new
-    head starts at N(0, 1/(H+1)) as in OpenRLHF, small so first rewards are near 0.
+
+def load_reward_model(
+    path: str, *, tokenizer: Any = None, value_head_prefix: str = "score", **load_kwargs: Any
+) -> RewardModel:
+    """A reward model from a saved reward model (head kept) or a causal LM (new head).
+
+    The head is the checkpoint's ``<prefix>.weight`` (and ``.bias``), ``prefix`` from
+    ``head_prefix`` (``--ds.value_head_prefix``, default ``score``: transformers' sequence
+    classifiers; OpenRLHF's older ``value_head``, or any name). It loads into the classifier's own
+    ``score`` module, renamed on the way in (transformers' ``key_mapping``) and so back to
+    ``prefix`` when saved, which the config records (``value_head_prefix``). A checkpoint without that tensor gets a new head, N(0, 1/(H+1)) as in
+    OpenRLHF, small so first rewards are near 0. ``load_kwargs`` go to
+    ``learner.runtime.engine.load_pretrained`` (zero_stage, bf16, ...).
     """
+    import re
+
     import deepspeed
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     source = AutoConfig.from_pretrained(path)
-    has_head = any(a.endswith("ForSequenceClassification") for a in (source.architectures or []))
+    prefix = head_prefix(source, value_head_prefix)
     pad_id = source.pad_token_id
     if pad_id is None and tokenizer is not None:
         pad_id = tokenizer.pad_token_id
-    hf = load_pretrained(
-        path, auto_class=AutoModelForSequenceClassification, num_labels=1, pad_token_id=pad_id, **load_kwargs
+    renamed: dict[str, Any] = {} if prefix == "score" else {"key_mapping": {rf"^{re.escape(prefix)}\.": "score."}}
+    hf, info = load_pretrained(
+        path,
+        auto_class=AutoModelForSequenceClassification,
+        num_labels=1,
+        pad_token_id=pad_id,
+        output_loading_info=True,
+        **renamed,
+        **load_kwargs,
     )
+    has_head = not any(k.startswith("score.") for k in info.get("missing_keys", ()))
+    # Saved with the model: the name its head is written under (the renaming runs backwards on
+    # save), for a reward service, OpenRLHF or this function to find it by.
+    hf.config.value_head_prefix = prefix
+    log.info("%s: value head %s", path, f"{prefix!r} loaded" if has_head else f"new (no {prefix}.weight in it)")
     model = RewardModel(hf)
     if not has_head:
         head = getattr(hf, model.head_name)

@@ -201,13 +201,7 @@ class TrainerConfig(OptimizerFields):
     def __post_init__(self) -> None:
         self.check_optimizer()
         self.notices = []  # common.config puts the inert flags' lines first
-        if self.ds.value_head_prefix != "score":
-            if self.value_head:
-                # A transformers sequence classifier's head is ``score``: reward_service loads it as is.
-                raise ValueError(
-                    f"--ds.value_head_prefix (--value_head_prefix) {self.ds.value_head_prefix}: the reward model is "
-                    "saved as a transformers sequence classifier, whose head is named score"
-                )
+        if self.ds.value_head_prefix != "score" and not self.value_head:
             self.notices.append(
                 f"--ds.value_head_prefix {self.ds.value_head_prefix}: accepted, but it names a reward model's head "
                 "and this trainer trains none"

@@ -103,7 +103,12 @@ def run(cfg: RMConfig) -> None:
     collate = functools.partial(collate_pairs, pad_id=tok.pad_token_id)
 
     checkpointing = cfg.model.gradient_checkpointing_enable
-    model = load_reward_model(cfg.model.model_name_or_path, tokenizer=tok, **model_options(cfg.ds, checkpointing))
+    model = load_reward_model(
+        cfg.model.model_name_or_path,
+        tokenizer=tok,
+        value_head_prefix=cfg.ds.value_head_prefix,  # the head's name, in the checkpoint and as saved
+        **model_options(cfg.ds, checkpointing),
+    )
     # --ds.lora.rank > 0: the adapters and the score head train
     model = apply_lora(model, cfg.ds.lora, gradient_checkpointing=checkpointing)
     engine, _ = make_train_engine(cfg, model, len(train), info.world_size)
@@ -122,11 +127,8 @@ def run(cfg: RMConfig) -> None:
         engine,
         tok,
         cfg.ckpt.output_dir,
-        config_updates={
-            "mean": trainer.reward_mean,
-            "std": trainer.reward_std,
-            "value_head_prefix": cfg.ds.value_head_prefix,
-        },
+        # the config already records value_head_prefix: the name the head is saved under
+        config_updates={"mean": trainer.reward_mean, "std": trainer.reward_std},
     )
     log.info(
         "saved %s (reward mean %.4g, std %.4g, eval acc %.3f)",

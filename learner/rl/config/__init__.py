@@ -95,9 +95,16 @@ class PPOConfig:
         self._check_colocate()
         self._check_algorithm()
         if self.reward.normalize_enable and not self.reward.model_name_or_path:
-            # OpenRLHF scripts carry it with rule rewards too; it only concerns a reward model.
+            # OpenRLHF scripts carry it with rule rewards too; it concerns a reward model's scores
+            # and a critic's values (by the mean/std saved in their configs), nothing else.
             self.notices.append(
-                "--normalize_reward normalises a reward model's scores; without --reward_pretrain it does nothing"
+                "--normalize_reward normalises a reward model's scores and a critic's values by the mean/std saved "
+                "in their configs, not running statistics; without --reward_pretrain "
+                + (
+                    f"it acts only if the critic's config ({self.critic_path}) carries a reward model's mean/std"
+                    if self.needs_critic
+                    else "and without a critic it does nothing"
+                )
             )
 
     # ------------------------------------------------------------------ rules across sections
@@ -230,7 +237,7 @@ class PPOConfig:
             if self.critic.adam.lr <= 0:
                 raise ValueError(f"--critic_learning_rate must be > 0, got {self.critic.adam.lr}")
             return
-        if self.critic.freezing_steps:
+        if self.critic.freezing_steps >= 0:
             raise ValueError("--freezing_actor_steps warms up a critic: only with --advantage_estimator gae")
         if self.critic.save_value_network:
             raise ValueError(

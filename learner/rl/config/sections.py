@@ -83,13 +83,15 @@ class CriticSection(OptimizerFields):
 
     model_name_or_path: str = flag(
         "",
-        "critic: default --reward.model_name_or_path if set, else the policy's; a causal LM gets a fresh value head",
+        "critic: default --reward.model_name_or_path if set, else the policy's; its value head is the checkpoint's "
+        "tensor named by its config's value_head_prefix, else by --ds.value_head_prefix; without one, a fresh head",
         flat="critic_pretrain",
     )
     value_clip: float = flag(0.5, "critic value clipping around the old values (<= 0: off; gae)", flat="value_clip")
     freezing_steps: int = flag(
-        0,
-        "critic-only warm-up: the policy is not updated for this many rollout steps (gae; -1 or 0: off)",
+        -1,
+        "critic-only warm-up (gae): the policy is not updated while the step, counted from 0, is <= N, i.e. "
+        "for the first N + 1 rollout steps, as OpenRLHF counts (negative: off)",
         flat="freezing_actor_steps",
     )
     save_value_network: bool = flag(
@@ -100,8 +102,6 @@ class CriticSection(OptimizerFields):
 
     def __post_init__(self) -> None:
         self.check_optimizer("critic.")
-        if self.freezing_steps < 0:
-            self.freezing_steps = 0  # OpenRLHF's default -1: off
 
 
 @dataclass
@@ -137,7 +137,9 @@ class RewardSection:
     )
     normalize_enable: bool = flag(
         False,
-        "reward service normalises RM scores with the RM's saved mean/std (launch.local passes it on)",
+        "OpenRLHF's reward normalisation, by the statistics saved with a model, never running ones: the reward "
+        "service serves (r - mean) / std with the reward model's config.json mean/std (launch.local passes it "
+        "on), and the critic (gae) gives (V - mean) / std with its own config's, when it has them",
         flat="normalize_reward",
     )
     clip_range: list[float] = flag([-10.0, 10.0], "clip rewards to [low, high]", flat="reward_clip_range")
@@ -147,8 +149,11 @@ class RewardSection:
     overlong_penalty_factor: float = flag(
         1.0, "DAPO overlong penalty at the max length", flat="overlong_penalty_factor"
     )
-    stop_properly_penalty_coef: float = flag(
-        -1.0, "reward of samples cut at the max length (<0: off)", flat="stop_properly_penalty_coef"
+    stop_properly_penalty_coef: float | None = flag(
+        None,
+        "ProRL stop-properly penalty on samples cut at the length limit (finish_reason length): >= 0 (at most 1) "
+        "scales their reward by it, < 0 replaces their reward with it (e.g. -0.5); unset: off",
+        flat="stop_properly_penalty_coef",
     )
     num_nodes: int = flag(1, "Ray placement", flat="reward_num_nodes", inert=_RAY + "start reward_service processes yourself")
     num_gpus_per_node: int = flag(8, "Ray placement", flat="reward_num_gpus_per_node", inert=_RAY + "start reward_service processes yourself")
@@ -157,6 +162,11 @@ class RewardSection:
     def __post_init__(self) -> None:
         if self.clip_range and (len(self.clip_range) != 2 or self.clip_range[0] >= self.clip_range[1]):
             raise ValueError(f"--reward_clip_range takes two numbers low < high, got {self.clip_range}")
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and coef > 1:
+            raise ValueError(
+                f"--stop_properly_penalty_coef must be in [0, 1] (a scale) or negative (a fixed reward), got {coef}"
+            )
 
 
 @dataclass
@@ -253,13 +263,21 @@ class TrainSection:
     )
     dynamic_batch_enable: bool = flag(False, "token-budget micro-batches", inert=_NOT_YET)
     max_tokens_per_gpu: int = flag(16192, "token budget of a training micro-batch", inert=_NOT_YET)
-    full_determinism_enable: bool = flag(False, "deterministic kernels", inert=_NOT_YET)
+    full_determinism_enable: bool = flag(
+        False,
+        "reproducible training: --seed seeds python, numpy and torch (as always) and torch runs deterministic "
+        "kernels only (torch.use_deterministic_algorithms, cuDNN deterministic, cuBLAS workspace, "
+        "FLASH_ATTENTION_DETERMINISTIC), as OpenRLHF's transformers.enable_full_determinism; slower on GPUs",
+        flat="full_determinism",
+    )
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
         if not 0 < self.ema_beta < 1:  # 1 never moves, 0 is the trained weights: neither is an average
             raise ValueError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")
+        if self.num_episodes < 1:
+            raise ValueError(f"--num_episodes must be >= 1, got {self.num_episodes}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"--train_batch_size {self.batch_size} must be a multiple of "
@@ -472,7 +490,9 @@ class EvalSection:
         flat="eval_dataset",
         aliases=("--eval_data",),
     )
-    split: str = flag("train", "split of --eval_dataset", flat="eval_split")
+    split: str = flag(
+        "train", "split of --eval_dataset (a saved or hub dataset; a data file is its one split)", flat="eval_split"
+    )
     datasource_key: str = flag(
         "datasource",
         "--eval_dataset column naming each row's data source: metrics are reported per source (rows without it: "
@@ -510,15 +530,27 @@ class DataSection:
     prompt_dataset: str = flag(
         "", "prompt dataset: json/jsonl/parquet file, saved dataset dir, or hub name", required=True, flat="prompt_data"
     )
-    prompt_probs: str = flag("", "mixing probabilities for comma-separated --prompt_data", flat="prompt_data_probs")
-    prompt_split: str = flag("train", "dataset split", flat="prompt_split")
+    prompt_probs: str = flag(
+        "",
+        "sampling probabilities of comma-separated --prompt_data, interleaved with --seed until every source is "
+        "used up (datasets.interleave_datasets, as OpenRLHF); empty: the sources one after another",
+        flat="prompt_data_probs",
+    )
+    prompt_split: str = flag(
+        "train", "split of --prompt_data (a saved or hub dataset; a data file is its one split)", flat="prompt_split"
+    )
     input_key: str = flag("input", "dataset column holding the prompt", flat="input_key")
     label_key: str = flag("", "dataset column holding the label passed to reward functions", flat="label_key")
     input_template: str = flag("", "template with one {} for the prompt, e.g. 'Q: {}\\nA:'", flat="input_template")
     apply_chat_template: bool = flag(
         False, "wrap each prompt with the tokenizer's chat template", flat="apply_chat_template"
     )
-    max_samples: int = flag(10**9, "use at most this many prompts", flat="max_samples")
+    max_samples: int = flag(
+        10**8,
+        "at most this many prompts: the first N of each --prompt_data source, then of their mix; and of "
+        "--eval_dataset's (as OpenRLHF)",
+        flat="max_samples",
+    )
     skip_bad_rows: bool = flag(
         False,
         "skip rows with a missing key or an over-long prompt (counted) instead of failing with the file, row and key",
@@ -539,6 +571,8 @@ class DataSection:
     def __post_init__(self) -> None:
         if self.max_len < 0:
             raise ValueError(f"--max_len must be >= 0 (0: --prompt_max_len + --generate_max_len), got {self.max_len}")
+        if self.max_samples < 1:
+            raise ValueError(f"--max_samples must be >= 1, got {self.max_samples}")
 
 
 @dataclass

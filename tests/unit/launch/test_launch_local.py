@@ -161,6 +161,12 @@ def test_learner_reward_flags_reach_the_reward_services(tmp_path):
     cmd = {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
     assert cmd[cmd.index("--reward_pretrain") + 1] == "/rm" and "--normalize_reward" in cmd
     assert "--ref_pretrain" not in cmd and "--temperature" not in cmd
+    # --ds.value_head_prefix names the RM's head to the reward service too; its default (score)
+    # leaves the service its own (auto: the RM config's name, score, value_head).
+    assert "--value_head_prefix" not in cmd
+    cmd = _reward_cmd(tmp_path, f"{DATA} --reward_pretrain /rm --ds.value_head_prefix value_head")
+    assert cmd[cmd.index("--value_head_prefix") + 1] == "value_head"
+    assert "--value_head_prefix" not in _reward_cmd(tmp_path, f"{DATA} --value_head_prefix value_head")  # no RM
 
 
 def _reward_cmd(tmp_path, learner_args: str) -> list[str]:

@@ -130,7 +130,7 @@ def test_ppo_step_with_critic_freezes_the_actor_then_trains_both(tiny_model_dir)
     from learner.rl.policy_trainer import PolicyTrainer
 
     torch.manual_seed(0)
-    cfg = _cfg(tiny_model_dir, freezing_actor_steps=1, value_clip=0.5)
+    cfg = _cfg(tiny_model_dir, freezing_actor_steps=0, value_clip=0.5)  # step 0 is the critic's (OpenRLHF's count)
     # train batch 4, micro-batches of 2 on one rank: DeepSpeed would accumulate 2
     policy = FakeEngine(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), lr=1e-3, accum=2)
     critic_engine = FakeEngine(load_critic(str(tiny_model_dir)), lr=1e-2, accum=2)
@@ -175,3 +175,84 @@ def test_trainer_refuses_a_missing_or_stray_critic(tiny_model_dir):
             device=torch.device("cpu"),
             critic=object(),
         )
+
+
+# --- the value head's name (--ds.value_head_prefix) and --normalize_reward -----------------------
+
+
+def _rm_with_head(rm_dir, out, name: str, **config):
+    """``rm_dir``'s reward model with its head saved as ``name``.weight and ``config`` added."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    sd = load_file(rm_dir / "model.safetensors")
+    head = sd.pop("score.weight")
+    sd[f"{name}.weight"] = head
+    save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((rm_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, **config}))
+    return out, head
+
+
+def _raw_values(model, ids):
+    return model(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None])  # (1, L)
+
+
+def test_the_value_head_is_the_tensor_value_head_prefix_names(tiny_model_dir, tmp_path):
+    from helpers.reward_models import build_tiny_rm
+
+    rm = build_tiny_rm(tiny_model_dir, tmp_path / "rm")
+    named, head = _rm_with_head(rm, tmp_path / "named", "my_head", architectures=["RewardModel"])
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = _raw_values(load_critic(str(rm)), ids)  # the same head under transformers' name
+        got = load_critic(str(named), value_head_prefix="my_head")
+        assert torch.equal(got.hf_model.score.weight, head)
+        torch.testing.assert_close(_raw_values(got, ids), want, rtol=0, atol=1e-6)
+        # By its default (score) the checkpoint has no head: a fresh, small one.
+        fresh = load_critic(str(named))
+        assert not torch.equal(fresh.hf_model.score.weight, head) and _raw_values(fresh, ids).abs().max() < 5
+    # A name the config records wins over the flag (OpenRLHF's rule; our RM trainer writes it).
+    recorded, _ = _rm_with_head(rm, tmp_path / "recorded", "value_head", value_head_prefix="value_head")
+    assert torch.equal(load_critic(str(recorded)).hf_model.score.weight, head)
+
+
+def test_a_saved_critic_keeps_its_heads_name_and_says_it(tiny_model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from helpers.reward_models import build_tiny_rm
+    from learner.runtime.engine import save_hf
+
+    named, head = _rm_with_head(build_tiny_rm(tiny_model_dir, tmp_path / "rm"), tmp_path / "n", "my_head")
+    save_hf(load_critic(str(named), value_head_prefix="my_head"), None, tmp_path / "saved")  # as --save_value_network
+    sd = load_file(tmp_path / "saved" / "model.safetensors")
+    assert torch.equal(sd["my_head.weight"], head) and "score.weight" not in sd
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["value_head_prefix"] == "my_head"
+    # ... so that it loads back by the config alone, whatever the flag says.
+    assert torch.equal(load_critic(str(tmp_path / "saved")).hf_model.score.weight, head)
+
+
+def test_normalize_reward_normalises_the_critics_values_by_its_configs_statistics(tiny_model_dir, tmp_path):
+    """OpenRLHF's critic with --normalize_reward: V = (head - mean) / std, mean/std from the
+    critic's config (a reward model's); without them, the head's values as they are."""
+    from helpers.reward_models import build_tiny_rm
+
+    rm = build_tiny_rm(tiny_model_dir, tmp_path / "rm")
+    with_stats, _ = _rm_with_head(rm, tmp_path / "stats", "score", mean=0.5, std=[2.0])
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        raw = _raw_values(load_critic(str(with_stats)), ids)
+        normed = _raw_values(load_critic(str(with_stats), normalize=True), ids)
+        torch.testing.assert_close(normed, (raw - 0.5) / 2.0, rtol=0, atol=1e-6)
+        plain = load_critic(str(rm), normalize=True)  # an HF classifier's config has no mean/std
+        assert (plain.mean, plain.std) == (0.0, 1.0)
+        torch.testing.assert_close(_raw_values(plain, ids), raw, rtol=0, atol=0)
+    bad, _ = _rm_with_head(rm, tmp_path / "bad", "score", mean=0.5, std=0.0)
+    import pytest
+
+    with pytest.raises(ValueError, match="std=0.0, must be > 0"):
+        load_critic(str(bad), normalize=True)

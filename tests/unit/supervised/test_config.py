@@ -107,7 +107,6 @@ def test_the_required_flags_are_named_in_both_spellings():
         (SFTConfig, {"multiturn": True}, r"--data.multiturn \(--multiturn\) learns whole chats"),
         (SFTConfig, {"multiturn": True, "apply_chat_template": True, "output_key": "a"}, "give no --data.output_key"),
         (RMConfig, {"loss": "hinge"}, None),  # not a choice
-        (RMConfig, {"value_head_prefix": "value_head"}, "whose head is named score"),
         (DPOConfig, {"beta": 0.0}, r"--model.beta \(--beta\) must be > 0"),
         (DPOConfig, {"label_smoothing": 0.5}, r"--model.label_smoothing \(--label_smoothing\) must be in"),
         (SFTConfig, {"optim": "muon"}, "Muon is not built"),
@@ -140,6 +139,8 @@ def test_flags_that_cannot_act_here_are_said_once_at_start_up():
     assert sft.ds.packing_samples and sft.notices == [
         "--ds.value_head_prefix v: accepted, but it names a reward model's head and this trainer trains none"
     ]
+    # The RM's head is named by it: loaded and saved under that name (learner.runtime.models), no notice.
+    assert not build(RMConfig, pretrain="m", dataset="d", value_head_prefix="value_head").notices
     # RM computes its loss in fp32 always: asking for it is said, not refused.
     (fp32,) = build(RMConfig, pretrain="m", dataset="d", compute_fp32_loss=True).notices
     assert fp32.startswith("--model.compute_fp32_loss_enable True: accepted, but rayless always computes")
