@@ -7,6 +7,10 @@ model's parameters under those names, each with the LoRA layer that adapts it (o
 the trained tensors are never modified (no merge/unmerge cycle, so no bf16 round-off piles up
 in the base weights from one push to the next). The push (``common.weights.source``) and the
 learner's saves (``learner.runtime.lora.merged_state_dict``) both build on these two.
+
+A QLoRA base weight (``--ds.load_in_4bit``: bitsandbytes' packed 4-bit ``Params4bit``) is read
+through ``dense``, dequantized to the dtype it computes in (``plain_dtype``, ``plain_shape``):
+the plain model is the one the learner trains, quantization error included.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ def plain_parameters(peft_model: Any, *, state_dict: bool = False) -> list[tuple
         if isinstance(module, LoraLayer) and adapter in module.active_adapters
     }
     out = []
-    named = base.state_dict(keep_vars=True).items() if state_dict else base.named_parameters(remove_duplicate=False)
+    if state_dict:
+        # Parameters and persistent buffers only: bitsandbytes adds each 4-bit weight's
+        # quantization state (absmax, quant_map ...) as entries of its own.
+        real = {n for n, _ in base.named_parameters(remove_duplicate=False)}
+        real |= {n for n, _ in base.named_buffers(remove_duplicate=False)}
+        named = [(n, t) for n, t in base.state_dict(keep_vars=True).items() if n in real]
+    else:
+        named = list(base.named_parameters(remove_duplicate=False))
     for name, p in named:
         if ".lora_" in name or ".original_module." in name:
             continue
@@ -72,4 +83,30 @@ def merged_weight(weight: torch.Tensor, layer: Any, adapter: str) -> torch.Tenso
                 delta = delta.T
         else:  # embedding or convolution LoRA: peft's own delta (its math, in its dtype)
             delta = layer.get_delta_weight(adapter).float()
-        return weight.detach().float() + delta.to(weight.device)
+        return dense(weight).float() + delta.to(weight.device)
+
+
+def dense(p: torch.Tensor) -> torch.Tensor:
+    """``p`` detached, or a 4-bit weight (bitsandbytes' ``Params4bit``, QLoRA's frozen base)
+    dequantized: the matrix its layer multiplies by, in ``plain_dtype(p)``."""
+    state = getattr(p, "quant_state", None)
+    if state is None:
+        return p.detach()
+    import bitsandbytes.functional as bnb
+
+    return bnb.dequantize_4bit(p.data, state)
+
+
+def plain_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of ``dense(p)``: a 4-bit weight's is the one it was quantized from, not its packed storage."""
+    state = getattr(p, "quant_state", None)
+    return p.dtype if state is None else state.dtype
+
+
+def plain_shape(p: Any, *, zero3: bool = False) -> tuple[int, ...]:
+    """The shape of ``dense(p)``, read without a gather: a 4-bit weight's unpacked shape, a ZeRO-3
+    partitioned parameter's whole one (``ds_shape``)."""
+    state = getattr(p, "quant_state", None)
+    if state is not None:
+        return tuple(state.shape)
+    return tuple(p.ds_shape if zero3 else p.shape)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from common.weights.lora import is_peft, merged_weight, plain_parameters
+from common.weights.lora import dense, is_peft, merged_weight, plain_dtype, plain_parameters, plain_shape
 from common.weights.wire import ParamMeta
 
 
@@ -40,9 +40,7 @@ class _Listed:
     zero3: bool
 
     def metadata(self) -> list[ParamMeta]:
-        return [
-            ParamMeta(n, self.dtype or p.dtype, tuple(p.ds_shape if self.zero3 else p.shape)) for n, p in self._params
-        ]
+        return [ParamMeta(n, self.dtype or plain_dtype(p), plain_shape(p, zero3=self.zero3)) for n, p in self._params]
 
     def nbytes(self) -> int:
         return sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in self.metadata())
@@ -108,8 +106,8 @@ class ModelWeights(_Listed):
         if not self.zero3:
             for name, p in self._params:
                 layer = self._merge.get(name)
-                t = p.detach() if layer is None else merged_weight(p, layer, self._adapter)
-                yield name, t.to(self.dtype or p.dtype)
+                t = dense(p) if layer is None else merged_weight(p, layer, self._adapter)
+                yield name, t.to(self.dtype or plain_dtype(p))
             return
         import deepspeed
 
@@ -126,8 +124,8 @@ class ModelWeights(_Listed):
                         continue
                     layer = self._merge.get(name)
                     # Copy out while gathered: the bucket is packed after the context exits.
-                    t = p.data if layer is None else merged_weight(p, layer, self._adapter)
-                    yield name, t.to(self.dtype or p.dtype, copy=layer is None)  # a merge is a new tensor
+                    t = dense(p) if layer is None else merged_weight(p, layer, self._adapter)
+                    yield name, t.to(self.dtype or plain_dtype(p), copy=layer is None)  # a merge is a new tensor
 
 
 def _layer_runs(params: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:

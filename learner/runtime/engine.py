@@ -41,7 +41,7 @@ from deepspeed.accelerator import get_accelerator
 
 from common.host_memory import keep_freed_memory
 from common.net import bind_address, free_port, tcp_store_server
-from learner.runtime import lora
+from learner.runtime import gpu_features, lora
 from learner.runtime.deepspeed_config import effective_zero_stage, frozen_ds_config, load_ds_config, train_ds_config
 
 __all__ = [
@@ -230,6 +230,8 @@ def load_pretrained(
     gradient_checkpointing: bool = False,
     flash_attn: bool = False,
     offload: bool = False,
+    use_liger_kernel: bool = False,
+    load_in_4bit: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> torch.nn.Module:
     """``auto_class.from_pretrained(path)`` the way DeepSpeed needs it (default: causal LM).
@@ -239,6 +241,8 @@ def load_pretrained(
     object is kept on the model because transformers only holds it weakly. Weights load in
     bf16 with ``bf16`` (DeepSpeed keeps fp32 master copies in the optimizer), else fp32.
     With ``output_loading_info=True`` it returns ``(model, info)``, as transformers does.
+    ``use_liger_kernel`` / ``load_in_4bit``: Liger's kernels, the QLoRA 4-bit base, on CUDA;
+    elsewhere said once and not done (``learner.runtime.gpu_features``).
     """
     if auto_class is None:
         from transformers import AutoModelForCausalLM
@@ -248,10 +252,18 @@ def load_pretrained(
 
     ds_config = load_ds_config(zero_stage=zero_stage, bf16=bf16, offload=offload)
     hf_ds_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
+    gpu = gpu_features.gpu_plan(
+        device(), use_liger_kernel=use_liger_kernel, load_in_4bit=load_in_4bit, bf16=bf16, zero_stage=zero_stage
+    )
+    if is_rank0():
+        gpu_features.announce(gpu)
     kwargs = dict(dtype=torch.bfloat16 if bf16 else torch.float32, attn_implementation=attn_implementation(flash_attn))
+    kwargs.update(gpu_features.from_pretrained_kwargs(gpu))
     kwargs.update(from_pretrained_kwargs)
     loaded = auto_class.from_pretrained(path, **kwargs)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
+    if gpu.liger:
+        gpu_features.apply_liger(model)
     model._rayless_hf_ds_config = hf_ds_config  # keep transformers' weak reference alive
     if gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (LoRA, ref models) and ZeRO-3 hooks.
@@ -371,6 +383,7 @@ def make_engine(
     lr_warmup_ratio: float = 0.03,
     min_lr_ratio: float = 0.1,
     overlap_comm: bool = False,
+    deepcompile: bool = False,
     ds_extra: dict[str, Any] | None = None,
 ):
     """A trainable DeepSpeed engine around ``model`` (from ``load_pretrained``).
@@ -379,7 +392,12 @@ def make_engine(
     accumulation is derived and DeepSpeed's ``engine.step()`` only steps the optimizer and
     the LR schedule at accumulation boundaries, so call ``backward``/``step`` every
     micro-batch. ``num_training_steps`` counts optimizer steps (for the LR schedule).
+    ``deepcompile``: DeepSpeed's DeepCompile on CUDA, said once and not done elsewhere
+    (``learner.runtime.gpu_features``).
     """
+    gpu = gpu_features.gpu_plan(device(), deepcompile=deepcompile)
+    if is_rank0():
+        gpu_features.announce(gpu)
     world = dist.get_world_size() if dist.is_initialized() else 1
     stage = effective_zero_stage(zero_stage, world_size=world, bf16=bf16, adam_offload=adam_offload)
     if stage != zero_stage and is_rank0():
@@ -398,7 +416,7 @@ def make_engine(
         adam_offload=adam_offload,
         overlap_comm=overlap_comm,
         contiguous_gradients=get_accelerator().device_name() != "cpu",  # why: deepspeed_config._zero_section
-        extra=ds_extra,
+        extra={**gpu.ds_config, **(ds_extra or {})},
     )
     optimizer = make_optimizer(
         model,
@@ -419,6 +437,9 @@ def make_engine(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, dist_init_required=False
     )
     skip_lone_allreduce(engine)
+    if gpu.compile:
+        # As OpenRLHF: the config turns DeepCompile on, compile() builds it; until then DeepSpeed runs eagerly.
+        engine.compile()
     return engine
 
 

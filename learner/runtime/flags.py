@@ -22,8 +22,6 @@ from common.config import flag, section
 from common.host_memory import host_malloc_flag
 from learner.runtime.accumulation import coalesce_flag
 
-_GPU_ONLY = "a GPU feature that is not built into rayless yet (issue 38)"
-
 
 @dataclass
 class AdamSection:
@@ -185,9 +183,16 @@ class DSSection:
         "DeepSpeed universal checkpoint",
         inert="rayless checkpoints reshard on load already (docs/checkpoints.md)",
     )
-    deepcompile: bool = flag(False, "DeepSpeed DeepCompile", inert=_GPU_ONLY)
-    use_liger_kernel: bool = flag(False, "Liger kernels", inert=_GPU_ONLY)
-    load_in_4bit: bool = flag(False, "QLoRA: the base model in 4 bits (bitsandbytes)", inert=_GPU_ONLY)
+    # GPU-only (learner.runtime.gpu_features): on a host without CUDA each given is said once and does nothing.
+    deepcompile: bool = flag(False, "GPU-only: DeepSpeed's DeepCompile on the trained engines", flat="deepcompile")
+    use_liger_kernel: bool = flag(
+        False, "GPU-only: Liger's Triton kernels (RMSNorm, RoPE, SwiGLU); needs the gpu extra", flat="use_liger_kernel"
+    )
+    load_in_4bit: bool = flag(
+        False,
+        "GPU-only: QLoRA, the frozen base model in 4-bit NF4 (bitsandbytes, the gpu extra); needs --ds.lora.rank",
+        flat="load_in_4bit",
+    )
     experts_implementation: str = flag("", "MoE expert kernel", inert="MoE kernels are not built in rayless")
     tensor_parallel_size: int = flag(
         1, "DeepSpeed AutoTP size", inert="training tensor parallelism is not built in rayless (ZeRO-3 shards instead)"
@@ -203,6 +208,12 @@ class DSSection:
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
             raise ValueError(
                 f"--ds.attn_implementation {self.attn_implementation}: one of sdpa, eager, flash_attention_2"
+            )
+        if self.load_in_4bit and self.lora.rank == 0:
+            # A 4-bit weight has no gradient to train: QLoRA trains LoRA adapters on the frozen 4-bit base.
+            raise ValueError(
+                "--ds.load_in_4bit (--load_in_4bit) is QLoRA: the 4-bit base model stays frozen and LoRA adapters "
+                "train on it; give --ds.lora.rank (--lora_rank) > 0"
             )
 
     @property
@@ -221,6 +232,8 @@ def model_options(ds: DSSection, gradient_checkpointing: bool) -> dict[str, Any]
         "bf16": ds.bf16,
         "gradient_checkpointing": gradient_checkpointing,
         "flash_attn": ds.flash_attn,
+        "use_liger_kernel": ds.use_liger_kernel,
+        "load_in_4bit": ds.load_in_4bit,
     }
 
 
@@ -232,5 +245,6 @@ def engine_options(ds: DSSection, optim: OptimizerFields) -> dict[str, Any]:
         "bf16": ds.bf16,
         "adam_offload": ds.adam_offload,
         "overlap_comm": ds.overlap_comm,
+        "deepcompile": ds.deepcompile,
         **optim.optimizer_options(),
     }

@@ -10,7 +10,8 @@ the optimizer state is the adapter's.
 ``save_hf`` (``learner.runtime.engine``) writes a LoRA model as a plain HF model, the adapter
 merged out of place (``merged_state_dict``: the trained weights are not touched, so a save
 in the middle of a run changes nothing), and the adapter alone in ``<path>/adapter/`` with
-peft's ``save_pretrained``.
+peft's ``save_pretrained``. A QLoRA base (``--ds.load_in_4bit``) is saved the same way, each base
+weight dequantized (``common.weights.lora.dense``): the plain model holds no 4-bit weights.
 
 Under ZeRO-3 the base model is built partitioned (``zero.Init``) and peft's adapters are
 partitioned by DeepSpeed at the engine's start like any other parameter; a save gathers each
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from common.weights.lora import is_peft, merged_weight, plain_parameters
+from common.weights.lora import dense, is_peft, merged_weight, plain_dtype, plain_parameters
 
 log = logging.getLogger("rayless.lora")
 
@@ -131,7 +132,7 @@ def merged_state_dict(peft_model: Any, *, keep: bool = True) -> dict[str, torch.
             continue
         with _gathered([p, *(layer.parameters() if layer is not None else ())]):
             if keep:
-                t = merged_weight(p, layer, adapter).to(p.dtype) if layer is not None else p.detach()
+                t = merged_weight(p, layer, adapter).to(plain_dtype(p)) if layer is not None else dense(p)
                 copies[key] = t.to("cpu", copy=layer is None)
                 out[name] = copies[key]
             else:
@@ -172,7 +173,23 @@ def save_lora_hf(
     base = peft_model.get_base_model()
     for key, value in (config_updates or {}).items():
         setattr(base.config, key, value)
-    base.save_pretrained(path, state_dict=merged, safe_serialization=True)
+    saver = base if getattr(base.config, "quantization_config", None) is None else _dense_twin(base)
+    saver.save_pretrained(path, state_dict=merged, safe_serialization=True)
     peft_model.save_pretrained(path / ADAPTER_DIR, state_dict=trained, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+def _dense_twin(model: Any) -> Any:
+    """An empty (meta-device) model of ``model``'s class and config, less its quantization: what
+    saves a QLoRA base (``--ds.load_in_4bit``) merged and dense (``common.weights.lora.dense``).
+    transformers saves a quantized model's own packed state whatever state dict it is handed, and
+    a config naming the 4-bit quantization would have ``from_pretrained`` read dense weights as packed."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    with torch.device("meta"):
+        twin = type(model)(config)
+    twin.generation_config = model.generation_config
+    return twin
