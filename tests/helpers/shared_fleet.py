@@ -13,7 +13,8 @@ A test may kill one of the fleet's rollout servers (``kill``: the fault tests, m
 ``breaks_fleet`` so that they run after every other user of the fleet); the next test that
 asks for the fleet finds it dead and starts it again. What a fleet of its own is still for: a
 test that checks every process of a run (listening sockets, CURVE keys, the Shutdown at the
-end), counts joiners, or needs other service flags. docs/testing.md has the list.
+end), counts joiners, or needs other service flags. docs/testing.md has the list. (Other reward
+flags alone need no fleet: ``use_reward`` swaps the reward service, a few seconds, no engine.)
 
 The fleet's services run the tests' defaults: ``TINY_ROLLOUT_ARGS`` with the e2e agent file
 (``AGENT_EXAMPLE``) and LoRA serving (``--enable_lora``), and the first-char-parity reward function, on the session's tiny model. A service found dead when a run asks for the
@@ -117,6 +118,25 @@ class SharedFleet:
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())
+
+    def use_reward(self, args: str) -> None:
+        """Runs the reward service with ``args`` from now on (restarted if it runs other flags):
+        for runs whose reward sources are not the fleet's (a reference model for KL, a reward
+        model), which keep the rollout servers and swap only this cheap process
+        (tests/e2e/test_openrlhf_examples.py). They put ``PARITY_REWARD`` back when done;
+        ``local_cmd`` refuses a run that expects flags other than those it runs."""
+        proc = self.procs.get("reward-0")
+        if args == self.reward_args and proc is not None and proc.poll() is None:
+            return
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=20)
+        self.reward_args = args
+        self._start("reward-0")
 
     def stop(self) -> None:
         for proc in self.procs.values():
