@@ -29,19 +29,20 @@ from common.weights import resolve_backend
 from common.weights.publisher import PushReport, WeightPublisher
 from learner.controller.weight_fleet import FleetWeights
 from learner.rl.config import PPOConfig
+from learner.rl.config.sections import ServicesSection
 
 log = logging.getLogger(__name__)
 
 
-def _sync_host(cfg: PPOConfig) -> str:
+def _sync_host(services: ServicesSection) -> str:
     """Where the rollout servers' workers reach this rank for weight sync: ``--sync_host``, else
     the address the controller is bound to when it is one (the servers reach the controller
     there already), else this host's name. The weight-transfer stores listen on that address
     only when it is an IP address (``common.net.bind_address``); a host name, or a controller
     bound to every interface (0.0.0.0, *), leaves them on every interface (docs/security.md)."""
-    if cfg.services.sync_host:
-        return cfg.services.sync_host
-    bind = cfg.services.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if services.sync_host:
+        return services.sync_host
+    bind = services.controller_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     address = bind_address(bind)
     if address:
         return address
@@ -62,7 +63,7 @@ def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = Non
         control=control,
         rank=rank,
         backend=resolve_backend(cfg.vllm.sync_backend),
-        host=_sync_host(cfg),
+        host=_sync_host(cfg.services),
         timeout_s=cfg.services.weight_sync_timeout_s,
         lora_sync=cfg.services.lora_sync if cfg.ds.lora.rank else "merged",
     )

@@ -343,11 +343,11 @@ def test_a_weight_groups_store_listens_only_where_the_servers_are_told_to_connec
 )
 def test_sync_host_follows_the_controllers_address(bind, sync_host, expected):
     import socket
-    from types import SimpleNamespace
 
+    from learner.rl.config.sections import ServicesSection
     from learner.rl.weight_push import _sync_host
 
-    got = _sync_host(SimpleNamespace(controller_bind=bind, sync_host=sync_host))
+    got = _sync_host(ServicesSection(controller_bind=bind, sync_host=sync_host))
     assert got == (socket.gethostname() if expected is None else expected)
 
 
