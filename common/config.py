@@ -372,6 +372,13 @@ def parse(
         parser.error(str(e))
 
 
+def given(cls: type, argv: Sequence[str]) -> set[str]:
+    """The dotted paths of the flags ``argv`` sets, in whichever spelling (a launcher that adds
+    defaults of its own leaves out those the user gave). Raises ConfigError for a bad argv."""
+    ns = vars(build_parser(cls, raise_errors=True).parse_args(argv))
+    return set(ns.get(_Seen.KEY, {}))
+
+
 def build(cls: type[T], **values: Any) -> T:
     """``cls`` from Python values keyed by flag name, flat or dotted (``build(PPOConfig,
     pretrain="m", **{"algo.kl.init_coef": 0.0})``). An unknown name is a ValueError naming it."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config import ConfigError, flag, parse
+from common.config import ConfigError, flag, given, parse
 from common.service import describe_exit
 from common.transport import free_port
 from common.vllm_spin import IDLE_SPIN_ENV
@@ -216,21 +216,24 @@ def build_roles(cfg: LocalConfig) -> list[Role]:
                 kind="reward",
             )
         )
+    # Where the run's files go, unless the learner's args say otherwise (in either spelling: the
+    # learner refuses one flag given twice with two values, and OpenRLHF's scripts carry their own).
+    theirs = given(type(learner), shlex.split(cfg.learner_args))
+    outputs = {
+        "ckpt.output_dir": ["--save_path", str(run / "model")],
+        "logger.metrics_file": ["--metrics_file", str(run / "metrics.jsonl")],
+        "logger.tensorboard_dir": ["--use_tensorboard", str(run / "tensorboard")],
+    }
     learner_flags = [
         "--pretrain",
         cfg.pretrain,
-        "--save_path",
-        str(run / "model"),
+        *[arg for path, flag in outputs.items() if path not in theirs for arg in flag],
         "--controller_bind",
         controller,
         "--min_rollout_servers",
         str(cfg.rollout_servers),
         "--min_reward_services",
         str(n_reward),
-        "--metrics_file",
-        str(run / "metrics.jsonl"),
-        "--use_tensorboard",
-        str(run / "tensorboard"),
         *auth,
         *(["--keep_services"] if cfg.external_services else []),
         *shlex.split(cfg.learner_args),
@@ -426,10 +429,11 @@ def _cpu_vllm() -> bool:
 
 
 class Supervisor:
-    def __init__(self, roles: list[Role], cfg: LocalConfig) -> None:
+    def __init__(self, roles: list[Role], cfg: LocalConfig, metrics: Path | None = None) -> None:
         self.roles = roles
         self.cfg = cfg
-        self.metrics = Path(cfg.run_dir) / "metrics.jsonl"
+        # the learner's metrics file (progress lines): the run folder's unless its args name another
+        self.metrics = metrics or Path(cfg.run_dir) / "metrics.jsonl"
         self._metrics_pos = 0
         self._shown = -1
         self.last: dict = {}
@@ -677,7 +681,8 @@ def run(cfg: LocalConfig) -> int:
         from common.auth import keygen
 
         keygen(keys)
-    sup = Supervisor(roles, cfg)
+    metrics = learner_config(cfg).logger.metrics_file
+    sup = Supervisor(roles, cfg, Path(metrics) if metrics else None)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "local_config.json").write_text(json.dumps(public_config(cfg), indent=1))
     sup.start()

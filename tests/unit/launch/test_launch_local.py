@@ -115,6 +115,30 @@ def test_external_services_start_only_a_learner_that_waits_for_them_and_keeps_th
         LocalConfig(run_dir=str(tmp_path), pretrain="/m", external_services=True)
 
 
+def test_the_learners_own_output_flags_win_over_the_launchers_in_either_spelling(tmp_path):
+    """OpenRLHF's scripts name their own output folder and TensorBoard folder: the launcher leaves
+    its defaults out then (the learner refuses one flag given twice with two values)."""
+    from common.config import parse
+    from learner.rl.config import PPOConfig
+
+    args = f"{DATA} --ckpt.output_dir /out --use_tensorboard /tb --logger.metrics_file /m.jsonl"
+    (learner,) = [
+        r
+        for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=args))
+        if r.kind == "learner"
+    ]
+    cmd = learner.cmd
+    assert "--save_path" not in cmd and cmd.count("--use_tensorboard") == 1 and "--metrics_file" not in cmd
+    cfg = parse(PPOConfig, cmd[cmd.index("learner.train_ppo") + 1 :])
+    assert (cfg.ckpt.output_dir, cfg.logger.tensorboard_dir, cfg.logger.metrics_file) == ("/out", "/tb", "/m.jsonl")
+    (plain,) = [
+        r
+        for r in build_roles(LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=DATA))
+        if r.kind == "learner"
+    ]
+    assert plain.cmd[plain.cmd.index("--save_path") + 1] == str(tmp_path / "model")
+
+
 def test_several_learner_ranks_rendezvous_without_torchruns_tcp_stores(tmp_path):
     """torchrun's --standalone stores listen on every interface: the ranks rendezvous through a
     file instead and rank 0 hosts their store on 127.0.0.1 (docs/security.md; the listening
