@@ -86,6 +86,7 @@ bench: setup
 	$(PY) bench/agent.py
 	$(PY) bench/lora_serving.py
 	$(PY) bench/lora_push.py
+	$(PY) bench/dynamic_batch.py --packing
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/

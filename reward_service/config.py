@@ -148,6 +148,14 @@ class RewardConfig:
     micro_batch_size: int = flag(
         8, "sequences per forward pass of the reference / reward model (length-sorted, padded)", group="models"
     )
+    max_tokens_per_gpu: int = flag(
+        0,
+        "token budget of a forward pass of the reference / reward model (--ref_backend hf): longest first, as many "
+        "sequences as fit this many padded tokens (sequences x the longest), instead of --micro_batch_size; "
+        "launch.local passes the learner's --rollout.max_tokens_per_gpu under --train.dynamic_batch_enable "
+        "(0: off)",
+        group="models",
+    )
     bf16: bool = flag(
         False, "load models in bfloat16 (log-probs and rewards are still returned in float32)", group="models"
     )
@@ -180,6 +188,8 @@ class RewardConfig:
         for name in ("micro_batch_size", "func_workers", "max_pending", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_gpu < 0:
+            raise ValueError(f"--max_tokens_per_gpu must be >= 0 (0: off), got {self.max_tokens_per_gpu}")
         for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "reconnect_timeout_s", "temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")

@@ -4,7 +4,8 @@ For the KL term of PPO / GRPO: ``ref_logprobs[t] = log softmax(logits[t-1] / tem
 for every response token, with the prompt as context. The output is columnar like
 ``SampleBatch.response_ids``: the responses' log-probs concatenated, shape ``(L,)``.
 
-Batching: length-sorted micro-batches, *left*-padded, so every response ends at the last
+Batching: length-sorted micro-batches (``micro_batch_size`` sequences, or with ``max_tokens``
+the sequences that fit that many padded tokens), *left*-padded, so every response ends at the last
 column and the model's own forward can be asked for the logits of the last
 ``max_response_len + 1`` positions only (``logits_to_keep``). That keeps the ``(B, T, V)``
 logits tensor, the memory peak of this job, down to the response part, and still runs the
@@ -20,17 +21,24 @@ import logging
 
 import torch
 
-from reward_service.batching import length_sorted_chunks, pad
+from reward_service.batching import chunks, pad
 
 log = logging.getLogger(__name__)
 
 
 class ReferenceScorer:
     def __init__(
-        self, model: torch.nn.Module, *, micro_batch_size: int = 8, temperature: float = 1.0, pad_id: int = 0
+        self,
+        model: torch.nn.Module,
+        *,
+        micro_batch_size: int = 8,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        max_tokens: int = 0,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens  # > 0: micro-batches by padded tokens (--max_tokens_per_gpu)
         self.temperature = temperature
         self.pad_id = pad_id
 
@@ -44,6 +52,7 @@ class ReferenceScorer:
         attn_implementation: str | None = None,
         micro_batch_size: int = 8,
         temperature: float = 1.0,
+        max_tokens: int = 0,
     ) -> ReferenceScorer:
         from transformers import AutoModelForCausalLM
 
@@ -53,7 +62,9 @@ class ReferenceScorer:
         if pad_id is None:  # any id works: padded positions are masked and never read
             pad_id = 0
         log.info("reference model %s loaded (%s, %s)", path, dtype, device)
-        return cls(model, micro_batch_size=micro_batch_size, temperature=temperature, pad_id=int(pad_id))
+        return cls(
+            model, micro_batch_size=micro_batch_size, temperature=temperature, pad_id=int(pad_id), max_tokens=max_tokens
+        )
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +88,7 @@ class ReferenceScorer:
                 raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
         out: list[torch.Tensor | None] = [None] * len(prompts)
         seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)]
-        for chunk in length_sorted_chunks([len(s) for s in seqs], self.micro_batch_size):
+        for chunk in chunks([len(s) for s in seqs], self.micro_batch_size, self.max_tokens):
             for i, lp in zip(chunk, self._chunk([seqs[i] for i in chunk], [responses[i] for i in chunk]), strict=True):
                 out[i] = lp
         if not out:

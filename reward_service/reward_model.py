@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from reward_service.batching import last_token_index, length_sorted_chunks, pad
+from reward_service.batching import chunks, last_token_index, pad
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,12 @@ class RewardModelScorer:
         padding_side: str = "right",
         mean: float = 0.0,
         std: float = 1.0,
+        max_tokens: int = 0,
     ) -> None:
         self.backbone = backbone.eval().requires_grad_(False)
         self.head = head.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens  # > 0: micro-batches by padded tokens (--max_tokens_per_gpu)
         self.pad_id = pad_id
         self.padding_side = padding_side
         self.mean, self.std = mean, std
@@ -141,6 +143,7 @@ class RewardModelScorer:
         value_head_prefix: str = "auto",
         normalize: bool = False,
         padding_side: str = "right",
+        max_tokens: int = 0,
     ) -> RewardModelScorer:
         from transformers import AutoConfig, AutoModel
         from transformers.utils import logging as hf_logging
@@ -177,6 +180,7 @@ class RewardModelScorer:
             padding_side=padding_side,
             mean=mean,
             std=std,
+            max_tokens=max_tokens,
         )
 
     @property
@@ -194,7 +198,7 @@ class RewardModelScorer:
             if len(s) == 0:
                 raise ValueError(f"sample {i} has no tokens to score")
         out = torch.empty(len(seqs), dtype=torch.float32)
-        for chunk in length_sorted_chunks([len(s) for s in seqs], self.micro_batch_size):
+        for chunk in chunks([len(s) for s in seqs], self.micro_batch_size, self.max_tokens):
             ids, mask, pos = pad([seqs[i].long() for i in chunk], self.pad_id, self.padding_side, self.device)
             hidden = self.backbone(
                 input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False

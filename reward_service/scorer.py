@@ -129,6 +129,7 @@ def _rm_sources(cfg: RewardConfig) -> list[RewardSource]:
         device=device_of(cfg),
         attn_implementation=cfg.attn_implementation,
         micro_batch_size=cfg.micro_batch_size,
+        max_tokens=cfg.max_tokens_per_gpu,
         value_head_prefix=cfg.value_head_prefix,
         normalize=cfg.normalize_reward,
     )
@@ -222,6 +223,7 @@ class Scorer:
                     device=device_of(cfg),
                     attn_implementation=cfg.attn_implementation,
                     micro_batch_size=cfg.micro_batch_size,
+                    max_tokens=cfg.max_tokens_per_gpu,
                     temperature=cfg.temperature,
                 )
             tokenizer = None

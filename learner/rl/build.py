@@ -173,6 +173,7 @@ def make_critic(cfg: PPOConfig, tokenizer: Any, pad_id: int, device: torch.devic
         micro_rollout_batch_size=cfg.rollout.micro_batch_size,
         value_clip=cfg.critic.value_clip,
         coalesce=engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name="critic"),
+        max_tokens=(cfg.rollout.max_tokens_per_gpu or 0) if cfg.train.dynamic_batch_enable else 0,
     )
 
 

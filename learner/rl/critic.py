@@ -121,8 +121,12 @@ class Critic:
         micro_rollout_batch_size: int,
         value_clip: float | None,
         coalesce: bool = False,
+        max_tokens: int = 0,
     ) -> None:
         self.engine = engine
+        # --train.dynamic_batch_enable: the old values' micro-batches by this token budget
+        # (--rollout.max_tokens_per_gpu); 0: micro_rollout_batch_size samples each
+        self.max_tokens = max_tokens
         self.coalesce = coalesce  # reduce its gradients once per optimizer step (learner.runtime.accumulation)
         self.pad_id = pad_id
         self.device = device
@@ -137,14 +141,16 @@ class Critic:
             rollout,
             response_values,
             micro_batch=self.micro_rollout_batch_size,
+            max_tokens=self.max_tokens,
             pad_id=self.pad_id,
             device=self.device,
             packed=packed,
         )
 
-    def optimizer_step(self) -> OptimizerStep:
-        """The window of one critic optimizer step: ``train_micro_batch`` each of its micro-batches."""
-        return OptimizerStep(self.engine, coalesce=self.coalesce)
+    def optimizer_step(self, micro_batches: int | None = None) -> OptimizerStep:
+        """The window of one critic optimizer step: ``train_micro_batch`` each of its micro-batches
+        (``micro_batches`` of them when planned by a token budget, else the engine's accumulation steps)."""
+        return OptimizerStep(self.engine, coalesce=self.coalesce, micro_batches=micro_batches)
 
     def train_micro_batch(
         self,
@@ -154,16 +160,19 @@ class Critic:
         agg: AggSpec,
         world: int,
         step: OptimizerStep,
+        *,
+        weight: float = 1.0,
     ) -> dict[str, float]:
         """The value loss's backward on a collated micro-batch (padded or packed; old_values and
         returns already sliced to it, (n, T)) inside ``step`` (``optimizer_step()``); ``agg`` counts
-        the whole global train batch."""
+        the whole global train batch. ``weight`` 0: a stand-in micro-batch (its forward and backward
+        keep ZeRO's collectives in step with the other ranks, its gradient is 0), no metrics."""
         v = response_values(self.engine, batch)
         loss, m = value_loss(v, old_values, returns, batch["action_mask"], agg, value_clip=self.value_clip)
         # DeepSpeed averages over ranks and accumulation steps; agg already divides by the
         # global count, so scale that mean back out.
-        step.backward(loss * world * self.engine.gradient_accumulation_steps())
-        return {k: float(x) for k, x in m.items()}
+        step.backward(loss * (world * self.engine.gradient_accumulation_steps() * weight))
+        return {k: float(x) for k, x in m.items()} if weight else {}
 
 
 def token_mean_spec(mask: torch.Tensor) -> AggSpec:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from learner.algorithms.packing import packed_row, response_logit_index
 from learner.controller.types import Rollout, ScoredSample
+from learner.rl.micro_batches import plan_micro_batches
 
 log = logging.getLogger("learner")
 
@@ -115,25 +116,39 @@ def score_all_ranks(
     pad_id: int,
     device: torch.device | str,
     packed: bool = False,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
     """(N, T) per-token scores (log-probs, values) of every sample, on every rank.
 
     Each rank runs ``forward(engine, batch) -> (n, T_b)`` over its strided slice of the
-    rollout (micro-batches collated padded or ``packed``), then the slices are all-gathered. A collective: every rank runs the same number
-    of forwards (ZeRO-3 forwards are collectives too), padding with a repeated sample.
+    rollout (micro-batches collated padded or ``packed``), then the slices are all-gathered.
+    Micro-batches hold ``micro_batch`` samples, or with ``max_tokens`` > 0 the samples that fit
+    that token budget (``--rollout.max_tokens_per_gpu``; ``learner.rl.micro_batches``). A
+    collective: every rank runs the same number of forwards (ZeRO-3 forwards are collectives
+    too), a rank short of samples repeating one of its own.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     n = len(rollout)
     T = max(1, max(len(s.response) for s in rollout.samples))
     mine = list(range(rank, n, world))
+    row = {i: r for r, i in enumerate(mine)}  # sample -> its row of `out`
     out = torch.zeros((len(mine), T), dtype=torch.float32, device=device)
+    plan = plan_micro_batches(
+        rollout.samples,
+        mine,
+        size=micro_batch,
+        max_tokens=max_tokens,
+        packed=packed,
+        max_local=math.ceil(n / world),
+        device=device,
+    )
     engine.eval()
-    for k in range(math.ceil(math.ceil(n / world) / micro_batch)):
-        idx = mine[k * micro_batch : (k + 1) * micro_batch]
+    for idx in plan:
         batch = collate([rollout.samples[i] for i in (idx or mine[:1])], pad_id, device, packed=packed)
         scores = forward(engine, batch)
         if idx:
-            out[k * micro_batch : k * micro_batch + len(idx), : scores.shape[1]] = scores.float()
+            rows = torch.tensor([row[i] for i in idx], device=out.device)
+            out[rows, : scores.shape[1]] = scores.float()
     engine.train()
     if world == 1:
         return out.cpu()

@@ -38,6 +38,11 @@ restarting per sample, no padding computed (``learner.rl.experience.collate``). 
 back in the padded (N, T) layout, so advantages, losses and metrics are unchanged (to float
 rounding: ``tests/unit/rl/test_packing.py``). The reference log-probs come from the reward
 service, not from a learner forward.
+
+With ``--train.dynamic_batch_enable`` every pass's micro-batches are formed by a token budget
+instead of a sample count (``learner.rl.micro_batches``: as many on every rank, the optimizer
+window told their number), with the loss and gradients of fixed micro-batches
+(``tests/unit/rl/test_dynamic_batch.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
 from learner.rl.experience import collate, score_all_ranks
+from learner.rl.micro_batches import plan_micro_batches
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.ema import EMA
 from learner.runtime.lora import base_hf_model
@@ -180,6 +186,11 @@ class PolicyTrainer:
         # Gradients reduced once per optimizer step, not per micro-batch (--coalesce_grad_reduction)
         self.coalesce = engine_coalesces(engine, cfg.ds.coalesce_grad_reduction, name="policy")
         self.packed = cfg.ds.packing_samples
+        # --train.dynamic_batch_enable: micro-batches by a token budget, for training and for the
+        # no-grad passes (learner.rl.micro_batches); 0: a fixed number of samples each
+        self.dynamic = cfg.train.dynamic_batch_enable
+        self.train_tokens = cfg.train.max_tokens_per_gpu if self.dynamic else 0
+        self.score_tokens = (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if self.dynamic else 0
         if self.packed:
             check_packable(engine, "policy")
             if critic is not None:
@@ -200,9 +211,10 @@ class PolicyTrainer:
         help says N. Negative: every step."""
         return self.steps_done > self.cfg.critic.freezing_steps
 
-    def optimizer_step(self) -> OptimizerStep:
-        """The window of one policy optimizer step: ``backward`` each of its micro-batches."""
-        return OptimizerStep(self.engine, coalesce=self.coalesce)
+    def optimizer_step(self, micro_batches: int | None = None) -> OptimizerStep:
+        """The window of one policy optimizer step: ``backward`` each of its micro-batches
+        (``micro_batches`` of them when planned by a token budget, else the engine's accumulation steps)."""
+        return OptimizerStep(self.engine, coalesce=self.coalesce, micro_batches=micro_batches)
 
     # ---------------------------------------------------------------- step 1
     def old_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -212,6 +224,7 @@ class PolicyTrainer:
             rollout,
             lambda engine, batch: response_logprobs(engine, batch, self.cfg.rollout.temperature)[0],
             micro_batch=self.cfg.rollout.micro_batch_size,
+            max_tokens=self.score_tokens,
             pad_id=self.pad_id,
             device=self.device,
             packed=self.packed,
@@ -324,11 +337,24 @@ class PolicyTrainer:
                 )
                 value_agg = token_mean_spec(mask[global_idx]) if self.critic is not None else None
                 local = global_idx[rank::world]
+                # As many on every rank (with a token budget: an all-reduce of the count; an empty
+                # group is a stand-in micro-batch of weight 0, so ZeRO's collectives meet)
+                plan = plan_micro_batches(
+                    rollout.samples,
+                    local,
+                    size=cfg.train.micro_batch_size,
+                    max_tokens=self.train_tokens,
+                    packed=self.packed,
+                    device=self.device,
+                )
+                planned = len(plan) if self.dynamic else None  # None: DeepSpeed's fixed accumulation steps
+                if self.dynamic:
+                    metrics["policy/micro_batches"].append(float(len(plan)))
                 with contextlib.ExitStack() as windows:  # one optimizer step of each trained engine
-                    critic_step = windows.enter_context(self.critic.optimizer_step()) if self.critic else None
-                    policy_step = windows.enter_context(self.optimizer_step()) if update_actor else None
-                    for m in range(0, len(local), cfg.train.micro_batch_size):
-                        idx = local[m : m + cfg.train.micro_batch_size]
+                    critic_step = windows.enter_context(self.critic.optimizer_step(planned)) if self.critic else None
+                    policy_step = windows.enter_context(self.optimizer_step(planned)) if update_actor else None
+                    for group in plan:
+                        idx, weight = (group, 1.0) if group else (local[:1], 0.0)
                         batch = collate([rollout.samples[i] for i in idx], self.pad_id, self.device, packed=self.packed)
                         T = batch["response"].shape[1]
 
@@ -338,9 +364,10 @@ class PolicyTrainer:
                         mmask = batch["action_mask"]
                         if critic_step is not None:
                             assert self.critic is not None and value_agg is not None  # both go with critic_step
-                            for k, v in self.critic.train_micro_batch(
-                                batch, sl(old_values), sl(returns), value_agg, world, critic_step
-                            ).items():
+                            critic_metrics = self.critic.train_micro_batch(
+                                batch, sl(old_values), sl(returns), value_agg, world, critic_step, weight=weight
+                            )
+                            for k, v in critic_metrics.items():
                                 metrics[f"critic/{k}"].append(v)
                         if policy_step is None:  # the actor is frozen this step
                             continue
@@ -351,7 +378,7 @@ class PolicyTrainer:
                             with_entropy=log_entropy,
                             entropy_grad=entropy_in_loss,
                         )
-                        if reuse:
+                        if reuse and weight:
                             old_lp[idx, :T] = lp.detach().float().cpu()
                         loss, pm = policy_loss(
                             lp,
@@ -379,7 +406,9 @@ class PolicyTrainer:
                             if entropy_in_loss:
                                 loss = loss + eloss
                             pm.update(em)
-                        policy_step.backward(loss * scale)
+                        policy_step.backward(loss * (scale * weight))
+                        if not weight:  # a stand-in: its sample is another micro-batch's
+                            continue
                         for k, v in pm.items():
                             metrics[f"policy/{k}"].append(float(v))
                 if policy_step is not None and self.ema is not None:

@@ -22,6 +22,14 @@ The driving pattern is DeepSpeed's documented one for a caller that owns the bou
 boundary flag set before each backward, ``engine.step()`` once after the last. Uncoalesced
 engines keep the per-micro-batch ``backward(); step()`` that DeepSpeed's managed accumulation
 expects (and that the test fakes implement).
+
+A step of a variable number of micro-batches (token-budget micro-batches,
+``--train.dynamic_batch_enable``: ``learner.rl.micro_batches``) cannot use DeepSpeed's own
+counter, which steps after ``gradient_accumulation_steps`` backwards, a number fixed when the
+engine is built. ``OptimizerStep(engine, micro_batches=n)`` owns the boundary instead, coalesced
+or not: False before each of the first n - 1 backwards, True before the last, ``engine.step()``
+once after it. DeepSpeed still divides each loss by its fixed ``gradient_accumulation_steps``,
+which the trainers' loss scale undoes whatever n is.
 """
 
 from __future__ import annotations
@@ -124,15 +132,24 @@ class OptimizerStep:
     Uncoalesced: ``engine.backward(loss); engine.step()`` per micro-batch (DeepSpeed's managed
     accumulation steps the optimizer at the last). Coalesced: inside
     ``engine.coalesce_grad_reduction()``, the boundary set before each backward and
-    ``engine.step()`` once after the block's single reduction. Every rank must run the same
-    number of backwards: the reduction is a collective, and a count that is not the engine's
-    accumulation steps is an error rather than a step on a partial gradient.
+    ``engine.step()`` once after the block's single reduction. ``micro_batches=n``: a step of n
+    micro-batches whatever the engine's accumulation steps, the boundary set before each
+    backward (True before the n-th) and ``engine.step()`` once after the last, coalesced or not.
+    Every rank must run the same number of backwards: the reduction is a collective, and a count
+    that is not the planned one (the engine's accumulation steps, or n) is an error rather than a
+    step on a partial gradient.
     """
 
-    def __init__(self, engine: Any, *, coalesce: bool) -> None:
+    def __init__(self, engine: Any, *, coalesce: bool, micro_batches: int | None = None) -> None:
         self.engine = engine
         self.coalesce = coalesce
         self.accum = int(engine.gradient_accumulation_steps())
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"OptimizerStep: an optimizer step needs at least one micro-batch, got {micro_batches}")
+        self.planned = micro_batches  # None: the engine's accumulation steps, DeepSpeed's counter
+        self.count = self.accum if micro_batches is None else micro_batches
+        # The boundary is ours to set when coalescing or when the count is not DeepSpeed's.
+        self.own_boundary = coalesce or micro_batches is not None
         self.done = 0
         self._block: Any = None
 
@@ -142,12 +159,20 @@ class OptimizerStep:
             self._block.__enter__()
         return self
 
+    def _what(self) -> str:
+        return f"the engine's {self.accum}" if self.planned is None else f"the {self.planned} planned"
+
+    def _set_boundary(self, is_boundary: bool) -> None:
+        # A test's stand-in engine without DeepSpeed's boundary accumulates and steps as asked.
+        if hasattr(self.engine, "set_gradient_accumulation_boundary"):
+            self.engine.set_gradient_accumulation_boundary(is_boundary)
+
     def backward(self, loss: Any) -> None:
-        if self.done >= self.accum:
-            raise RuntimeError(f"OptimizerStep: more than the engine's {self.accum} micro-batches in one step")
+        if self.done >= self.count:
+            raise RuntimeError(f"OptimizerStep: more than {self._what()} micro-batches in one step")
         self.done += 1
-        if self.coalesce:
-            self.engine.set_gradient_accumulation_boundary(self.done == self.accum)
+        if self.own_boundary:
+            self._set_boundary(self.done == self.count)
             self.engine.backward(loss)
         else:
             self.engine.backward(loss)
@@ -163,11 +188,11 @@ class OptimizerStep:
             block.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return
-        if self.done != self.accum:
+        if self.done != self.count:
+            where = f"the engine accumulates {self.accum}" if self.planned is None else f"{self.planned} were planned"
             raise RuntimeError(
-                f"OptimizerStep: {self.done} micro-batches where the engine accumulates {self.accum}: "
-                "the step would train on part of the batch"
+                f"OptimizerStep: {self.done} micro-batches where {where}: the step would train on part of the batch"
             )
-        if self.coalesce:
-            self.engine.set_gradient_accumulation_boundary(True)
+        if self.own_boundary:
+            self._set_boundary(True)
             self.engine.step()

@@ -11,6 +11,7 @@ you start and where (see README's multi-terminal recipe).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,7 @@ class PPOConfig:
         if not self.ds.lora.rank and self.services.lora_sync != "merged":
             self.notices.append(f"--lora_sync {self.services.lora_sync} has no effect without --lora_rank")
         self._check_batches()
+        self._check_dynamic_batch()
         self._check_agent()
         self._check_logging()
         self._check_async()
@@ -181,6 +183,21 @@ class PPOConfig:
             adv.is_correction = ""
         elif adv.is_correction == "auto":
             adv.is_correction = "tis"
+
+    def _check_dynamic_batch(self) -> None:
+        """--train.dynamic_batch_enable and its two budgets (OpenRLHF's meanings): the no-grad
+        passes' budget defaults to the training one, as OpenRLHF sets it."""
+        rollout, train = self.rollout, self.train
+        if train.dynamic_batch_enable:
+            if rollout.max_tokens_per_gpu is None:
+                rollout.max_tokens_per_gpu = train.max_tokens_per_gpu
+            return
+        default = {leaf.name: leaf.default for leaf in dataclasses.fields(train)}["max_tokens_per_gpu"]
+        if rollout.max_tokens_per_gpu is not None or train.max_tokens_per_gpu != default:
+            self.notices.append(
+                "--train.max_tokens_per_gpu / --rollout.max_tokens_per_gpu are token budgets of micro-batches: they "
+                "act only with --train.dynamic_batch_enable (micro-batches of --train.micro_batch_size samples now)"
+            )
 
     def _check_colocate(self) -> None:
         """--colocate_all_models and its sleep flags (OpenRLHF's meanings, docs/colocated.md)."""

@@ -193,11 +193,19 @@ class RolloutSection:
     vllm_generate_batch_size: int = flag(
         0, "prompts per vLLM call", inert="each rollout server admits what it can hold (its engine schedules)"
     )
-    max_tokens_per_gpu: int = flag(0, "token budget of a log-prob micro-batch", inert=_NOT_YET)
+    max_tokens_per_gpu: int | None = flag(
+        None,
+        "with --train.dynamic_batch_enable: tokens per micro-batch of the passes without gradients (the learner's "
+        "old log-probs and the critic's old values on each rank; the reward services' reference and reward-model "
+        "forwards, launch.local passes it on as their --max_tokens_per_gpu); default: --train.max_tokens_per_gpu",
+        flat="rollout_max_tokens_per_gpu",
+    )
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"--n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            raise ValueError(f"--rollout.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
 
 
 @dataclass
@@ -261,8 +269,20 @@ class TrainSection:
     ema_beta: float = flag(
         0.992, "--train.enable_ema's decay: ema = beta * ema + (1 - beta) * weights, in (0, 1)", flat="ema_beta"
     )
-    dynamic_batch_enable: bool = flag(False, "token-budget micro-batches", inert=_NOT_YET)
-    max_tokens_per_gpu: int = flag(16192, "token budget of a training micro-batch", inert=_NOT_YET)
+    dynamic_batch_enable: bool = flag(
+        False,
+        "micro-batches formed by a token budget instead of a sample count, in every learner pass (policy, old "
+        "log-probs, critic) and the reward services' forwards: each rank's samples grouped so that each micro-batch's "
+        "tokens (prompt + response, counted as padded without --packing_samples) fit --train.max_tokens_per_gpu "
+        "(--rollout.max_tokens_per_gpu without gradients), a longer sample alone; the loss and gradients are those of "
+        "fixed micro-batches (--train.micro_batch_size then only sets DeepSpeed's accumulation steps)",
+        flat="use_dynamic_batch",
+    )
+    max_tokens_per_gpu: int = flag(
+        16192,
+        "with --train.dynamic_batch_enable: tokens per training micro-batch (forward and backward) on each rank",
+        flat="train_max_tokens_per_gpu",
+    )
     full_determinism_enable: bool = flag(
         False,
         "reproducible training: --seed seeds python, numpy and torch (as always) and torch runs deterministic "
@@ -274,6 +294,8 @@ class TrainSection:
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"--max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_tokens_per_gpu < 1:
+            raise ValueError(f"--train.max_tokens_per_gpu must be >= 1, got {self.max_tokens_per_gpu}")
         if not 0 < self.ema_beta < 1:  # 1 never moves, 0 is the trained weights: neither is an average
             raise ValueError(f"--ema_beta must be in (0, 1), got {self.ema_beta}")
         if self.num_episodes < 1:

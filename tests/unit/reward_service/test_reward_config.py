@@ -42,6 +42,7 @@ def test_every_flag_keeps_its_default():
         "func_workers": 1,
         "tokenizer": None,
         "micro_batch_size": 8,
+        "max_tokens_per_gpu": 0,
         "bf16": False,
         "device": "auto",
         "attn_implementation": None,
@@ -80,6 +81,7 @@ def test_an_unknown_yaml_key_names_itself(tmp_path, capsys):
     [
         (["--heartbeat_s", "soon"], "argument --heartbeat_s: invalid float value: 'soon'"),
         (["--micro_batch_size", "0"], "--micro_batch_size must be >= 1, got 0"),
+        (["--max_tokens_per_gpu", "-1"], "--max_tokens_per_gpu must be >= 0 (0: off), got -1"),
         (["--temperature", "0"], "--temperature must be > 0, got 0.0"),
         (["--normalize_reward"], "--normalize_reward applies to a reward model: give --reward_pretrain"),
         (["--remote_rm_url", "ftp://x"], "--remote_rm_url entry 'ftp://x' is neither an http(s) URL nor a .py file"),
