@@ -12,8 +12,9 @@ and a batch size that does not divide is an error rather than a silently differe
 
 Differences from OpenRLHF's ``get_train_ds_config``: fp16 is not offered (bf16 or fp32;
 DeepSpeed refuses fp16 on CPU and bf16 is what every current GPU trains in), and the
-optimizer is not in the config: ``learner.runtime.engine`` builds it (torch AdamW or
-DeepSpeedCPUAdam) with weight-decay parameter groups and passes it to ``deepspeed.initialize``.
+optimizer is not in the config: ``learner.runtime.engine`` builds it (torch AdamW, DeepSpeedCPUAdam
+or DeepSpeed's MuonWithAuxAdam) with weight-decay parameter groups and passes it to
+``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -107,12 +108,14 @@ def train_ds_config(
     adam_offload: bool = False,
     overlap_comm: bool = False,
     contiguous_gradients: bool = True,
+    muon: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of a trained engine (policy, critic, SFT/RM/DPO model).
 
     ``grad_clip`` <= 0 turns clipping off. ``contiguous_gradients``: True on GPUs, False on
-    CPUs (``learner.runtime.engine.make_engine`` decides; see ``_zero_section``). ``extra`` is merged last (shallow, per top-level
+    CPUs (``learner.runtime.engine.make_engine`` decides; see ``_zero_section``). ``muon``: the
+    optimizer is Muon (``learner.runtime.muon``). ``extra`` is merged last (shallow, per top-level
     key) for settings this function does not model.
     """
     accum = grad_accum_steps(train_batch_size, micro_train_batch_size, world_size)
@@ -124,6 +127,10 @@ def train_ds_config(
         overlap_comm=overlap_comm,
         contiguous_gradients=contiguous_gradients,
     )
+    if muon and zero_stage == 3:
+        # DeepSpeed's ZeRO-3 refuses Muon beside reduce-scatter ("Muon and reduce scatter cannot be
+        # used together"); the gradients are all-reduced instead, the same sums.
+        zero["reduce_scatter"] = False
     if zero.get("reduce_bucket_size") == "auto":
         zero.pop("reduce_bucket_size")  # "auto" needs an HF model config; DeepSpeed's default is fine
     config: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """The sections every trainer shares, named as OpenRLHF 0.10 names them: ``ds`` (DeepSpeed and
-the model's numerics), ``ds.lora``, and the optimizer fields (``adam``, the LR schedule,
+the model's numerics), ``ds.lora``, and the optimizer fields (``adam``, ``muon``, the LR schedule,
 clipping) that sit in ``actor``/``critic`` for ``train_ppo`` and at the top level for
 ``train_sft``, ``train_rm`` and ``train_dpo``, as in OpenRLHF.
 
@@ -42,18 +42,21 @@ class AdamSection:
             )
 
 
-_MUON = "Muon is not built in rayless yet (issue 38); --optim adam is what trains"
+# What DeepSpeed's Muon does whatever it is asked (its optimizer takes no such setting; OpenRLHF
+# 0.10 warns the same).
+_DS_MUON_FIXED = "DeepSpeed's Muon always runs 5 Newton-Schulz steps with Nesterov momentum (it takes no such setting)"
 
 
 @dataclass
 class MuonSection:
-    """OpenRLHF 0.10's Muon hyper-parameters (``--optim muon``), accepted; Muon itself is not built."""
+    """Muon's hyper-parameters (``--optim muon``: DeepSpeed's Muon on the 2-D hidden weights, the
+    ``adam`` section's AdamW on the rest; ``learner.runtime.muon``)."""
 
-    lr: float = flag(0.02, "LR of Muon's 2-D weight group", inert=_MUON)
-    momentum: float = flag(0.95, "Muon momentum", inert=_MUON)
-    ns_steps: int = flag(5, "Newton-Schulz steps", inert=_MUON)
-    nesterov: bool = flag(True, "Nesterov momentum", inert=_MUON)
-    no_nesterov: bool = flag(False, "OpenRLHF's switch that turns --muon.nesterov off", inert=_MUON)
+    lr: float = flag(0.02, "LR of Muon's group (the 2-D hidden weights); --adam.lr is the other parameters'")
+    momentum: float = flag(0.95, "Muon momentum")
+    ns_steps: int = flag(5, "Newton-Schulz steps", inert=_DS_MUON_FIXED)
+    nesterov: bool = flag(True, "Nesterov momentum", inert=_DS_MUON_FIXED)
+    no_nesterov: bool = flag(False, "OpenRLHF's switch that turns --muon.nesterov off", inert=_DS_MUON_FIXED)
 
 
 @dataclass
@@ -61,9 +64,14 @@ class OptimizerFields:
     """One trained model's optimizer: ``actor.*`` / ``critic.*`` in train_ppo, the top level in the
     supervised trainers (OpenRLHF 0.10's layout)."""
 
-    optim: str = flag("adam", "optimizer: adam (AdamW); muon is refused until it is built", choices=("adam", "muon"))
-    adam: AdamSection = section(AdamSection, "AdamW")
-    muon: MuonSection = section(MuonSection, "Muon (not built yet)")
+    optim: str = flag(
+        "adam",
+        "optimizer: adam (AdamW), or muon (DeepSpeed's Muon on the 2-D hidden weights, AdamW by the adam flags on "
+        "embeddings, heads, norms and biases)",
+        choices=("adam", "muon"),
+    )
+    adam: AdamSection = section(AdamSection, "AdamW (with --optim muon: the parameters Muon does not train)")
+    muon: MuonSection = section(MuonSection, "Muon (--optim muon)")
     lr_scheduler: str = flag(
         "cosine_with_min_lr",
         "LR schedule after warm-up",
@@ -74,8 +82,10 @@ class OptimizerFields:
     max_norm: float = flag(1.0, "gradient clipping norm (0: off)")
 
     def check_optimizer(self, where: str = "") -> None:
-        if self.optim != "adam":
-            raise ValueError(f"--{where}optim {self.optim}: {_MUON}")
+        if self.muon.lr < 0:
+            raise ValueError(f"--{where}muon.lr must be >= 0, got {self.muon.lr}")
+        if not 0 <= self.muon.momentum < 1:
+            raise ValueError(f"--{where}muon.momentum must be in [0, 1), got {self.muon.momentum}")
         if not 0 <= self.lr_warmup_ratio <= 1:
             raise ValueError(f"--{where}lr_warmup_ratio must be in [0, 1], got {self.lr_warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -94,6 +104,9 @@ class OptimizerFields:
             "lr_scheduler": self.lr_scheduler,
             "lr_warmup_ratio": self.lr_warmup_ratio,
             "min_lr_ratio": self.min_lr_ratio,
+            "optim": self.optim,
+            "muon_lr": self.muon.lr,
+            "muon_momentum": self.muon.momentum,
         }
 
 

@@ -109,7 +109,7 @@ def test_the_required_flags_are_named_in_both_spellings():
         (RMConfig, {"loss": "hinge"}, None),  # not a choice
         (DPOConfig, {"beta": 0.0}, r"--model.beta \(--beta\) must be > 0"),
         (DPOConfig, {"label_smoothing": 0.5}, r"--model.label_smoothing \(--label_smoothing\) must be in"),
-        (SFTConfig, {"optim": "muon"}, "Muon is not built"),
+        (SFTConfig, {"optim": "muon", "muon.momentum": 1.0}, r"--muon.momentum must be in \[0, 1\)"),
     ],
 )
 def test_a_bad_flag_is_refused_naming_it(cls, values, match):
