@@ -39,9 +39,7 @@ log = logging.getLogger("rayless.metrics")
 STEP_KEY = "step"  # the x axis of every chart: the record's step
 
 
-def wandb_sink(
-    flags: WandbSection, *, trainer: str, config: Mapping[str, Any], folder: str | Path
-) -> WandbSink | None:
+def wandb_sink(flags: WandbSection, *, trainer: str, config: Mapping[str, Any], folder: str | Path) -> WandbSink | None:
     """The sink the ``logger.wandb`` section asks for (``--logger.wandb.key`` / ``--use_wandb``), or
     None; ``config``: the run's whole config, secrets redacted (``tracking.public_config``)."""
     if not flags.enabled:

@@ -64,7 +64,12 @@ class TrainSection:
     )
     max_epochs: int = flag(1, "passes over the training data", flat="max_epochs")
     seed: int = flag(42, "seed of data order and initialisation", flat="seed")
-    full_determinism_enable: bool = flag(False, "deterministic kernels", inert=NOT_YET)
+    full_determinism_enable: bool = flag(
+        False,
+        "reproducible training: torch runs deterministic kernels only (torch.use_deterministic_algorithms, cuDNN "
+        "deterministic, cuBLAS workspace), as OpenRLHF's transformers.enable_full_determinism; slower on GPUs",
+        flat="full_determinism",
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.micro_batch_size < 1:

@@ -21,7 +21,6 @@ config part lives in ``learner.supervised.config`` so ``--help`` stays fast.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from learner.runtime import engine as E
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.checkpoint import Checkpointer
+from learner.runtime.determinism import seed_everything
 from learner.runtime.flags import engine_options
 from learner.runtime.metrics import MetricsWriter
 from learner.supervised.config import DataSection, EvalSection, TrainerConfig, TrainSection
@@ -43,14 +43,14 @@ def setup_run(cfg: TrainerConfig, name: str):
     """Logging, seeds, process group, tokenizer. Returns ``(dist_info, tokenizer)``."""
     from common.config import log_config
 
+    # First: --full_determinism's cuBLAS workspace is read when CUDA makes its first handle.
+    seed_everything(cfg.train.seed, full_determinism=cfg.train.full_determinism_enable)
     info = E.init_distributed()
     logging.basicConfig(
         level=logging.INFO if info.rank == 0 else logging.WARNING,
         format=f"%(asctime)s {name}[{info.rank}] %(levelname)s %(message)s",
         force=True,
     )
-    random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
     if info.rank == 0:
         log_config(cfg, log)
         for notice in cfg.notices:  # what the flags' checks found, said once logging is up

@@ -19,7 +19,6 @@ from learner.runtime.flags import DSSection, OptimizerFields
 from learner.runtime.tracking import LoggerSection
 
 _RAY = "Ray placement; rayless places nothing, the processes you start are the placement: "
-_NOT_YET = "not built yet (issue 38)"
 
 
 @dataclass
@@ -49,8 +48,15 @@ class ActorSection(OptimizerFields):
         "entropy bonus coefficient (with 0, entropy is still logged every --logger.logging_steps)",
         flat="entropy_loss_coef",
     )
-    num_nodes: int = flag(1, "Ray placement", flat="actor_num_nodes", inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner")
-    num_gpus_per_node: int = flag(8, "Ray placement", flat="actor_num_gpus_per_node", inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner")
+    num_nodes: int = flag(
+        1, "Ray placement", flat="actor_num_nodes", inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner"
+    )
+    num_gpus_per_node: int = flag(
+        8,
+        "Ray placement",
+        flat="actor_num_gpus_per_node",
+        inert=_RAY + "torchrun --nnodes/--nproc_per_node for the learner",
+    )
     gradient_checkpointing_reentrant: bool = flag(
         False, "reentrant checkpointing", inert="rayless uses non-reentrant checkpointing (torch's recommendation)"
     )
@@ -97,8 +103,12 @@ class CriticSection(OptimizerFields):
     save_value_network: bool = flag(
         False, "also write the trained critic (gae) in HF format to OUTPUT_DIR_critic", flat="save_value_network"
     )
-    num_nodes: int = flag(1, "Ray placement", flat="critic_num_nodes", inert=_RAY + "the critic trains on the learner's ranks")
-    num_gpus_per_node: int = flag(8, "Ray placement", flat="critic_num_gpus_per_node", inert=_RAY + "the critic trains on the learner's ranks")
+    num_nodes: int = flag(
+        1, "Ray placement", flat="critic_num_nodes", inert=_RAY + "the critic trains on the learner's ranks"
+    )
+    num_gpus_per_node: int = flag(
+        8, "Ray placement", flat="critic_num_gpus_per_node", inert=_RAY + "the critic trains on the learner's ranks"
+    )
 
     def __post_init__(self) -> None:
         self.check_optimizer("critic.")
@@ -114,8 +124,12 @@ class RefSection:
         "policy's when KL is on)",
         flat="ref_pretrain",
     )
-    num_nodes: int = flag(1, "Ray placement", flat="ref_num_nodes", inert=_RAY + "start reward_service processes yourself")
-    num_gpus_per_node: int = flag(8, "Ray placement", flat="ref_num_gpus_per_node", inert=_RAY + "start reward_service processes yourself")
+    num_nodes: int = flag(
+        1, "Ray placement", flat="ref_num_nodes", inert=_RAY + "start reward_service processes yourself"
+    )
+    num_gpus_per_node: int = flag(
+        8, "Ray placement", flat="ref_num_gpus_per_node", inert=_RAY + "start reward_service processes yourself"
+    )
     offload: bool = flag(False, "reference model on CPU", inert="the reference lives in its reward service")
 
 
@@ -155,8 +169,12 @@ class RewardSection:
         "scales their reward by it, < 0 replaces their reward with it (e.g. -0.5); unset: off",
         flat="stop_properly_penalty_coef",
     )
-    num_nodes: int = flag(1, "Ray placement", flat="reward_num_nodes", inert=_RAY + "start reward_service processes yourself")
-    num_gpus_per_node: int = flag(8, "Ray placement", flat="reward_num_gpus_per_node", inert=_RAY + "start reward_service processes yourself")
+    num_nodes: int = flag(
+        1, "Ray placement", flat="reward_num_nodes", inert=_RAY + "start reward_service processes yourself"
+    )
+    num_gpus_per_node: int = flag(
+        8, "Ray placement", flat="reward_num_gpus_per_node", inert=_RAY + "start reward_service processes yourself"
+    )
     offload: bool = flag(False, "reward model on CPU", inert="the reward model lives in its reward service")
 
     def __post_init__(self) -> None:
@@ -248,8 +266,12 @@ class TrainSection:
         "rollout servers, which load the same file (launch.local passes it on); the agent's rewards are the reward",
         flat="agent_func_path",
     )
-    colocate_actor_ref: bool = flag(False, "Ray placement", flat="colocate_actor_ref", inert=_RAY + "the reference lives in a reward service")
-    colocate_critic_reward: bool = flag(False, "Ray placement", flat="colocate_critic_reward", inert=_RAY + "the critic trains on the learner's ranks")
+    colocate_actor_ref: bool = flag(
+        False, "Ray placement", flat="colocate_actor_ref", inert=_RAY + "the reference lives in a reward service"
+    )
+    colocate_critic_reward: bool = flag(
+        False, "Ray placement", flat="colocate_critic_reward", inert=_RAY + "the critic trains on the learner's ranks"
+    )
     async_queue_size: int = flag(
         1, "async queue size", inert="rayless bounds the async lag by versions: --train.max_staleness"
     )

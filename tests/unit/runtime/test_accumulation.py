@@ -276,7 +276,10 @@ def _worker(model_dir: str) -> None:
             result["moved"] = max((params[mode][n] - before[n]).abs().max().item() for n in before)
     deepspeed.comm.all_reduce = real_all_reduce
     result["coalesces"]["auto"] = PolicyTrainer(
-        engine, dataclasses.replace(cfg, ds=dataclasses.replace(cfg.ds, coalesce_grad_reduction="auto")), pad_id=0, device=info.device
+        engine,
+        dataclasses.replace(cfg, ds=dataclasses.replace(cfg.ds, coalesce_grad_reduction="auto")),
+        pad_id=0,
+        device=info.device,
     ).coalesce
     (g_on, p_on, group), (g_off, p_off, _) = first["on"], first["off"]
     num = sum(float(((a - b).double() ** 2).sum()) for a, b in zip(g_on, g_off, strict=True))
