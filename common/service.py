@@ -31,12 +31,14 @@ code   how the service ended
 ====== ============================================================================================
 0      the controller ended it: a Shutdown, or its fatal notice (the run is over)
 1      it broke (an engine that died, scoring that keeps failing, a bug) and told the controller
+       (if one had welcomed it)
 2      it never served: a bad flag or file, or an engine that cannot start on this host (one log
        line names the flag); starting it again unchanged fails the same way
 3      no controller: no Welcome within --connect_timeout_s, or none back within
        --reconnect_timeout_s after it went away
-128+N  stopped by signal N after saying its last words: 143 for SIGTERM, 130 for SIGINT -- the
-       code a shell, Slurm or systemd reads for a process a signal ended
+128+N  stopped by signal N after saying its last words (if a controller had welcomed it): 143 for
+       SIGTERM, 130 for SIGINT -- the code a shell, Slurm or systemd reads for a process a signal
+       ended
 ====== ============================================================================================
 
 A signal is not 0: a stop that came from outside the run is not the run finishing, and a
@@ -309,37 +311,48 @@ class ServiceShell:
         return max(0.0, self._next_beat - time.monotonic())
 
     # ------------------------------------------------------------------ last words
-    def last_words(self, message: str) -> Error | None:
+    def last_words(self, message: str, *, fault: bool = True) -> Error | None:
         """The fatal notice, the first time only: None once it has been said (a SIGTERM also
-        kills vLLM's engine, so a second fault follows the first)."""
+        kills vLLM's engine, so a second fault follows the first). ``fault=False``: a stop that
+        was asked for (a signal), logged as INFO; the controller is told the same way either
+        way (``Error(code="fatal")``: the service is going, its work is to be re-issued)."""
         if self._said_last_words:
             return None
         self._said_last_words = True
-        log.error("announcing fatal: %s", message)
+        if fault:
+            log.error("announcing fatal: %s", message)
+        else:
+            log.info("%s; telling the controller", message)
         return Error(code="fatal", message=message)
 
-    def send_last_words(self, ep: Endpoint, message: str) -> bool:
+    def send_last_words(self, ep: Endpoint, message: str, *, fault: bool = True) -> bool:
         """Tells the controller this service is going down, within FATAL_SEND_S, so it re-issues
         the service's work at once instead of at the heartbeat deadline. False if said before."""
-        notice = self.last_words(message)
+        notice = self.last_words(message, fault=fault)
         if notice is None:
             return False
         try:
             ep.send(notice, timeout=FATAL_SEND_S)
         except (TransportError, zmq.ZMQError) as e:
-            log.warning("could not announce the fault to the controller: %s", e)
+            self._unheard(e, fault)
         return True
 
-    async def asend_last_words(self, ep: AsyncEndpoint, message: str) -> bool:
+    async def asend_last_words(self, ep: AsyncEndpoint, message: str, *, fault: bool = True) -> bool:
         """``send_last_words`` for asyncio services."""
-        notice = self.last_words(message)
+        notice = self.last_words(message, fault=fault)
         if notice is None:
             return False
         try:
             await ep.send(notice, timeout=FATAL_SEND_S)
         except (TransportError, zmq.ZMQError) as e:
-            log.warning("could not announce the fault to the controller: %s", e)
+            self._unheard(e, fault)
         return True
+
+    def _unheard(self, e: Exception, fault: bool) -> None:
+        if fault:
+            log.warning("could not announce the fault to the controller: %s", e)
+        else:  # stopping anyway; the controller, if any, finds out by the silence
+            log.info("could not tell the controller that %s is stopping: %s", self.name, e)
 
     # ------------------------------------------------------------------ signals
     def catch_signals(

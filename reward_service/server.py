@@ -220,7 +220,7 @@ class RewardServer:
                 self.shell.send_last_words(ep, f"{self.name}: {self._fatal}")
                 return ExitCode.FATAL
             if self.shell.stop_signal:
-                self.shell.send_last_words(ep, self.shell.stop_signal)
+                self.shell.send_last_words(ep, self.shell.stop_signal, fault=False)
                 return self.shell.signal_exit
             if drain_deadline is not None and (self._busy == 0 or time.monotonic() >= drain_deadline):
                 if self._busy:

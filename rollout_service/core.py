@@ -67,7 +67,7 @@ import msgspec
 
 from common import protocol as P
 from common.vllm_memory import EngineStartRefused, check_start, choose_share, start_refusal
-from common.vllm_quiet import shutdown_async_llm
+from common.vllm_quiet import allow_engine_exit_time, shutdown_async_llm
 from common.vllm_spin import IDLE_SPIN_ENV
 from common.weights import resolve_backend
 from rollout_service.config import RolloutConfig
@@ -263,6 +263,7 @@ class RolloutCore:
             self._lora_root.mkdir(parents=True, exist_ok=True)
         if self.cfg.idle_spin_s is not None:  # read by rollout_service.worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(self.cfg.idle_spin_s)
+        allow_engine_exit_time()  # read by the EngineCore: its workers' time to exit (common/vllm_quiet.py)
         # vLLM-CPU's memory check, before any of its processes exist: a refusal is one line.
         share = self.resolve_memory_share()
         check_start(share, model=self.cfg.model, flag=MEMORY_FLAG, who=self._who)

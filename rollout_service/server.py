@@ -16,11 +16,14 @@ a rollout server does not take) is answered with ``Error`` for that request, nam
 ids it concerns, and the server carries on. A dead engine, SIGTERM or an unexpected crash
 sends ``Error(code="fatal")`` first, so the controller re-issues this server's prompts at
 once instead of waiting for the heartbeat deadline, then the process exits (1 for a fault,
-143 for SIGTERM). An engine that cannot start here (vLLM-CPU's memory check,
-``common/vllm_memory.py``) is one log line naming the flag and exit 2, not retried. The
-handshake, heartbeat timing, last words, signals and exit codes are the shell both services
-share (``common/service.py``, which states the exit codes); what is here is the rollout
-server's own.
+143 for SIGTERM, which is logged as INFO: a stop that was asked for). While it waits for a
+controller -- before the first Welcome, or for a restarted one -- a signal still ends it at
+once (nobody to tell before a Welcome), and so does an engine that dies (exit 1, one error
+line): a server that cannot serve does not keep saying Hello. An engine that cannot start
+here (vLLM-CPU's memory check, ``common/vllm_memory.py``) is one log line naming the flag and
+exit 2, not retried. The handshake, heartbeat timing, last words, signals and exit codes are
+the shell both services share (``common/service.py``, which states the exit codes); what is
+here is the rollout server's own.
 
 The controller's policy version from Welcome is a floor: no prompt is started on weights
 older than it, so a server that joins mid-run serves nothing until the learner has pushed it
@@ -46,6 +49,8 @@ from rollout_service.config import RolloutConfig
 from rollout_service.core import AgentFailed, BadRequest, NotSupported, PromptResult, RolloutCore
 
 log = logging.getLogger(__name__)
+
+ENGINE_WATCH_S = 0.5  # how often the engine's health is read while no controller has welcomed us
 
 
 def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
@@ -109,6 +114,7 @@ class RolloutServer:
         self._pending: list[PromptResult] = []  # finished, waiting for the coalescing window
         self._flush_task: asyncio.Task | None = None
         self._weights_dropped = False  # abort_weight_sync done for the current loss of the controller
+        self._welcomed = False  # a controller knows this server: it gets last words
         # Each takes the message type it is keyed by (see _call), which a dict's type cannot say: Any.
         self._handlers: dict[type[P.Message], Callable[[Any], Awaitable[P.Message]]] = {
             P.WeightSyncInit: self._on_sync_init,
@@ -126,16 +132,19 @@ class RolloutServer:
 
     # ------------------------------------------------------------------ main
     async def serve(self) -> int:
-        welcome = await self.shell.asay_hello(self.ep, self.core.capabilities())
+        # Before the first Hello: a server waiting for a controller that is not there (yet) must
+        # still stop when told, and stop its engine.
+        self.shell.catch_signals(asyncio.get_running_loop(), then=self._on_signal)
+        welcome = await self._handshake()
+        if welcome is None:
+            return self._exit_code
+        self._welcomed = True
         self.core.version_floor = welcome.policy_version
         log.info(
             "%s welcomed by the controller (its policy version %d, ours %d)",
             self.name,
             welcome.policy_version,
             self.core.version,
-        )
-        self.shell.catch_signals(
-            asyncio.get_running_loop(), then=lambda words: self._spawn(self._die(words, self.shell.signal_exit))
         )
         workers = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
         for w in workers:
@@ -145,6 +154,53 @@ class RolloutServer:
             t.cancel()
         await asyncio.gather(*workers, *self._tasks, return_exceptions=True)
         return self._exit_code
+
+    async def _handshake(self) -> P.Welcome | None:
+        """Hello until Welcome (``TransportError`` after --connect_timeout_s), or None when the
+        server is to stop first: on a signal, or when its engine died meanwhile -- it would only
+        say Hello, for as long as --connect_timeout_s, for a server that cannot serve."""
+        hello = asyncio.create_task(self.shell.asay_hello(self.ep, self.core.capabilities()))
+        watch = asyncio.create_task(self._engine_watch())
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait({hello, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (hello, watch, stop):
+                t.cancel()
+            await asyncio.gather(hello, watch, stop, return_exceptions=True)
+        # A stop wins over a Welcome that came in the same instant: the controller then finds
+        # this server silent and drops it, as if the signal had come a moment earlier.
+        if self._stop.is_set() or hello.cancelled():
+            return None
+        return hello.result()  # the Welcome, or the TransportError of no controller in time
+
+    async def _engine_watch(self) -> None:
+        """Before the Welcome: an engine that dies ends the server (exit 1), in one line."""
+        while not self._engine_dead:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        log.error(
+            "%s: the vLLM engine died while waiting for the controller at %s; stopping (see its log above)",
+            self.name,
+            self.cfg.controller,
+        )
+        self._exit_code = ExitCode.FATAL
+        self._stop.set()
+
+    @property
+    def _engine_dead(self) -> bool:
+        return self.core.llm is not None and self.core.llm.errored
+
+    def _on_signal(self, words: str) -> None:
+        """SIGTERM/SIGINT (on the loop, ``ServiceShell.catch_signals``): a controller that knows
+        this server is told it is going; before any did, there is nobody to tell."""
+        if self._welcomed:
+            self._spawn(self._die(words, self.shell.signal_exit, fault=False))
+            return
+        if self._stop.is_set():  # stopping already (an engine that died, an earlier signal)
+            return
+        log.info("%s (no controller had welcomed it)", words)
+        self._exit_code = self.shell.signal_exit
+        self._stop.set()
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         # A bug in a loop must not leave a zombie that heartbeats nothing and serves nothing.
@@ -219,7 +275,7 @@ class RolloutServer:
 
     async def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
-            if self.core.llm is not None and self.core.llm.errored:
+            if self._engine_dead:  # also while the controller is gone (_reconnect): checked every second
                 await self._fatal("vLLM engine died (see its log above)")
                 return
             if self.shell.lost:
@@ -268,10 +324,10 @@ class RolloutServer:
     async def _fatal(self, why: str) -> None:
         await self._die(f"{self.name}: {why}", ExitCode.FATAL)
 
-    async def _die(self, last_words: str, code: int) -> None:
+    async def _die(self, last_words: str, code: int, fault: bool = True) -> None:
         if self._stop.is_set():
             return  # stopped on the controller's Shutdown: nobody is waiting for last words
-        if await self.shell.asend_last_words(self.ep, last_words):
+        if await self.shell.asend_last_words(self.ep, last_words, fault=fault):
             self._exit_code = code
             self._stop.set()
 
@@ -298,7 +354,7 @@ class RolloutServer:
             await self._send(P.Error(code="agent_failed", message=f"prompt {pid}: {e}", prompt_ids=[pid]))
             return
         except Exception as e:  # reported, then decided fatal or not
-            if self.core.llm is not None and self.core.llm.errored:
+            if self._engine_dead:
                 await self._fatal(f"vLLM engine died while generating prompt {pid}: {e!r}")
             else:
                 log.exception("prompt %d failed", pid)
@@ -341,7 +397,7 @@ class RolloutServer:
             reply = P.Error(code="internal", message=f"{type(msg).__name__} failed: {e!r}")
         reply.call_id = msg.call_id
         await self._send(reply)
-        if self.core.llm is not None and self.core.llm.errored:
+        if self._engine_dead:
             await self._fatal(f"vLLM engine died during {type(msg).__name__}")
 
     async def _on_sync_init(self, m: P.WeightSyncInit) -> P.Message:

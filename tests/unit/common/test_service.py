@@ -53,6 +53,24 @@ def test_last_words_reach_the_controller_once(router):
         ep.close(0)
 
 
+def test_a_requested_stop_is_said_as_info_and_announced_as_a_fault_is(router, caplog):
+    """A signal is a stop that was asked for: the log says so at INFO, not as ``announcing
+    fatal`` at ERROR; the controller gets the same notice as for a fault (the service is going,
+    its work is re-issued at once)."""
+    sh = shell(router.address)
+    ep = Endpoint.connect(router.address, name="svc")
+    try:
+        with caplog.at_level("INFO", logger="common.service"):
+            assert sh.send_last_words(ep, "svc stopping on SIGTERM", fault=False)
+        _, msg = router.recv(timeout=5)
+        assert isinstance(msg, P.Error) and (msg.code, msg.message) == ("fatal", "svc stopping on SIGTERM")
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            ("INFO", "svc stopping on SIGTERM; telling the controller")
+        ]
+    finally:
+        ep.close(0)
+
+
 def test_last_words_give_up_after_their_deadline_when_nobody_listens():
     sh = shell(nobody())
     ep = Endpoint.connect(sh.controller, name="svc")

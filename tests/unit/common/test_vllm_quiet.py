@@ -1,16 +1,32 @@
 """vLLM's harmless messages are silenced, and only those: the rotary embeddings' reload warning
-(every other module's still shows), and the output handler's EngineDeadError at a clean stop
-(the handler is cancelled before the engine stops). The real engine's log is checked in
-tests/unit/rollout_service/test_rollout_service.py (its last test)."""
+(every other module's still shows), the output handler's EngineDeadError at a clean stop
+(the handler is cancelled before the engine stops); and no engine process is killed at a clean
+stop: neither one still exiting (they get the time it takes) nor an EngineCore already on its
+way out (the front end's SIGTERM killed it half-way). The real engine's log is checked in
+tests/unit/rollout_service/test_rollout_service.py (its shutdown and SIGTERM tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 
 import pytest
 
-from common.vllm_quiet import RELOAD_LOGGER, RELOAD_WARNING, quiet_rotary_reload_warning, shutdown_async_llm
+from common.vllm_quiet import (
+    ENGINE_EXIT_MARGIN_S,
+    RELOAD_LOGGER,
+    RELOAD_WARNING,
+    WORKER_EXIT_ENV,
+    WORKER_EXIT_S,
+    allow_engine_exit_time,
+    catches_sigterm,
+    engine_exit_s,
+    quiet_rotary_reload_warning,
+    shutdown_async_llm,
+    spare_stopping_engines,
+)
 
 
 class Records(logging.Handler):
@@ -70,7 +86,7 @@ class FakeAsyncLLM:
         except Exception as e:  # noqa: BLE001 - as vLLM's handler: logged, with its traceback
             self.failures.append(f"AsyncLLM output_handler failed: {e!r}")
 
-    def shutdown(self) -> None:  # runs in a thread, as the engine's processes are waited for
+    def shutdown(self, timeout: float | None = None) -> None:  # in a thread: the engine's processes are waited for
         self.handler_done_at_shutdown = self.output_handler.done()
         self.loop.call_soon_threadsafe(self.queue.put_nowait, RuntimeError("EngineDeadError"))
 
@@ -93,9 +109,73 @@ def test_an_engine_that_served_nothing_has_no_handler_to_stop():
         output_handler = None
         stopped = False
 
-        def shutdown(self):
-            self.stopped = True
+        def shutdown(self, timeout=None):
+            self.stopped = timeout
 
     llm = NoRequests()
     asyncio.run(shutdown_async_llm(llm))
-    assert llm.stopped
+    assert llm.stopped == engine_exit_s()
+
+
+CHILD = (
+    "import signal, sys, time\n"
+    "if sys.argv[1] == 'handler':  # a running EngineCore: vLLM's handler starts its shutdown\n"
+    "    signal.signal(signal.SIGTERM, lambda *a: print('handled', flush=True))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+class EngineProc:
+    """What ``spare_stopping_engines`` sees of an EngineCore: a multiprocessing Process's
+    ``pid``, ``name`` and ``terminate``, here on a real child process."""
+
+    def __init__(self, disposition: str) -> None:
+        import subprocess
+        import sys
+
+        self.child = subprocess.Popen([sys.executable, "-c", CHILD, disposition], stdout=subprocess.PIPE, text=True)
+        assert self.child.stdout.readline().strip() == "ready"
+        self.pid, self.name, self.sent = self.child.pid, f"EngineCore-{disposition}", 0
+
+    def terminate(self) -> None:
+        self.sent += 1
+        os.kill(self.pid, signal.SIGTERM)
+
+
+def test_an_engine_core_stopping_of_its_own_accord_is_not_signalled_again():
+    """A launcher's SIGTERM to the process group reaches the EngineCore too; vLLM then restores
+    SIGTERM's default action for its teardown, and AsyncLLM.shutdown's own SIGTERM used to kill
+    it half-way (its shared memory leaked). An EngineCore without a SIGTERM handler is spared
+    that signal; one with its handler (running: shut down by this SIGTERM) still gets it."""
+    running, stopping = EngineProc("handler"), EngineProc("default")
+    try:
+        assert catches_sigterm(running.pid) and not catches_sigterm(stopping.pid)
+        llm = type("LLM", (), {})()
+        llm.engine_core = type("Client", (), {})()
+        llm.engine_core.resources = type("Resources", (), {})()
+        llm.engine_core.resources.engine_manager = type("Manager", (), {"processes": [running, stopping]})()
+        spare_stopping_engines(llm)
+        for proc in (running, stopping):
+            proc.terminate()  # as vLLM's process manager calls it
+        assert running.sent == 1 and running.child.stdout.readline().strip() == "handled"
+        assert stopping.sent == 0 and stopping.child.poll() is None  # not killed: left to end by itself
+    finally:
+        for proc in (running, stopping):
+            proc.child.kill()
+            proc.child.wait(10)
+    assert not catches_sigterm(stopping.pid)  # gone (reaped): nothing to signal either
+
+
+def test_the_engines_processes_get_the_time_their_exit_takes(monkeypatch):
+    """vLLM gives its EngineCore 5 s to exit, and each worker 5 s, then kills them (and the
+    killed EngineCore's shared memory is reported leaked): less than a CPU engine's exit on a
+    busy host. A worker gets WORKER_EXIT_S (unless the user set vLLM's variable), the EngineCore
+    that and its own margin, passed to AsyncLLM.shutdown."""
+    monkeypatch.delenv(WORKER_EXIT_ENV, raising=False)
+    allow_engine_exit_time()
+    assert os.environ[WORKER_EXIT_ENV] == str(WORKER_EXIT_S) and WORKER_EXIT_S > 5
+    assert engine_exit_s() == WORKER_EXIT_S + ENGINE_EXIT_MARGIN_S
+    monkeypatch.setenv(WORKER_EXIT_ENV, "40")  # the user's own: kept, and the EngineCore waited for longer
+    allow_engine_exit_time()
+    assert os.environ[WORKER_EXIT_ENV] == "40" and engine_exit_s() == 40 + ENGINE_EXIT_MARGIN_S

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 
 from common import protocol as P
-from common.transport import AsyncEndpoint, Endpoint
+from common.transport import AsyncEndpoint, Endpoint, free_port
 from helpers.fake_controller import welcome_then
 from helpers.fake_llm import VOCAB, core_on_fake_llm
 from rollout_service.config import RolloutConfig
@@ -323,6 +324,108 @@ def test_server_acknowledges_shutdown_and_exits_0(core, restore_signal_handlers)
     rc, seen = serve_in_process(core, lambda r, ident: r.send(P.Shutdown(reason="done", call_id=5), to=ident))
     acks = [m for m in seen if isinstance(m, P.Ack)]
     assert rc == 0 and acks[0].call_id == 5 and acks[0].info == P.ShutdownAccepted(unanswered=0) and not _fatal(seen)
+
+
+# While no controller is there -- none has welcomed the server yet, or the one that did is gone --
+# the server still stops at once when told, and when its engine dies (a real run's server once
+# kept saying Hello after a SIGTERM had killed its engine, until SIGKILLed).
+
+
+def serve_waiting(core, controller: str, when, act) -> tuple[int, float]:
+    """Serves ``core`` in the main thread against ``controller``; once ``when(server)`` holds
+    (polled from half a second in), calls ``act()``; returns the exit code and the seconds
+    from ``act`` to the end of ``serve``."""
+    import time
+
+    from rollout_service.server import RolloutServer
+
+    cfg = RolloutConfig(model="m", controller=controller, heartbeat_s=0.2, weight_transfer_backend="gloo")
+    acted: list[float] = []
+
+    async def main() -> int:
+        ep = AsyncEndpoint(controller, name="r-wait")
+        server = RolloutServer(cfg, core, ep)
+
+        async def trigger() -> None:
+            await asyncio.sleep(0.5)  # serve() has caught the signals (its first step) and said Hello
+            while not when(server):
+                await asyncio.sleep(0.05)
+            acted.append(time.monotonic())
+            act()
+
+        t = asyncio.create_task(trigger())
+        try:
+            return await asyncio.wait_for(server.serve(), 20)
+        finally:
+            t.cancel()
+            ep.close(0)
+
+    rc = asyncio.run(main())
+    return rc, time.monotonic() - acted[0]
+
+
+def welcome_then_vanish() -> tuple[str, threading.Thread]:
+    """A controller that welcomes one Hello and closes its socket at the first heartbeat."""
+    router = Endpoint.bind("tcp://127.0.0.1:0")
+
+    def run() -> None:
+        try:
+            while (got := router.recv(timeout=10)) is not None:
+                ident, msg = got
+                if isinstance(msg, P.Hello):
+                    router.reply(msg, P.Welcome(peer_id=msg.name), to=ident)
+                elif isinstance(msg, P.Heartbeat):
+                    return
+        finally:
+            router.close(0)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return router.address, t
+
+
+def _sigterm() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_signal_ends_a_server_no_controller_has_welcomed_at_once(core, restore_signal_handlers, caplog):
+    caplog.set_level("INFO")
+    rc, took = serve_waiting(core, f"tcp://127.0.0.1:{free_port()}", lambda _s: True, _sigterm)
+    assert rc == 143 and took < 5.0  # at once (~0 s), not after --connect_timeout_s (120 s); room for a busy host
+    assert "r-wait stopping on SIGTERM (no controller had welcomed it)" in caplog.messages
+    assert _errors(caplog) == []  # a stop that was asked for
+
+
+def test_an_engine_that_dies_before_any_welcome_ends_the_server_in_one_line(core, restore_signal_handlers, caplog):
+    rc, took = serve_waiting(
+        core, f"tcp://127.0.0.1:{free_port()}", lambda _s: True, lambda: setattr(core.llm, "errored", True)
+    )
+    assert rc == 1 and took < 5.0  # the engine is read every ENGINE_WATCH_S
+    (error,) = _errors(caplog)
+    assert error.startswith("r-wait: the vLLM engine died while waiting for the controller at tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize("event", ["signal", "engine death"])
+def test_a_server_waiting_for_a_gone_controller_still_stops(core, restore_signal_handlers, caplog, event):
+    """Reconnecting (the controller went away after welcoming it): SIGTERM -> 143, a dead engine
+    -> 1 (noticed between two Hellos, ~2 s), each after the last words' deadline (nobody hears
+    them), not after --reconnect_timeout_s (1800 s)."""
+    from common.service import FATAL_SEND_S, RECONNECT_SEND_S
+
+    caplog.set_level("INFO")
+    address, controller = welcome_then_vanish()
+    act = _sigterm if event == "signal" else (lambda: setattr(core.llm, "errored", True))
+    try:
+        rc, took = serve_waiting(core, address, lambda server: server.shell.lost, act)
+    finally:
+        controller.join(10)
+    assert rc == (143 if event == "signal" else 1) and took < FATAL_SEND_S + 2 * RECONNECT_SEND_S + 5.0
+    fatal = [m for m in _errors(caplog) if m.startswith("announcing fatal")]
+    assert fatal == ([] if event == "signal" else ["announcing fatal: r-wait: vLLM engine died (see its log above)"])
 
 
 def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch, restore_signal_handlers):

@@ -4,7 +4,10 @@ real controller side (ServicePool + RolloutClient + WeightPublisher), weights ov
 Engines are expensive to start on a busy 2-core box (30-140 s each), so one module-scoped set of
 three servers serves every test, in file order: ``ra`` and ``rb`` join at once; ``rc`` is started
 alongside them but pointed at an address the controller only binds late in the run, so it joins
-*after* weight updates, holding the initial checkpoint, as a server started mid-run does.
+*after* weight updates, holding the initial checkpoint, as a server started mid-run does. A
+fourth, ``rd``, never finds a controller: it is there to be stopped while it waits for one (no
+server that joins can be, and SIGTERM to a waiting server once went unheeded), a fourth engine
+start; the last test ends ``rc`` by killing its engine while it waits for a controller gone.
 
 ``rb`` runs as a user's server does without ``VLLM_CPU_KVCACHE_SPACE``: its default memory share
 is checked by vLLM-CPU at start-up (and sizes its KV cache), and it starts while a ballast process
@@ -16,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +150,11 @@ def stack(tiny_model_dir, tmp_path_factory):
         )
         ctrl.wait_joined(["ra", "rb"], timeout=600)
         release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
+        # rd waits for a controller nobody runs, to be stopped there (its own test, late in the
+        # file: its engine starts while the first tests run).
+        ctrl.servers.append(
+            Server("rd", tiny_model_dir, f"tcp://127.0.0.1:{free_port()}", logs, "--connect_timeout_s", "1200")
+        )
         yield ctrl
     finally:
         release(ballast)
@@ -436,6 +445,42 @@ def test_work_spreads_and_a_killed_server_loses_exactly_its_prompts(stack):
     assert all(stack.results[p].server == "ra" for p in held["ra"])
 
 
+def _group_gone(server: Server, timeout: float) -> bool:
+    """True once no process of ``server``'s process group (its engine's included) is left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(server.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+ENGINE_KILLED = ("force killing", "leaked shared_memory")  # vLLM's and the resource tracker's words
+
+
+def test_a_server_waiting_for_a_controller_stops_on_sigterm_with_its_engine(stack):
+    """rd has said Hello, for minutes, to an address where no controller listens. SIGTERM to its
+    process group (what launch.local and Slurm send) ends it at once: the stop is logged as a
+    requested one, its engine stops cleanly (its processes exit on their own, vLLM kills
+    nothing), and the exit code is 143. (Before, the signal was noted and never acted on: the
+    engine died of it and the server said Hello until SIGKILLed.)"""
+    rd = next(s for s in stack.servers if s.name == "rd")
+    stack.wait_until(lambda: "engine ready" in rd.log_tail(10**6), "rd's engine start", timeout=600)
+    t0 = time.monotonic()
+    rd.kill(signal.SIGTERM)
+    while "rd stopping on SIGTERM" not in rd.log_tail(10**6):
+        assert time.monotonic() - t0 < 10, rd.log_tail()
+        time.sleep(0.1)
+    assert rd.proc.wait(120) == 143
+    assert _group_gone(rd, 60), "rd's engine processes outlived it"
+    log = rd.log_tail(10**7)
+    assert "rd stopping on SIGTERM (no controller had welcomed it)" in log, log[-4000:]
+    for fault in (" ERROR ", "Traceback", "EngineDeadError", *ENGINE_KILLED):
+        assert fault not in log, log[-4000:]
+
+
 def test_a_server_joining_after_updates_gets_the_current_weights_before_work(stack):
     v = stack.pool.policy_version
     assert v >= 1
@@ -515,5 +560,30 @@ def test_a_server_shut_down_by_the_controller_leaves_no_fault_in_its_log(stack):
     log = ra.log_tail(10**7)
     assert "shutdown requested by the controller" in log, log[-4000:]
     assert re.search(r"served \d+ prompt\(s\), \d+ sample\(s\), [1-9]\d* weight update\(s\)", log), log[-4000:]
-    for fault in ("Failed to load weights", "EngineDeadError", "output_handler failed"):
+    assert _group_gone(ra, 60), "ra's engine processes outlived it"
+    log = ra.log_tail(10**7)  # again: the resource tracker speaks last
+    # nor a fault at the stop: vLLM killed no process of an engine still exiting (common/vllm_quiet.py)
+    for fault in ("Failed to load weights", "EngineDeadError", "output_handler failed", *ENGINE_KILLED):
         assert fault not in log, log[-4000:]
+
+
+def test_a_server_whose_engine_dies_while_the_controller_is_gone_exits_1(stack):
+    """The controller goes away (its socket closes, as a killed learner's does): rc, which served
+    until then, waits for it to come back. Its EngineCore is killed meanwhile: rc ends within
+    seconds, exit 1, saying so in one error line -- it does not wait --reconnect_timeout_s
+    (1800 s) for a controller to hand work to an engine that is gone. Last: it ends the stack."""
+    import psutil
+
+    rc = next(s for s in stack.servers if s.name == "rc")
+    stack.ep.close(0)  # the controller is gone; the fixture's close closes it again, harmlessly
+    t0 = time.monotonic()
+    while "rc: the controller at" not in rc.log_tail(10**6):  # "... is gone (...); reconnecting"
+        assert time.monotonic() - t0 < 60 and rc.proc.poll() is None, rc.log_tail()
+        time.sleep(0.2)
+    (engine,) = [p for p in psutil.Process(rc.proc.pid).children() if "EngineCore" in p.name()]
+    rc.killed = True
+    engine.kill()
+    assert rc.proc.wait(60) == 1
+    log = rc.log_tail(10**7)
+    assert "ERROR common.service: announcing fatal: rc: vLLM engine died (see its log above)" in log, log[-4000:]
+    assert "still waiting for the controller" not in log
