@@ -488,7 +488,11 @@ def _with_notices(obj: T, given: Mapping[str, Any]) -> T:
     flags' lines first."""
     notices = getattr(obj, "notices", None)
     if isinstance(notices, list):
-        notices[:0] = inert_notices(type(obj), given)
+        # ``given_notices(given)``: a config's own lines about flags given that its values leave
+        # without effect (e.g. --muon.lr without --optim muon), which __post_init__ cannot tell
+        # from a default.
+        own = getattr(obj, "given_notices", None)
+        notices[:0] = inert_notices(type(obj), given) + (own(given) if callable(own) else [])
     return obj
 
 

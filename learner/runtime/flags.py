@@ -15,6 +15,7 @@ Imports nothing heavy: the configs that use it answer ``--help`` at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,13 @@ class OptimizerFields:
             raise ValueError(f"--{where}min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_norm < 0:
             raise ValueError(f"--{where}max_norm must be >= 0 (0: no clipping), got {self.max_norm}")
+
+    def unused_muon(self, given: Mapping[str, Any], where: str = "") -> list[str]:
+        """A line for --muon.* flags given while this optimizer is AdamW (they would do nothing)."""
+        names = sorted(p for p in given if p.startswith(f"{where}muon."))
+        if not names or self.optim == "muon":
+            return []
+        return [f"--{', --'.join(names)}: no effect without --{where}optim muon (the optimizer is AdamW)"]
 
     def optimizer_options(self) -> dict[str, Any]:
         """Keyword arguments of ``learner.runtime.engine.make_engine`` this optimizer decides."""

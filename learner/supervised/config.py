@@ -18,8 +18,9 @@ here, so ``--help`` answers at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from common.config import flag, section
 from learner.runtime.checkpoint_config import CkptSection
@@ -202,6 +203,10 @@ class TrainerConfig(OptimizerFields):
     value_head: ClassVar[bool] = False
     # train_sft packs samples (--ds.packing_samples); the pair trainers pad.
     packing: ClassVar[bool] = False
+
+    def given_notices(self, given: Mapping[str, Any]) -> list[str]:
+        """Lines about flags given that these values leave without effect (common.config asks)."""
+        return self.unused_muon(given)
 
     def __post_init__(self) -> None:
         self.check_optimizer()

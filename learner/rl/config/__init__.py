@@ -12,6 +12,7 @@ you start and where (see README's multi-terminal recipe).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,10 @@ class PPOConfig:
     local_rank: int = flag(-1, "set by the deepspeed launcher", inert="the rank comes from the environment (torchrun)")
     use_ms: bool = flag(False, "ModelScope hub", inert="no hub is reached at run time: pass local paths")
     notices: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def given_notices(self, given: Mapping[str, Any]) -> list[str]:
+        """Lines about flags given that these values leave without effect (common.config asks)."""
+        return self.actor.unused_muon(given, "actor.") + self.critic.unused_muon(given, "critic.")
 
     def __post_init__(self) -> None:
         self.notices = []  # common.config puts the inert flags' lines first

@@ -337,3 +337,16 @@ if __name__ == "__main__":
     E.barrier()
     if E.is_rank0():
         print("RESULT " + json.dumps(results), flush=True)
+
+
+def test_muon_flags_without_optim_muon_are_said_to_do_nothing():
+    from common.config import parse
+    from learner.rl.config import PPOConfig
+    from learner.train_sft import SFTConfig
+
+    cfg = parse(SFTConfig, ["--pretrain", "m", "--dataset", "d", "--muon.lr", "0.01", "--muon.momentum", "0.9"])
+    assert "--muon.lr, --muon.momentum: no effect without --optim muon (the optimizer is AdamW)" in cfg.notices
+    argv = ["--pretrain", "m", "--prompt_data", "p", "--actor.optim", "muon", "--actor.muon.lr", "0.01"]
+    said = parse(PPOConfig, [*argv, "--critic.muon.lr", "0.01"]).notices
+    assert "--critic.muon.lr: no effect without --critic.optim muon (the optimizer is AdamW)" in said
+    assert not any(n.startswith("--actor.muon.lr") for n in said)
