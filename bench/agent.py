@@ -70,8 +70,7 @@ async def main_async(args) -> dict:
         seed=0,
         agent_func_path=str(ENV_FILE),
     )
-    core = RolloutCore(cfg)
-    await core.start()
+    core = await RolloutCore.create(cfg)
     rng = random.Random(0)
     vocab = core.llm.model_config.get_vocab_size()
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)] for _ in range(args.prompts)]
@@ -97,10 +96,10 @@ async def main_async(args) -> dict:
     names = ["plain", "agent", "slow_env"]
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
-        before = dict(core.counters)
+        before = core.metrics()
         got = {name: await variant(name) for name in order}
-        later = core.counters["agent_later_turn_tokens"] - before["agent_later_turn_tokens"]
-        cached = core.counters["agent_later_turn_cached"] - before["agent_later_turn_cached"]
+        later = core.metrics()["agent_later_turn_tokens"] - before["agent_later_turn_tokens"]
+        cached = core.metrics()["agent_later_turn_cached"] - before["agent_later_turn_cached"]
         got["prefix_hit"] = cached / later if later else float("nan")
         rounds.append(got)
         print(

@@ -60,8 +60,8 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
     pids, idx, lens, toks, reasons, versions = [], [], [], [], [], []
     lps: list[float] = []
     with_lp = all(s.logprobs is not None for r in results for s in r.samples)
-    episodes = [s.episode for r in results for s in r.samples]
-    agent = bool(episodes) and all(e is not None for e in episodes)
+    episodes = [s.episode for r in results for s in r.samples if s.episode is not None]
+    agent = bool(episodes) and len(episodes) == sum(len(r.samples) for r in results)
     for r in results:
         for i, s in enumerate(r.samples):
             pids.append(r.prompt_id)
@@ -450,25 +450,20 @@ class RolloutServer:
 
 async def amain(cfg: RolloutConfig) -> int:
     name = cfg.name = cfg.name or default_name("rollout")
-    core = RolloutCore(cfg)
     t0 = time.monotonic()
     # vLLM's start-up blocks this loop for seconds while it spawns the engine's processes. A
     # SIGTERM/SIGINT then must not kill this process alone: the engine's processes would outlive
-    # it (holding their memory, a GPU's too). It is noted, and acted on once start() returns.
+    # it (holding their memory, a GPU's too). It is noted, and acted on once create() returns.
     loop = asyncio.get_running_loop()
     stopped: list[signal.Signals] = []
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stopped.append, sig)
-    try:
-        await core.start()
+    try:  # a create() that fails has stopped what it started
+        core = await RolloutCore.create(cfg)
     except EngineStartRefused as e:  # one line that names the flag; the same start would fail again
         log.error("%s", e)
-        await core.shutdown()
         return ExitCode.NO_START
-    except BaseException:
-        await core.shutdown()
-        raise
-    for _ in range(3):  # a few turns of the loop: a signal that came during start() reaches `stopped`
+    for _ in range(3):  # a few turns of the loop: a signal that came during create() reaches `stopped`
         await asyncio.sleep(0)
     if stopped:
         log.warning("%s: %s during engine start-up; stopping the engine", name, stopped[0].name)
@@ -483,13 +478,13 @@ async def amain(cfg: RolloutConfig) -> int:
         log.error("%s", e)
         return server.shell.no_controller_exit
     finally:
-        c = core.counters
+        c = core.metrics()
         log.info(
             "%s: served %d prompt(s), %d sample(s), %d weight update(s) in %.0f s",
             name,
-            c["prompts"],
-            c["samples"],
-            c["updates"],
+            int(c["prompts"]),
+            int(c["samples"]),
+            int(c["updates"]),
             time.monotonic() - t0,
         )
         ep.close()

@@ -39,7 +39,8 @@ class FakeLLM:
         self.fail_update = False
         self.errored = False
         self.session = False  # vLLM's worker: a weight update started and neither finished nor failed
-        self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB)
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB, dtype="torch.float32")
+        self.stopped = False
 
     async def add_request(self, req_id, prompt, params, lora_request=None):
         self.prompts[req_id] = dict(prompt)
@@ -96,11 +97,18 @@ class FakeLLM:
             self.session = False
             raise RuntimeError("receiving bucket 2/3 from learner@h:1 failed: Connection reset by peer")
 
-    async def collective_rpc(self, method):
+    async def collective_rpc(self, method, args=()):
+        if method == "rayless_weight_transfer_engine":  # RolloutCore.create's probe: one gloo worker
+            return ["gloo"]
+        if method == "rayless_idle_spin_s":
+            return [None]
         assert method == "rayless_abandon_weight_update", method
         self.calls.append("abandon")
         was, self.session = self.session, False
         return [was]
+
+    def shutdown(self, timeout=None):  # what common.vllm_quiet.shutdown_async_llm ends with
+        self.stopped = True
 
     async def init_weight_transfer_engine(self, request):
         self.calls.append("init")
@@ -123,14 +131,23 @@ class FakeLLM:
         return not self.running  # vLLM refuses while requests hold KV blocks
 
 
-def core_on_fake_llm():
-    """A ``RolloutCore`` (max_model_len 64, gloo) driving a ``FakeLLM`` at weight version 0."""
+def core_on_fake_llm(episodes=None, **cfg):
+    """A ``RolloutCore`` (max_model_len 64, gloo; ``cfg`` overrides) built by its factory around a
+    ``FakeLLM`` at weight version 0; ``episodes``: an ``EpisodeRunner`` (agent tests)."""
+    import asyncio
+
     from rollout_service.config import RolloutConfig
     from rollout_service.core import RolloutCore
 
-    c = RolloutCore(
-        RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
+    config = RolloutConfig(
+        **{
+            "model": "m",
+            "controller": "tcp://127.0.0.1:1",
+            "max_model_len": 64,
+            "weight_transfer_backend": "gloo",
+            **cfg,
+        }
     )
-    c.llm = FakeLLM()
-    c.llm.version = "0"
-    return c
+    llm = FakeLLM()
+    # The core's own locks and conditions bind to the loop that first awaits them, not this one.
+    return asyncio.run(RolloutCore.create(config, engine=llm, episodes=episodes))

@@ -24,6 +24,7 @@ from helpers.fake_llm import core_on_fake_llm
 from rollout_service.agent import EpisodeError, TurnEngine, build_episode, load_agent, run_episode
 from rollout_service.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 from rollout_service.core import AgentFailed, BadRequest
+from rollout_service.episodes import EpisodeRunner, InProcessAgent
 
 EOS = CharTokenizer.eos_token_id
 
@@ -352,11 +353,16 @@ AGENT = P.AgentParams(agent="two.py:0123456789ab", max_len=40, max_turns=2, step
 SP = P.SamplingParams(temperature=1.0, max_new_tokens=3, n=2, logprobs=True)
 
 
+def core_running(executor):
+    """A core on the stand-in engine whose episodes run ``executor`` in-process (the file's
+    identity: AGENT's)."""
+    tok = CharTokenizer()
+    return core_on_fake_llm(EpisodeRunner(InProcessAgent(executor, AGENT.agent, tok), tok, max_model_len=64))
+
+
 @pytest.fixture
 def core():
-    c = core_on_fake_llm()
-    c.agent, c.agent_identity, c.tokenizer = TwoTriesExecutor(), AGENT.agent, CharTokenizer()
-    return c
+    return core_running(TwoTriesExecutor())
 
 
 def test_episodes_through_the_core_carry_mask_logprobs_and_the_first_actions_version(core):
@@ -367,10 +373,11 @@ def test_episodes_through_the_core_carry_mask_logprobs_and_the_first_actions_ver
     for s in res.samples:
         assert s.token_ids == [5, 6, 7] and s.logprobs == [-1.5] * 3 and s.episode.action_mask == [1, 1, 1]
         assert s.episode.reward == 1.0 and s.episode.turns == 1 and s.policy_version == 0
-    assert core.counters["episodes"] == 2 and core.counters["agent_turns"] == 2
+    assert core.episodes.counters["episodes"] == 2 and core.episodes.counters["agent_turns"] == 2
+    assert core.metrics()["episodes"] == 2.0
 
 
-def test_a_weight_update_mid_episode_keeps_it_and_later_turns_use_the_new_weights(core):
+def test_a_weight_update_mid_episode_keeps_it_and_later_turns_use_the_new_weights():
     class Slow(AgentInstanceBase):
         async def step(self, states, **kw):
             self.n = getattr(self, "n", 0) + 1
@@ -381,7 +388,7 @@ def test_a_weight_update_mid_episode_keeps_it_and_later_turns_use_the_new_weight
         def __init__(self):
             super().__init__(Slow)
 
-    core.agent = SlowExecutor()
+    core = core_running(SlowExecutor())
 
     async def push(version):
         await core.start_weight_update(version)
@@ -401,7 +408,7 @@ def test_a_weight_update_mid_episode_keeps_it_and_later_turns_use_the_new_weight
     run(scenario())
 
 
-def test_an_abort_mid_episode_stops_its_requests_and_a_failure_is_the_agents(core):
+def test_an_abort_mid_episode_stops_its_requests_and_a_failure_is_the_agents():
     class Forever(AgentInstanceBase):
         async def step(self, states, **kw):
             return {"rewards": 0.0, "environment_feedback": "\x05", "done": False}
@@ -410,7 +417,7 @@ def test_an_abort_mid_episode_stops_its_requests_and_a_failure_is_the_agents(cor
         def __init__(self):
             super().__init__(Forever)
 
-    core.agent = ForeverExecutor()
+    core = core_running(ForeverExecutor())
     unlimited = P.AgentParams(agent=AGENT.agent, max_len=64, max_turns=0, step_timeout_s=5)
 
     async def scenario():
@@ -423,13 +430,13 @@ def test_an_abort_mid_episode_stops_its_requests_and_a_failure_is_the_agents(cor
         assert "abort" in core.llm.calls and not core.llm.running
 
     run(scenario())
-    core.agent = MultiTurnAgentExecutor(Raises)
+    core = core_running(MultiTurnAgentExecutor(Raises))
     with pytest.raises(AgentFailed, match="KeyError"):
         run(core.generate(2, [1, 2], SP, agent=AGENT, label=""))
-    assert core.counters["failed_episodes"] == 1
+    assert core.episodes.counters["failed_episodes"] == 1
 
 
-def test_token_ids_outside_the_vocabulary_fail_the_episode_not_the_server(core):
+def test_token_ids_outside_the_vocabulary_fail_the_episode_not_the_server():
     class OutOfVocab(MultiTurnAgentExecutor):
         def __init__(self):
             super().__init__(TwoTries)
@@ -437,10 +444,10 @@ def test_token_ids_outside_the_vocabulary_fail_the_episode_not_the_server(core):
         async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):
             await llm_engine.generate([1, 10**6], sampling_params)
 
-    core.agent = OutOfVocab()
+    core = core_running(OutOfVocab())
     with pytest.raises(AgentFailed, match="outside the vocabulary"):
         run(core.generate(1, [1, 2], SP, agent=AGENT, label=""))
-    assert core.counters["failed_episodes"] == 1 and not core.llm.prompts
+    assert core.episodes.counters["failed_episodes"] == 1 and not core.llm.prompts
 
 
 def test_the_core_refuses_agent_requests_it_cannot_serve(core):
@@ -448,6 +455,5 @@ def test_the_core_refuses_agent_requests_it_cannot_serve(core):
         run(core.generate(1, [1, 2], SP, agent=P.AgentParams(agent="other.py:ffffffffffff", max_len=40)))
     with pytest.raises(BadRequest, match="exceeds this server's --max_model_len 64"):
         run(core.generate(1, [1, 2], SP, agent=P.AgentParams(agent=AGENT.agent, max_len=65)))
-    core.agent = None
     with pytest.raises(BadRequest, match="runs no agent"):
-        run(core.generate(1, [1, 2], SP, agent=AGENT))
+        run(core_on_fake_llm().generate(1, [1, 2], SP, agent=AGENT))

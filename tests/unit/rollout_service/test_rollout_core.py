@@ -20,7 +20,7 @@ from common.transport import AsyncEndpoint, Endpoint, free_port
 from helpers.fake_controller import welcome_then
 from helpers.fake_llm import VOCAB, core_on_fake_llm
 from rollout_service.config import RolloutConfig
-from rollout_service.core import BadRequest, NotSupported, RolloutCore
+from rollout_service.core import BadRequest, NotSupported, RolloutCore, engine_args, memory_share
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_an_update_left_open_by_a_gone_controller_is_failed_not_kept(core):
     async def main():
         await core.start_weight_update(1)  # killed before its WeightUpdate
         await core.abort_weight_sync("a new controller session began")
-        assert core.state == "update_failed" and core.counters["failed_updates"] == 1
+        assert core.state == "update_failed" and core.weights.counters["failed_updates"] == 1
         await core.init_weight_transfer("gloo", {}, 30.0)  # not "a weight update is open"
         await _update(core, 1)
         assert core.state == "serving"
@@ -220,8 +220,8 @@ def test_cpu_engine_prefills_whole_prompts(tiny_model_dir):
     """vLLM 0.32 on CPU kills the engine when a seeded request is chunk-prefilled (its CPU
     generator cannot rewind); the server keeps chunked prefill off there unless told otherwise."""
     cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
-    assert RolloutCore(RolloutConfig(**cfg)).engine_args().enable_chunked_prefill is False
-    on = RolloutCore(RolloutConfig(**cfg, enable_chunked_prefill=True)).engine_args()
+    assert engine_args(RolloutConfig(**cfg)).enable_chunked_prefill is False
+    on = engine_args(RolloutConfig(**cfg, enable_chunked_prefill=True))
     assert on.enable_chunked_prefill is True
 
 
@@ -255,7 +255,7 @@ def test_an_engine_refused_for_memory_is_not_started_again(tiny_model_dir, monke
     )
     cfg = RolloutConfig(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", gpu_memory_utilization=0.85)
     with pytest.raises(EngineStartRefused, match="pass --gpu_memory_utilization 0.5"):
-        run(RolloutCore(cfg).start())
+        run(RolloutCore.create(cfg))
     assert len(attempts) == 1
 
 
@@ -263,17 +263,16 @@ def test_a_start_failure_that_memory_does_not_explain_is_retried(tiny_model_dir,
     attempts = _failing_starts(monkeypatch, refused=None)  # e.g. vLLM 0.32's input-thread assert on a busy host
     cfg = RolloutConfig(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", engine_start_attempts=2)
     with pytest.raises(RuntimeError, match="initialization failed"):
-        run(RolloutCore(cfg).start())
+        run(RolloutCore.create(cfg))
     assert len(attempts) == 2
 
 
 def test_an_explicit_share_wins_and_is_announced(tiny_model_dir):
     cfg = dict(model=str(tiny_model_dir), controller="tcp://127.0.0.1:1", weight_transfer_backend="gloo")
-    core = RolloutCore(RolloutConfig(**cfg, gpu_memory_utilization=0.3))
-    assert core.engine_args().gpu_memory_utilization == 0.3 and core.capabilities().gpu_memory_utilization == 0.3
-    chosen = RolloutCore(RolloutConfig(**cfg))  # on CPU: weights + KV + runtime of this node, far below 0.85
-    share = chosen.engine_args().gpu_memory_utilization
-    assert 0 < share < 0.85 and chosen.capabilities().gpu_memory_utilization == share
+    assert engine_args(RolloutConfig(**cfg, gpu_memory_utilization=0.3)).gpu_memory_utilization == 0.3
+    assert core_on_fake_llm(gpu_memory_utilization=0.3).capabilities().gpu_memory_utilization == 0.3
+    share = engine_args(RolloutConfig(**cfg)).gpu_memory_utilization  # on CPU: weights + KV + runtime, far below 0.85
+    assert 0 < share < 0.85 and memory_share(RolloutConfig(**cfg)) == share
 
 
 # ---------------------------------------------------------------------------- the server's shell
@@ -439,14 +438,15 @@ def test_a_signal_during_engine_start_up_stops_the_engine_it_started(monkeypatch
     events = []
 
     class StartingCore:
-        def __init__(self, cfg) -> None:
-            self.llm = None
+        def __init__(self) -> None:
+            self.llm: str | None = "engine"
 
-        async def start(self) -> None:
-            self.llm = "engine"
+        @classmethod
+        async def create(cls, cfg) -> StartingCore:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.3)  # still blocking the loop, as AsyncLLM.from_engine_args does
             events.append("started")
+            return cls()
 
         async def shutdown(self) -> None:
             events.append(f"shutdown {self.llm}")
@@ -476,8 +476,8 @@ def test_aliases_reach_a_receiver_of_ours_and_are_refused_by_vllms_own(core):
     run(core.update_weights(["w"], ["float32"], [[1]], aliases))
     assert seen[-1]["aliases"] == aliases
     run(core.finish_weight_update(1))
-    core.backend = "nccl"
-    run(core.start_weight_update(2))
+    nccl = core_on_fake_llm(weight_transfer_backend="nccl")
+    run(nccl.start_weight_update(2))
     with pytest.raises(BadRequest, match="aliases: the nccl receiver cannot load them"):
-        run(core.update_weights(["w"], ["float32"], [[1]], aliases))
-    assert "update_failed" in core._holds
+        run(nccl.update_weights(["w"], ["float32"], [[1]], aliases))
+    assert nccl.state == "update_failed" and nccl.weights.incomplete
