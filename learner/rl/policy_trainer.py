@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.tiled_logits import head_inputs, token_logprobs, untileable_reason
 from common.weights.source import unwrap
 from learner.algorithms.advantages import compute_advantages
 from learner.algorithms.kl import AdaptiveKLController, FixedKLController, compute_kl
@@ -81,6 +83,8 @@ from learner.runtime.ema import EMA
 from learner.runtime.lora import base_hf_model
 from learner.runtime.models import check_packable
 
+log = logging.getLogger("learner")
+
 
 def _world() -> tuple[int, int]:
     if dist.is_initialized():
@@ -101,6 +105,7 @@ def response_logprobs(
     with_entropy: bool = False,
     response_only: bool = True,
     entropy_grad: bool = True,
+    tile_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (N, T) of the response tokens (and their entropy) under ``model``.
 
@@ -111,10 +116,17 @@ def response_logprobs(
     the old work (and memory). Packed batch (``logit_index`` present): the K columns of
     ``logit_index`` exactly, and the (K,) results are laid back into (N, T) with zeros at
     padding. ``entropy_grad=False`` computes the entropy for a metric only: no graph, no recompute.
+
+    ``tile_tokens`` > 0 (``--ds.logits_tile_tokens``): the (N, T, V) logits are never built; the
+    final hidden states of the ``action_mask`` positions go through the head that many at a time
+    (``_tiled``), and positions outside ``action_mask`` get 0, as packed rows always had.
     """
     T = batch["response"].shape[1]
-    hf_class: type = type(base_hf_model(unwrap(model)))  # `type`: mypy's `type[Any]` is not Hashable for the cache
+    hf = base_hf_model(unwrap(model))
+    hf_class: type = type(hf)  # `type`: mypy's `type[Any]` is not Hashable for the cache
     keep = response_only and _takes_logits_to_keep(hf_class)  # peft passes it on
+    if keep and tile_tokens > 0 and _tileable(hf):
+        return _tiled(model, hf, batch, temperature, with_entropy, entropy_grad, tile_tokens)
     packed = "logit_index" in batch
     if packed:
         # No attention mask: transformers then finds the samples' boundaries in the position ids.
@@ -151,6 +163,58 @@ def response_logprobs(
         lp = unpack_to_padded(lp, mask)
         ent = unpack_to_padded(ent, mask) if ent is not None else None
     return lp, ent
+
+
+def _tileable(hf: Any) -> bool:
+    """Whether the tiled path reproduces this model's logits; the reason it does not is said once per class."""
+    reason = untileable_reason(hf)
+    if reason is not None and type(hf) not in _SAID_UNTILEABLE:
+        _SAID_UNTILEABLE.add(type(hf))
+        log.warning("--ds.logits_tile_tokens: %s's logits are built whole: %s", type(hf).__name__, reason)
+    return reason is None
+
+
+_SAID_UNTILEABLE: set[type] = set()
+
+
+def _tiled(
+    model: Any,
+    hf: Any,
+    batch: dict[str, Any],
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    tile_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs`` through ``common.tiled_logits``: the model's forward up to the head's
+    input, then tiles of the K = action_mask.sum() rows that predict counted tokens."""
+    mask = batch["action_mask"]  # (N, T) bool
+    head = hf.get_output_embeddings()
+    if "logit_index" in batch:
+        hidden = head_inputs(
+            model,
+            head,
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=batch["logit_index"],
+        )[0]  # (K, H): the columns of logit_index, in mask order
+    else:
+        T = batch["response"].shape[1]
+        hidden = head_inputs(
+            model,
+            head,
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=T + 1,
+        )[:, :T][mask]  # (K, H): row-major, as packed rows order them
+    entropy = "none" if not with_entropy else "grad" if entropy_grad else "metric"
+    lp, ent = token_logprobs(
+        head, hidden, batch["response"][mask], temperature=temperature, tile_tokens=tile_tokens, entropy=entropy
+    )
+    return unpack_to_padded(lp, mask), (unpack_to_padded(ent, mask) if ent is not None else None)
 
 
 @dataclass
@@ -222,7 +286,9 @@ class PolicyTrainer:
         return score_all_ranks(
             self.engine,
             rollout,
-            lambda engine, batch: response_logprobs(engine, batch, self.cfg.rollout.temperature)[0],
+            lambda engine, batch: response_logprobs(
+                engine, batch, self.cfg.rollout.temperature, tile_tokens=self.cfg.ds.logits_tile_tokens
+            )[0],
             micro_batch=self.cfg.rollout.micro_batch_size,
             max_tokens=self.score_tokens,
             pad_id=self.pad_id,
@@ -377,6 +443,7 @@ class PolicyTrainer:
                             cfg.rollout.temperature,
                             with_entropy=log_entropy,
                             entropy_grad=entropy_in_loss,
+                            tile_tokens=cfg.ds.logits_tile_tokens,
                         )
                         if reuse and weight:
                             old_lp[idx, :T] = lp.detach().float().cpu()

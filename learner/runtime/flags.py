@@ -188,6 +188,14 @@ class DSSection:
         "stays within each sample)",
         flat="packing_samples",
     )
+    logits_tile_tokens: int = flag(
+        1024,
+        "token log-probs, entropy and the losses on them computed this many tokens at a time: the model's final "
+        "hidden states go through the output head one tile of rows at a time, recomputed in backward, so at most one "
+        "tile's (tokens x vocabulary) logits exist (common.tiled_logits; docs/long-context.md); 0: all of a "
+        "micro-batch's logits at once",
+        flat="logits_tile_tokens",
+    )
     host_malloc: str = host_malloc_flag(group="", flat="host_malloc")
     coalesce_grad_reduction: str = coalesce_flag(group="", flat="coalesce_grad_reduction")
     value_head_prefix: str = flag(
@@ -224,6 +232,8 @@ class DSSection:
     ring_attn_head_stride: int = flag(1, "ring attention head stride", inert="sequence parallelism is issue 41")
 
     def __post_init__(self) -> None:
+        if self.logits_tile_tokens < 0:
+            raise ValueError(f"--ds.logits_tile_tokens must be >= 0 (0: whole logits), got {self.logits_tile_tokens}")
         if self.param_dtype == "fp16":
             raise ValueError("--ds.param_dtype fp16 is not supported: bf16 (--bf16) or fp32")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
