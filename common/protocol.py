@@ -24,7 +24,9 @@ import msgspec
 
 from common.serialization import TensorEncoder, WireError, make_ext_hook
 
-PROTOCOL_VERSION = 3  # 2: typed Hello.capabilities and Ack.info; 3: agent episodes (PromptBatch.agent)
+# 2: typed Hello.capabilities and Ack.info; 3: agent episodes (PromptBatch.agent); 4: an episode's
+# outputs in one struct (SampleBatch.episodes), a reward an episode leaves to the reward service (None)
+PROTOCOL_VERSION = 4
 
 # Default ceiling for one message (all frames). Experience batches are a few MB; weights do
 # not travel over ZMQ (they go over torch.distributed), so anything near this is a bug.
@@ -200,6 +202,30 @@ class PromptBatch(Message):
                 raise ValueError(f"token_ids[{i}] (prompt id {self.prompt_ids[i]}) is empty")
 
 
+class EpisodeOutputs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    # Part of SampleBatch: what its N agent episodes (PromptBatch.agent) produced beside their
+    # tokens, one entry per sample. Its mask is one flat frame like the batch's tokens.
+    action_mask: Tensor  # (L,) uint8: 1 on tokens the policy sampled, 0 on environment feedback
+    # (N,) the agent's reward, summed over the turns; None: the episode left it to the run's
+    # reward service (OpenRLHF's executors return None to have the reward model score the sample)
+    rewards: list[float | None]
+    scores: list[float | None] = []  # (N,) its score (dynamic filtering); None: its reward's
+    turns: list[int] = []  # (N,) actions taken
+    logs: list[dict[str, float]] = []  # (N,) the last step's extra_logs (numbers only)
+
+    def check(self, n: int, total: int) -> None:
+        """Raises ValueError unless it describes ``n`` samples of ``total`` response tokens."""
+        _check_tensor("episodes.action_mask", self.action_mask, "int")
+        if _numel(self.action_mask) != total:
+            raise ValueError(
+                f"episodes.action_mask has {_numel(self.action_mask)} entries, response_lengths sum to {total}"
+            )
+        _check_len("episodes.rewards", self.rewards, n, "one per sample")
+        for name in ("scores", "turns", "logs"):
+            if getattr(self, name):
+                _check_len(f"episodes.{name}", getattr(self, name), n, "one per sample")
+
+
 @register
 class SampleBatch(Message):
     # rollout server -> controller, and controller -> reward service (inside ScoreRequest).
@@ -214,14 +240,10 @@ class SampleBatch(Message):
     policy_versions: list[int] = []  # (N,) version of the weights that *started* the sample
     prompt_token_ids: list[list[int]] | None = None  # (N,) optional echo of the prompt
     server: str = ""  # name of the server that produced the batch
-    # Agent episodes (PromptBatch.agent): the response is every token after the episode's
-    # prompt (prompt_token_ids, then required: an agent may rewrite the observation it starts
-    # from), the policy's actions and the environment's feedback interleaved.
-    action_mask: Tensor | None = None  # (L,) bool/uint8: 1 on tokens the policy sampled
-    agent_rewards: list[float] = []  # (N,) the agent's reward, summed over the turns
-    agent_scores: list[float] = []  # (N,) its score (dynamic filtering), else the reward
-    turns: list[int] = []  # (N,) actions taken
-    agent_logs: list[dict[str, float]] = []  # (N,) the last step's extra_logs (numbers only)
+    # Agent episodes (PromptBatch.agent; None: plain samples): the response is every token after
+    # the episode's prompt (prompt_token_ids, then required: an agent may rewrite the observation
+    # it starts from), the policy's actions and the environment's feedback interleaved.
+    episodes: EpisodeOutputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -243,15 +265,10 @@ class SampleBatch(Message):
             raise ValueError(f"response_ids has {_numel(self.response_ids)} tokens, response_lengths sum to {total}")
         if self.logprobs is not None and _numel(self.logprobs) != total:
             raise ValueError(f"logprobs has {_numel(self.logprobs)} entries, response_lengths sum to {total}")
-        if self.action_mask is not None:
-            _check_tensor("action_mask", self.action_mask, "int")
-            if _numel(self.action_mask) != total:
-                raise ValueError(f"action_mask has {_numel(self.action_mask)} entries, response_lengths sum to {total}")
+        if self.episodes is not None:
+            self.episodes.check(n, total)
             if self.prompt_token_ids is None:
-                raise ValueError("action_mask (agent episodes) needs prompt_token_ids: the episode's own prompt")
-        for name in ("agent_rewards", "agent_scores", "turns", "agent_logs"):
-            if getattr(self, name):
-                _check_len(name, getattr(self, name), n, "one per sample")
+                raise ValueError("episodes (agent episodes) need prompt_token_ids: each episode's own prompt")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

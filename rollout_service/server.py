@@ -55,8 +55,8 @@ ENGINE_WATCH_S = 0.5  # how often the engine's health is read while no controlle
 
 def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
     """Columnar SampleBatch of the samples of ``results`` (prompt by prompt, sample by sample).
-    Agent episodes (every sample of a batch is one, or none is) add their own prompt, action
-    mask, reward, score, turns and logs."""
+    Agent episodes (every sample of a batch is one, or none is) add their own prompt and their
+    outputs (``EpisodeOutputs``: action mask, reward, score, turns, logs)."""
     pids, idx, lens, toks, reasons, versions = [], [], [], [], [], []
     lps: list[float] = []
     with_lp = all(s.logprobs is not None for r in results for s in r.samples)
@@ -76,11 +76,13 @@ def sample_batch(results: list[PromptResult], server: str) -> P.SampleBatch:
     if agent:
         extra = dict(
             prompt_token_ids=[list(e.prompt) for e in episodes],
-            action_mask=np.asarray([m for e in episodes for m in e.action_mask], dtype=np.uint8),
-            agent_rewards=[float(e.reward) for e in episodes],
-            agent_scores=[float(e.score) for e in episodes],
-            turns=[int(e.turns) for e in episodes],
-            agent_logs=[dict(e.extra_logs) for e in episodes],
+            episodes=P.EpisodeOutputs(
+                action_mask=np.asarray([m for e in episodes for m in e.action_mask], dtype=np.uint8),
+                rewards=[e.reward for e in episodes],  # None: left to the run's reward service
+                scores=[e.score for e in episodes],
+                turns=[int(e.turns) for e in episodes],
+                logs=[dict(e.extra_logs) for e in episodes],
+            ),
         )
     return P.SampleBatch(
         prompt_ids=pids,

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from common.protocol import SampleBatch, ScoredBatch
+from common.protocol import EpisodeOutputs, SampleBatch, ScoredBatch
 
 
 def _offsets(lengths: list[int]) -> list[int]:
@@ -54,29 +54,36 @@ def select_samples(b: SampleBatch, rows: list[int]) -> SampleBatch:
     )
 
 
-_AGENT_LISTS = ("agent_rewards", "agent_scores", "turns", "agent_logs")
-
-
 def _agent_rows(b: SampleBatch, rows: list[int]) -> dict:
-    """The agent fields of rows ``rows`` (none for a batch of plain samples)."""
-    if b.action_mask is None:
+    """The episodes' outputs of rows ``rows`` (none for a batch of plain samples)."""
+    ep = b.episodes
+    if ep is None:
         return {}
-    out: dict = {name: [getattr(b, name)[r] for r in rows] for name in _AGENT_LISTS if getattr(b, name)}
-    out["action_mask"] = _take_flat(b.action_mask, b.response_lengths, rows)
-    return out
+
+    def take(values: list) -> list:
+        return [values[r] for r in rows] if values else []
+
+    return {
+        "episodes": EpisodeOutputs(
+            action_mask=_take_flat(ep.action_mask, b.response_lengths, rows),
+            rewards=take(ep.rewards),
+            scores=take(ep.scores),
+            turns=take(ep.turns),
+            logs=take(ep.logs),
+        )
+    }
 
 
 def _agent_concat(batches: list[SampleBatch]) -> dict:
-    """The agent fields of ``concat_samples``: all batches are agent episodes, or none is."""
-    agent = [b.action_mask is not None for b in batches]
+    """The episodes' part of ``concat_samples``: all batches are agent episodes, or none is. A
+    reward service reads each episode's own prompt, not its outputs (mask, rewards, turns): those
+    stay here."""
+    agent = [b.episodes is not None for b in batches]
     if not any(agent):
         return {}
     if not all(agent):
         raise ValueError("cannot join agent episodes and plain samples in one batch")
-    out: dict = {name: [x for b in batches for x in getattr(b, name)] for name in _AGENT_LISTS}
-    out["action_mask"] = _cat([b.action_mask for b in batches])
-    out["prompt_token_ids"] = [t for b in batches for t in (b.prompt_token_ids or [])]
-    return out
+    return {"prompt_token_ids": [t for b in batches for t in (b.prompt_token_ids or [])]}
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -88,7 +95,7 @@ def concat_samples(batches: list[SampleBatch]) -> SampleBatch:
     """One batch of all the samples of ``batches``, in order, as a reward service gets them:
     token ids keep the dtype the rollout servers sent (int32: half the bytes of int64), the
     sampler's log-probs are left out (no reward service reads them: a third of the bytes at
-    long answers)."""
+    long answers), and so are agent episodes' outputs (their own prompts stay)."""
 
     def cat(name):
         return [x for b in batches for x in getattr(b, name)]

@@ -39,6 +39,7 @@ from learner.controller.ledger import Entry, PromptLedger, State
 from learner.controller.pool import ServicePool
 from learner.controller.reward_client import RewardClient, build_score_request
 from learner.controller.rollout_client import RolloutClient
+from learner.controller.scoring import AGENT_SCORER, Scoring, ServiceScoring
 from learner.controller.types import CollectResult, PromptItem, Rollout, ScoredSample
 from learner.controller.weight_fleet import FleetWeights
 
@@ -64,7 +65,7 @@ class Controller:
         sync_joiners_in_pump: bool = True,
         detokenize: Callable[[list[list[int]]], list[str]] | None = None,
         agent: AgentParams | None = None,
-        agent_scores_locally: bool = False,
+        scoring: Scoring | None = None,
         drop_failed_episodes: bool = False,
     ) -> None:
         self.rollout = rollout
@@ -80,11 +81,11 @@ class Controller:
         # Function rewards read text (OpenRLHF's `queries` = prompt + response); the controller
         # has the policy's tokenizer, so it decodes here once instead of in every reward service.
         self.detokenize = detokenize
-        # Agent episodes (docs/agents.md): every prompt runs as one on the rollout servers, and
-        # the agent's reward is the reward; with agent_scores_locally no reward service is
-        # asked (no reference model: KL off), the episodes are done when they arrive.
+        # Agent episodes (docs/agents.md): every prompt runs as one on the rollout servers.
         self.agent = agent
-        self.agent_scores_locally = agent_scores_locally
+        # How a prompt's samples are scored (here, or by a reward service), chosen when the run
+        # is built (learner/rl/build.py:sample_scoring; learner/controller/scoring.py).
+        self.scoring = scoring or ServiceScoring()
         # --agent_failure drop: a prompt whose episode failed is dropped like a group whose
         # scoring failed (counted, left out of the batch) instead of being issued again.
         self.drop_failed_episodes = drop_failed_episodes
@@ -161,8 +162,8 @@ class Controller:
             for pid, sub in split_by_prompt(msg).items():
                 if sub.policy_versions and min(sub.policy_versions) < self.pool.policy_version:
                     self.counters["stale_samples"] += len(sub)
-                if self.ledger.generated(pid, sub, peer.name) and self.agent_scores_locally:
-                    self._score_episodes(pid, sub)
+                if self.ledger.generated(pid, sub, peer.name):
+                    self._score_here(pid, sub)
         elif isinstance(msg, Error):  # a rollout server refusing prompts (call id 0)
             self.pool.complete(identity, msg.prompt_ids)
             if msg.code == AGENT_FAILED:
@@ -174,24 +175,17 @@ class Controller:
         else:  # includes a late ScoredBatch whose request was given up: the ledger re-issued it
             log.debug("ignoring %s from %s", type(msg).__name__, peer.name)
 
-    def _score_episodes(self, pid: int, sub: SampleBatch) -> None:
-        """A prompt's agent episodes need no reward service: the agent's rewards are its scores."""
-        if sub.action_mask is None or not sub.agent_rewards:
-            self._on_error(
-                sub.server, Error(code="bad_request", message="plain samples where agent episodes were asked"), [pid]
-            )
+    def _score_here(self, pid: int, sub: SampleBatch) -> None:
+        """A prompt the run's scoring rates without a reward service is scored now; the others
+        wait for one (``_dispatch_scoring``)."""
+        try:
+            scored = self.scoring.route(sub)
+        except ValueError as e:
+            self._on_error(sub.server, Error(code="bad_request", message=str(e)), [pid])
             return
-        names = sorted({k for logs in sub.agent_logs for k in logs})
-        scored = ScoredBatch(
-            prompt_ids=list(sub.prompt_ids),
-            sample_indices=list(sub.sample_indices),
-            rewards=torch.tensor(sub.agent_rewards, dtype=torch.float32),
-            scores=torch.tensor(sub.agent_scores or sub.agent_rewards, dtype=torch.float32),
-            extra_logs={k: [float(logs.get(k, float("nan"))) for logs in sub.agent_logs] for k in names},
-            server=AGENT_SCORER,
-        )
-        self.ledger.start_scoring([pid], AGENT_SCORER)
-        self.ledger.scored(pid, scored, AGENT_SCORER)
+        if scored is not None:
+            self.ledger.start_scoring([pid], scored.server)
+            self.ledger.scored(pid, scored, scored.server)
 
     def _drop_episodes(self, peer: str, err: Error) -> None:
         """The prompts of failed episodes end as failed groups (``to_rollout`` and the async feed
@@ -220,6 +214,9 @@ class Controller:
             sb = e.samples if e is not None else None
             lengths.append(sb.response_lengths[sb.sample_indices.index(idx)] if sb is not None else 0)
         for pid, sub in split_scored_by_prompt(msg, lengths).items():
+            e = entries.get(pid)
+            if e is not None and e.samples is not None:  # else a late answer: the ledger drops it
+                sub = self.scoring.merge(e.samples, sub)
             self.ledger.scored(pid, sub, peer)
 
     def _on_error(self, peer: str, err: Error, prompt_ids: list[int]) -> None:
@@ -276,8 +273,9 @@ class Controller:
             if self.detokenize is not None:
                 responses = self.detokenize([r.tolist() for r in samples.split_responses()])
                 queries = [p + r for p, r in zip(prompts, responses, strict=True)]
-            # An agent episode's own prompt: its environment may have rewritten the first observation.
-            episode_prompts = samples.prompt_token_ids if samples.action_mask is not None else None
+            # An agent episode's own prompt (its environment may have rewritten the first
+            # observation): concat_samples keeps it, and only for episodes.
+            episode_prompts = samples.prompt_token_ids
             req = build_score_request(
                 samples,
                 episode_prompts if episode_prompts is not None else [e.payload.tokens for e in per_sample],
@@ -394,7 +392,6 @@ class Controller:
         return CollectResult(Rollout(samples, group_size), kept, failed_groups, reasons)
 
 
-AGENT_SCORER = "agent"  # the "reward service" of episodes scored by their own agent
 AGENT_FAILED = "agent_failed"  # rollout server -> controller Error code: an episode failed (not the server)
 
 
@@ -433,8 +430,8 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
         for idx in sc.sample_indices:
             ref_offsets[idx] = (acc, length[idx])
             acc += length[idx]
-    agent = sb.action_mask is not None
-    masks = sb.action_mask.bool().split(sb.response_lengths) if agent else None
+    ep = sb.episodes
+    masks = ep.action_mask.bool().split(sb.response_lengths) if ep is not None else None
     # The group shares its prompt's token list (read-only downstream); an agent's episodes each
     # carry their own (the prompt as the episode's first turn saw it).
     prompt = e.payload.tokens
@@ -449,18 +446,18 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
             ScoredSample(
                 prompt_id=e.prompt_id,
                 sample_index=idx,
-                prompt=list(sb.prompt_token_ids[i]) if agent else prompt,
+                prompt=list(sb.prompt_token_ids[i]) if ep is not None and sb.prompt_token_ids else prompt,
                 response=resp[i],
                 rollout_logprobs=lps[i],
                 ref_logprobs=ref,
-                # an agent's reward is the reward (a reward service scores the reference only)
-                reward=float(sb.agent_rewards[i]) if agent else float(sc.rewards[score_row[idx]]),
+                # the run's Scoring has put each sample's reward here (an episode's own, or the service's)
+                reward=float(sc.rewards[score_row[idx]]),
                 finish_reason=sb.finish_reasons[i] if sb.finish_reasons else "stop",
                 policy_version=sb.policy_versions[i] if sb.policy_versions else 0,
                 action_mask=masks[i].clone() if masks is not None else None,
-                turns=sb.turns[i] if agent and sb.turns else 0,
+                turns=ep.turns[i] if ep is not None and ep.turns else 0,
                 reward_logs={k: float(v[score_row[idx]]) for k, v in reward_logs.items()},
-                agent_logs=dict(sb.agent_logs[i]) if agent and sb.agent_logs else {},
+                agent_logs=dict(ep.logs[i]) if ep is not None and ep.logs else {},
             )
         )
     return out

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common.protocol import Error, Hello, RewardCapabilities, RolloutCapabilities, SamplingParams
+from learner.controller.scoring import EpisodeScoring, Scoring, ServiceScoring
 from learner.rl.config import PPOConfig
 from learner.rl.config.sections import EvalSection, RolloutSection
 from learner.runtime.checkpoint_config import CkptSection
@@ -112,7 +113,7 @@ def build_rank0(
             sync_joiners_in_pump=rank0_syncs_joiners(cfg, world_size),
             detokenize=decode,
             agent=cfg.agent_params(),
-            agent_scores_locally=bool(cfg.train.agent_func_path) and not cfg.algo.kl.needed,
+            scoring=sample_scoring(cfg),
             drop_failed_episodes=cfg.agent.failure == "drop",
         )
         seed = cfg.train.seed if cfg.rollout.seed_sampling else None
@@ -193,6 +194,18 @@ def train_engine(cfg: PPOConfig, model: Any, optim: OptimizerFields, optimizer_s
     )
 
 
+def sample_scoring(cfg: PPOConfig) -> Scoring:
+    """How the run's samples get their rewards (``learner/controller/scoring.py``): by a reward
+    service, or, with an agent, by their episodes, a reward service asked only for the reference
+    (KL) and for the episodes that leave their reward to it (``reward: None``), which needs a
+    reward model or function (--reward_pretrain, --remote_rm_url)."""
+    if not cfg.train.agent_func_path:
+        return ServiceScoring()
+    return EpisodeScoring(
+        reference=cfg.algo.kl.needed, service_rewards=bool(cfg.reward.model_name_or_path or cfg.reward.remote_url)
+    )
+
+
 def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     """The learner's flags promise sources (KL needs reference log-probs, --reward_pretrain a
     reward model); fail at start-up, naming the services, if none of them provides one."""
@@ -213,13 +226,6 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     for source, why in want:
         if not any(source in s for s in sources.values()):
             raise RunError(f"{why} (connected reward services and their sources: {sources})")
-    if cfg.train.agent_func_path and cfg.algo.kl.needed:
-        scoring = {name: sorted(s - {"ref"}) for name, s in sources.items() if s - {"ref"}}
-        if scoring:  # the episodes go to them for the reference's log-probs: nothing else may score
-            raise RunError(
-                "--agent_func_path: the agent's rewards are the reward, but reward services that score the "
-                f"episodes also reward them ({scoring}); start them with --ref_pretrain only (docs/agents.md)"
-            )
 
 
 def rollout_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:

@@ -137,16 +137,14 @@ class PPOConfig:
             return
         if not self.train.agent_func_path.endswith(".py"):
             raise ValueError(f"--agent_func_path {self.train.agent_func_path}: an agent is a Python file (.py)")
-        if self.reward.model_name_or_path:
-            raise ValueError(
-                "--agent_func_path with --reward_pretrain: the agent's rewards are the reward; adding a reward "
-                "model's on top is not built (docs/agents.md)"
-            )
         self.agent_params()  # the file is read now: a missing one fails here, naming the flag
-        if not self.algo.kl.needed and self.services.min_reward_services:
+        # A reward model or function scores only the episodes that return reward None (docs/agents.md).
+        scorer = self.reward.model_name_or_path or self.reward.remote_url
+        if not self.algo.kl.needed and not scorer and self.services.min_reward_services:
             self.services.min_reward_services = 0
             self.notices.append(
-                "--agent_func_path without KL: the agent scores its episodes, no reward service is waited for"
+                "--agent_func_path without KL: the agent scores its episodes, no reward service is waited for "
+                "(an episode that returns reward None then fails: give --reward_pretrain or --remote_rm_url to score it)"
             )
 
     def _check_logging(self) -> None:

@@ -263,12 +263,14 @@ def agent_batch():
         finish_reasons=["stop", "length"],
         policy_versions=[3, 3],
         prompt_token_ids=[[9, 9], [9, 9, 8]],
-        action_mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8),
-        agent_rewards=[1.5, 0.0],
-        agent_scores=[1.0, 0.0],
-        turns=[2, 1],
-        agent_logs=[{"tries": 2.0}, {}],
         server="r0",
+        episodes=P.EpisodeOutputs(
+            action_mask=torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8),
+            rewards=[1.5, None],  # None: left to the reward service
+            scores=[1.0, None],
+            turns=[2, 1],
+            logs=[{"tries": 2.0}, {}],
+        ),
     )
 
 
@@ -292,15 +294,29 @@ def test_agent_fields_roundtrip_and_are_checked_naming_the_field():
         with pytest.raises(ValueError, match=needle):
             P.AgentParams(**{"agent": "a", "max_len": 8, **kw})
     fields = {f: getattr(b, f) for f in b.__struct_fields__}
+    ep = {f: getattr(b.episodes, f) for f in b.episodes.__struct_fields__}
     for change, needle in [
-        (dict(action_mask=torch.ones(4, dtype=torch.uint8)), "action_mask has 4 entries, response_lengths sum to 5"),
-        (dict(action_mask=torch.ones(5)), "action_mask must hold int values"),
-        (dict(prompt_token_ids=None), "action_mask .agent episodes. needs prompt_token_ids"),
-        (dict(agent_rewards=[1.0]), "agent_rewards has 1 entries, expected 2"),
-        (dict(turns=[1, 2, 3]), "turns has 3 entries, expected 2"),
+        (
+            dict(action_mask=torch.ones(4, dtype=torch.uint8)),
+            r"episodes.action_mask has 4 entries, response_lengths sum to 5",
+        ),
+        (dict(action_mask=torch.ones(5)), r"episodes.action_mask must hold int values"),
+        (dict(rewards=[1.0]), r"episodes.rewards has 1 entries, expected 2"),
+        (dict(turns=[1, 2, 3]), r"episodes.turns has 3 entries, expected 2"),
     ]:
         with pytest.raises(ValueError, match=needle):
-            P.SampleBatch(**{**fields, **change})
+            P.SampleBatch(**{**fields, "episodes": P.EpisodeOutputs(**{**ep, **change})})
+    with pytest.raises(ValueError, match=r"episodes .agent episodes. need prompt_token_ids"):
+        P.SampleBatch(**{**fields, "prompt_token_ids": None})
+
+
+def test_an_episodes_mask_travels_in_a_frame_of_its_own():
+    """The mask is packed as the tokens are (one raw frame, a byte a token), not a msgpack list."""
+    b = agent_batch()
+    frames = codec.encode(b)
+    sizes = sorted(len(memoryview(f).cast("B")) for f in frames[2:])
+    assert sizes == [5, 20, 20]  # uint8 mask, int32 tokens, float32 log-probs
+    assert same(roundtrip(b).episodes, b.episodes)
 
 
 def test_agent_episodes_keep_their_fields_through_split_and_concat():
@@ -308,10 +324,9 @@ def test_agent_episodes_keep_their_fields_through_split_and_concat():
 
     b = agent_batch()
     one = select_samples(b, [1])
-    assert one.action_mask.tolist() == [1, 0] and one.agent_rewards == [0.0] and one.turns == [1]
-    assert one.prompt_token_ids == [[9, 9, 8]] and one.agent_logs == [{}]
-    both = concat_samples([select_samples(b, [0]), one])
-    assert same(both.action_mask, b.action_mask) and both.agent_scores == b.agent_scores
-    assert both.prompt_token_ids == b.prompt_token_ids
+    assert one.episodes.action_mask.tolist() == [1, 0] and one.episodes.rewards == [None]
+    assert one.prompt_token_ids == [[9, 9, 8]] and one.episodes.logs == [{}] and one.episodes.turns == [1]
+    both = concat_samples([select_samples(b, [0]), one])  # what a reward service gets: the episodes' prompts
+    assert both.prompt_token_ids == b.prompt_token_ids and both.episodes is None
     with pytest.raises(ValueError, match="cannot join agent episodes and plain samples"):
         concat_samples([b, sample_batch()])

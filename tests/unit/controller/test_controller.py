@@ -17,15 +17,28 @@ from learner.controller.controller import Controller, ServicesMissing
 from learner.controller.ledger import LedgerError, PromptLedger
 from learner.controller.pool import ServicePool
 from learner.controller.rollout_client import RolloutClient
+from learner.controller.scoring import EpisodeScoring
 from learner.controller.types import PromptItem
 
 
 class FakeService(threading.Thread):
     """A rollout or reward service: answers work until stopped; `die()` = silent SIGKILL."""
 
-    def __init__(self, address, name, role, capacity=4, hold=False, agent=False, fail_episodes=(), fail_always=False):
+    def __init__(
+        self,
+        address,
+        name,
+        role,
+        capacity=4,
+        hold=False,
+        agent=False,
+        fail_episodes=(),
+        fail_always=False,
+        unrewarded=(),
+    ):
         super().__init__(daemon=True)
         self.agent = agent  # answer PromptBatches as agent episodes (see _episodes)
+        self.unrewarded = set(unrewarded)  # sample indices whose episodes leave their reward to the service (None)
         self.fail_episodes = set(fail_episodes)  # prompt ids whose episodes fail, the first time each
         self.fail_always = fail_always  # ... or every time
         self.batches: list[P.PromptBatch] = []
@@ -117,7 +130,7 @@ class FakeService(threading.Thread):
         """Sample i of prompt p: the episode's prompt is the prompt + [55] (its environment
         rewrote the first observation); response [p, 900, 901, i]: an action, two environment
         tokens, an action (mask 1 0 0 1); log-probs -0.5 on actions, 0 on the environment;
-        2 turns; reward i + 0.5, score i, one extra log."""
+        2 turns; reward i + 0.5 (None for an index in ``unrewarded``), score i, one extra log."""
         n = msg.sampling.n
         rows = [(p, toks, i) for p, toks in zip(msg.prompt_ids, msg.token_ids, strict=True) for i in range(n)]
         return P.SampleBatch(
@@ -129,12 +142,14 @@ class FakeService(threading.Thread):
             finish_reasons=["stop"] * len(rows),
             policy_versions=[0] * len(rows),
             prompt_token_ids=[[*toks, 55] for _, toks, _ in rows],
-            action_mask=torch.tensor([[1, 0, 0, 1] for _ in rows], dtype=torch.uint8).reshape(-1),
-            agent_rewards=[i + 0.5 for _, _, i in rows],
-            agent_scores=[float(i) for _, _, i in rows],
-            turns=[2] * len(rows),
-            agent_logs=[{"tries": 2.0}] * len(rows),
             server=self.name,
+            episodes=P.EpisodeOutputs(
+                action_mask=torch.tensor([[1, 0, 0, 1] for _ in rows], dtype=torch.uint8).reshape(-1),
+                rewards=[None if i in self.unrewarded else i + 0.5 for _, _, i in rows],
+                scores=[None if i in self.unrewarded else float(i) for _, _, i in rows],
+                turns=[2] * len(rows),
+                logs=[{"tries": 2.0}] * len(rows),
+            ),
         )
 
 
@@ -264,7 +279,11 @@ def test_shutdown_waits_for_each_service_to_confirm_and_names_the_silent_one(ctr
 AGENT = P.AgentParams(agent="env.py:0123456789ab", max_len=64, max_turns=3, step_timeout_s=5.0)
 
 
-def _agent_controller(scores_locally: bool, drop_failed: bool = False, max_attempts: int = 5):
+def _agent_controller(
+    scores_locally: bool, drop_failed: bool = False, max_attempts: int = 5, service_rewards: bool = False
+):
+    """``scores_locally``: KL off (no reference needed); ``service_rewards``: the run has a reward
+    model or function (what build.sample_scoring reads from the flags)."""
     ep = Endpoint.bind("tcp://127.0.0.1:0")
     pool = ServicePool(ep, peer_timeout_s=1.0, needs_preparation=())
     c = Controller(
@@ -273,7 +292,7 @@ def _agent_controller(scores_locally: bool, drop_failed: bool = False, max_attem
         sampling=P.SamplingParams(n=2, max_new_tokens=4),
         max_prompts_per_request=2,
         agent=AGENT,
-        agent_scores_locally=scores_locally,
+        scoring=EpisodeScoring(reference=not scores_locally, service_rewards=service_rewards),
         drop_failed_episodes=drop_failed,
     )
     return c, ep
@@ -333,6 +352,44 @@ def test_agent_episodes_with_kl_go_to_the_reward_service_with_their_own_prompts(
     finally:
         r.die()
         rw.die()
+        ep.close(0)
+
+
+def test_an_episode_that_leaves_its_reward_to_the_reward_service_gets_the_services():
+    """KL off, a reward model or function in the run: an episode returning reward None (sample 1
+    of every prompt) is scored by the reward service (its reward: the sample index, 1.0); its
+    sibling keeps its own (0.5) and so does the score it gave; prompts are sent with the
+    episodes' own prompts."""
+    c, ep = _agent_controller(scores_locally=True, service_rewards=True)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True, unrewarded={1})
+    rw = FakeService(ep.address, "rw0", "reward")
+    r.start()
+    rw.start()
+    try:
+        c.wait_for_services(1, 1, timeout_s=10)
+        res = c.collect(_agent_items(), timeout_s=20)
+        assert [s.reward for s in res.rollout.samples] == [0.5, 1.0] * 3
+        (e,) = [e for e in res.entries if e.prompt_id == 1]
+        assert e.scores.scores.tolist() == [0.0, 1.0]  # the episode's own score, the service's reward
+        assert sorted(map(tuple, rw.score_prompts)) == sorted((100 + p, 7, 55) for p in range(3) for _ in range(2))
+    finally:
+        r.die()
+        rw.die()
+        ep.close(0)
+
+
+def test_an_episode_without_a_reward_in_a_run_without_a_reward_model_fails_its_group_naming_the_flags():
+    c, ep = _agent_controller(scores_locally=True, service_rewards=False)
+    r = FakeService(ep.address, "agent-r0", "rollout", agent=True, unrewarded={1})
+    r.start()
+    try:
+        c.wait_for_services(1, 0, timeout_s=10)
+        res = c.collect(_agent_items(), timeout_s=20)
+        assert res.failed_groups == 3 and res.rollout.samples == []
+        assert "1 episode(s) returned reward None" in res.reasons[0]
+        assert "pass --reward_pretrain or --remote_rm_url" in res.reasons[0]
+    finally:
+        r.die()
         ep.close(0)
 
 

@@ -33,10 +33,9 @@ def _samples(pid: int, n: int, **agent) -> P.SampleBatch:
     if agent:  # agent episodes: their own prompt, a mask, and what the agent reported
         extra = dict(
             prompt_token_ids=[[1, 2]] * n,
-            action_mask=torch.ones(2 * n, dtype=torch.uint8),
-            agent_rewards=[1.0] * n,
-            turns=[2] * n,
-            **agent,
+            episodes=P.EpisodeOutputs(
+                action_mask=torch.ones(2 * n, dtype=torch.uint8), rewards=[1.0] * n, turns=[2] * n, **agent
+            ),
         )
     return P.SampleBatch(
         prompt_ids=[pid] * n,
@@ -74,7 +73,7 @@ def _agent_rollout() -> Rollout:
     # (a name rayless's own agent/turns already has). Scored by the agent itself: the scores
     # carry the same logs, which must not come back as reward/ metrics.
     logs = [{"tries": 2.0, "turns": 5.0}, {"tries": 1.0}]
-    sb = _samples(7, 2, agent_logs=logs)
+    sb = _samples(7, 2, logs=logs)
     e = _entry(7, sb, {"tries": [2.0, 1.0], "turns": [5.0, NAN]}, server=AGENT_SCORER)
     return Rollout(scored_samples(e), group_size=2)
 

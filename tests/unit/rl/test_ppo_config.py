@@ -7,6 +7,8 @@ import logging
 import pytest
 
 from common.config import build, parse
+from learner.controller.scoring import EpisodeScoring, ServiceScoring
+from learner.rl.build import sample_scoring
 from learner.rl.config import PPOConfig
 
 BASE = dict(
@@ -188,7 +190,8 @@ def test_cli_errors_name_the_flag(capsys):
 def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
     """--agent_func_path is read at the flags' check: the identity every prompt batch carries is
     the file's name and content hash; without KL no reward service is waited for (the agent
-    scores), and a reward model on top of the agent is refused (not built)."""
+    scores) unless a reward model or function is given (it scores the episodes that return reward
+    None), and the run scores by its episodes (learner.rl.build.sample_scoring)."""
     with pytest.raises(ValueError, match=r"--agent_func_path .*nope.py: cannot read the agent file"):
         cfg(agent_func_path=str(tmp_path / "nope.py"))
     with pytest.raises(ValueError, match="an agent is a Python file"):
@@ -203,8 +206,11 @@ def test_agent_flags_are_checked_and_name_the_agent_by_content(tmp_path):
     env.write_text("class AgentExecutor: pass\n")  # another version of the file: another identity
     assert cfg(agent_func_path=str(env)).agent_params().agent != params.agent
     assert cfg(agent_func_path=str(env), init_kl_coef=0.01).services.min_reward_services == 1  # the reference scores
-    with pytest.raises(ValueError, match="--agent_func_path with --reward_pretrain"):
-        cfg(agent_func_path=str(env), reward_pretrain="rm")
+    with_rm = cfg(agent_func_path=str(env), reward_pretrain="rm", init_kl_coef=0.0)
+    assert with_rm.services.min_reward_services == 1  # the reward model scores episodes that leave it None
+    scoring = sample_scoring(with_rm)
+    assert isinstance(scoring, EpisodeScoring) and scoring.service_rewards and not scoring.reference
+    assert isinstance(sample_scoring(cfg()), ServiceScoring)
     assert (
         cfg().data.max_len == cfg().data.prompt_max_len + cfg().rollout.max_new_tokens and cfg().agent_params() is None
     )

@@ -292,10 +292,11 @@ def test_agent_episodes_on_the_real_engine_are_token_exact(stack):
         rows = [i for i, p in enumerate(b.prompt_ids) if p == pid]
         assert len(rows) == 2
         responses, lps = b.split_responses(), b.split_logprobs()
-        masks = torch.as_tensor(b.action_mask).split(b.response_lengths)
+        ep = b.episodes
+        masks = torch.as_tensor(ep.action_mask).split(b.response_lengths)
         for i in rows:
-            assert b.prompt_token_ids[i] == prompt and b.turns[i] == 3 and b.agent_rewards[i] == 3.0
-            assert b.policy_versions[i] == v and b.agent_logs[i] == {"turn": 3.0}
+            assert b.prompt_token_ids[i] == prompt and ep.turns[i] == 3 and ep.rewards[i] == 3.0
+            assert b.policy_versions[i] == v and ep.logs[i] == {"turn": 3.0}
             resp, lp, mask = responses[i].tolist(), lps[i], masks[i].bool()
             # actions (each up to 12 tokens, a stop token kept where it stopped) and " ok" twice
             segments, k = [], 0
