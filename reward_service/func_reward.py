@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
+from common.child_process import stop as stop_process
 from reward_service import func_worker
 from reward_service.results import SourceResult, from_raw
 
@@ -46,17 +47,6 @@ class FuncLoadError(RuntimeError):
 
 class CallFailed(RuntimeError):
     pass
-
-
-def _kill(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(grace_s)
 
 
 class FuncWorker:
@@ -148,7 +138,7 @@ class FuncWorker:
             self.conn.close()
             self.conn = None
         if self.proc is not None:
-            _kill(self.proc)
+            stop_process(self.proc)
             self.proc = None
 
 

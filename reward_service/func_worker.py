@@ -27,7 +27,8 @@ import msgspec
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the service dies, so a hung function is never orphaned."""
+    """Linux: SIGKILL this process when the service dies, so a hung function is never orphaned.
+    (``common.child_process.die_with_parent``'s twin: this file is run by path, without the package.)"""
     try:
         import ctypes
         import signal

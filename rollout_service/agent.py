@@ -137,7 +137,32 @@ class TurnEngine:
         """Seconds since the engine last had a call running (0 while one runs)."""
         return 0.0 if self._busy else self._clock() - self._idle_since
 
-    async def generate(self, token_ids: list[int], sampling_params: Any) -> Any:
+    @property
+    def in_engine(self) -> bool:
+        """A call of the episode is running on the engine (its environment's code is not)."""
+        return self._busy > 0
+
+    def restart(self) -> None:
+        """Forgets the record: the episode runs again from its first turn (its environment
+        worker died under it: ``env_pool.py``). Only once no call of the old run is running."""
+        self.turns.clear()
+        self.history.clear()
+        self.engine_error = None
+        self._idle_since = self._clock()
+
+    async def generate(self, token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None) -> Any:
+        """One turn: ``token_ids`` continued under ``sampling_params``. ``multi_modal_data`` is
+        OpenRLHF 0.10's (its executors pass it on every call: ``{"image": [PIL images]}`` or
+        None); text only here: None or no images is a text turn, images fail the episode."""
+        media = multi_modal_data.values() if isinstance(multi_modal_data, dict) else [multi_modal_data]
+        if any(m is not None and (not hasattr(m, "__len__") or len(m)) for m in media):
+            kinds = (
+                sorted(multi_modal_data) if isinstance(multi_modal_data, dict) else [type(multi_modal_data).__name__]
+            )
+            raise EpisodeError(
+                f"the agent passed images to generate() (multi_modal_data: {', '.join(map(str, kinds))}): vision is "
+                "not yet supported in rayless (issue 42); episodes are text only"
+            )
         token_ids = list(token_ids)
         if self.max_turns and len(self.turns) >= self.max_turns:
             raise EpisodeError(
@@ -184,8 +209,8 @@ class Episode:
     response: list[int]  # actions and environment feedback, up to the last action
     action_mask: list[int]  # (len(response),) 1 on sampled tokens
     logprobs: list[float]  # (len(response),) vLLM's on actions, 0.0 on feedback
-    reward: float
-    score: float
+    reward: float | None  # None: left to the run's reward service (an OpenRLHF executor's None)
+    score: float | None  # None: the reward's (the service's, when it scores the episode)
     turns: int
     version: int  # of the first action token
     finish_reason: str  # "stop" (the environment ended it) | "length" (max_len or max_turns)
@@ -225,8 +250,14 @@ def build_episode(result: Any, engine: TurnEngine) -> Episode:
     for t, (a, b) in zip(engine.turns, ranges, strict=True):
         mask[a - start : b - start] = [1] * (b - a)
         lps[a - start : b - start] = t.logprobs
+    if "reward" not in result:
+        raise EpisodeError(
+            "execute() returned no 'reward' (a number, or None to have the run's reward service score the episode)"
+        )
     try:
-        reward = as_number(result.get("reward"), "the episode's 'reward'")
+        # None: OpenRLHF's executors leave the reward to the reward model / function; so does rayless
+        r = result["reward"]
+        reward = None if r is None else as_number(r, "the episode's 'reward'")
         s = result.get("scores")
         score = reward if s is None else as_number(s, "the episode's 'scores'")
         logs = numeric_logs(result.get("extra_logs"), "execute()")
