@@ -26,9 +26,11 @@ episodes' generation). ``rewards`` and ``scores`` may be numbers or one-element 
 
 A custom executor overrides ``execute(prompt, label, sampling_params, max_length, hf_tokenizer,
 llm_engine)`` and drives the engine with ``await llm_engine.generate(token_ids,
-sampling_params)``, which returns a vLLM ``RequestOutput`` (``outputs[0].token_ids``, ``.text``,
-``.logprobs``); it returns OpenRLHF's dict: ``observation_tokens`` (the whole episode),
-``action_ranges`` (``[start, end)`` of every action in it), ``reward``, ``scores``,
+sampling_params)`` (OpenRLHF 0.10's ``multi_modal_data=`` keyword is taken: None or no images;
+images fail the episode, vision being issue 42), which returns a vLLM ``RequestOutput``
+(``outputs[0].token_ids``, ``.text``, ``.logprobs``); it returns OpenRLHF's dict:
+``observation_tokens`` (the whole episode), ``action_ranges`` (``[start, end)`` of every action
+in it), ``reward`` (None: the run's reward service scores the episode), ``scores``,
 ``extra_logs`` (``rollout_log_probs`` is read from the engine's own record, not from the dict).
 
 Where rayless differs from OpenRLHF's ``MultiTurnAgentExecutor`` (docs/agents.md):

@@ -275,6 +275,51 @@ def test_a_custom_executor_trains_and_a_re_encoded_action_is_refused():
         _custom(Custom(), [[EOS], [EOS]], max_turns=1)
 
 
+class OpenRLHF010Call(MultiTurnAgentExecutor):
+    """A custom executor that calls the engine as OpenRLHF 0.10's executors do: ``images=None`` in
+    its own signature, ``multi_modal_data`` on every generate call (None for text), and a reward
+    it may leave to the reward model (None)."""
+
+    def __init__(self, media=None, reward=0.5):
+        super().__init__(ThreeTurns)
+        self.media, self.reward = media, reward
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
+        toks = hf_tokenizer(prompt)["input_ids"]
+        out = await llm_engine.generate(toks, sampling_params, multi_modal_data=self.media)
+        a = list(out.outputs[0].token_ids)
+        return {
+            "observation_tokens": toks + a,
+            "action_ranges": [(len(toks), len(toks) + len(a))],
+            "reward": self.reward,
+            "scores": None,
+            "extra_logs": {},
+        }
+
+
+def test_openrlhf_010s_generate_keyword_is_taken_and_images_fail_the_episode_naming_issue_42():
+    for text_only in (None, {}, {"image": []}, {"image": None}):
+        ep = _custom(OpenRLHF010Call(media=text_only), [[*ids("x"), EOS]])
+        assert ep.response == [*ids("x"), EOS] and ep.reward == 0.5
+    for images in ({"image": [object()]}, {"image": object()}):
+        with pytest.raises(EpisodeError, match=r"images to generate\(\).*vision is not yet supported.*issue 42"):
+            _custom(OpenRLHF010Call(media=images), [[*ids("x"), EOS]])
+
+
+def test_a_reward_left_to_the_reward_service_is_none_and_a_missing_one_is_refused():
+    ep = _custom(OpenRLHF010Call(reward=None), [[*ids("x"), EOS]])
+    assert ep.reward is None and ep.score is None  # the run's reward service scores it (docs/agents.md)
+
+    class NoReward(OpenRLHF010Call):
+        async def execute(self, *args, **kw):
+            result = await super().execute(*args, **kw)
+            del result["reward"]
+            return result
+
+    with pytest.raises(EpisodeError, match="returned no 'reward' .a number, or None"):
+        _custom(NoReward(), [[*ids("x"), EOS]])
+
+
 def test_build_episode_refuses_misplaced_action_ranges_and_an_episode_without_action():
     engine = TurnEngine(ScriptedRequest([[7, 8]]), same_params, prompt_token_ids=[1], max_len=8)
     run(engine.generate([1], SimpleNamespace(max_tokens=4)))
@@ -375,6 +420,16 @@ def test_episodes_through_the_core_carry_mask_logprobs_and_the_first_actions_ver
         assert s.episode.reward == 1.0 and s.episode.turns == 1 and s.policy_version == 0
     assert core.episodes.counters["episodes"] == 2 and core.episodes.counters["agent_turns"] == 2
     assert core.metrics()["episodes"] == 2.0
+
+
+def test_an_episode_without_a_reward_leaves_the_server_as_none_in_its_batch():
+    from rollout_service.server import sample_batch
+
+    core = core_running(OpenRLHF010Call(reward=None))
+    res = run(core.generate(1, [1, 2], SP, agent=AGENT, label="L"))
+    b = P.Codec().decode(P.Codec().encode(sample_batch([res], "r0")))  # what the controller gets
+    assert b.episodes.rewards == [None, None] and b.episodes.scores == [None, None]
+    assert b.episodes.action_mask.tolist() == [1, 1, 1] * 2 and b.prompt_token_ids == [[1, 2], [1, 2]]
 
 
 def test_a_weight_update_mid_episode_keeps_it_and_later_turns_use_the_new_weights():
