@@ -292,6 +292,8 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
         out.append("--enable_sleep")
     if learner.train.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
         out += ["--agent_func_path", os.path.abspath(learner.train.agent_func_path)]
+        if learner.agent.tool_call_parser:  # an agent_func file's tool calls (rollout_service/openai_api.py)
+            out += ["--tool_call_parser", learner.agent.tool_call_parser]
     if learner.ds.lora.rank and learner.services.lora_sync == "adapter":  # vLLM serves the learner's adapter
         out += ["--enable_lora", "--max_lora_rank", str(learner.ds.lora.rank)]
         if learner.train.async_enable:  # requests of every version within the bound run side by side

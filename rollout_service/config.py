@@ -71,7 +71,16 @@ class RolloutConfig:
     agent_func_path: str = flag(
         "",
         "an OpenRLHF-style agent file (AgentExecutor; docs/agents.md): prompts the learner sends as agent "
-        "episodes run through it here, every turn on this engine; plain prompts are served as always",
+        "episodes run through it here, every turn on this engine; plain prompts are served as always. A file "
+        "that defines 'async def agent_func(client, prompt, label)' instead is an OpenAI-API agent: each episode "
+        "gets an openai.AsyncOpenAI client on this server's loopback endpoint (rollout_service/openai_api.py)",
+        group="agents",
+    )
+    tool_call_parser: str = flag(
+        "",
+        "the vLLM tool parser (as vLLM's --tool-call-parser: hermes, llama3_json, mistral, ...) that turns an "
+        "OpenAI-API agent's replies into 'tool_calls' when its request has 'tools'; empty: such requests are "
+        "refused",
         group="agents",
     )
     # -- weights

@@ -262,7 +262,9 @@ class RolloutCore:
         ``episodes``), starts vLLM's engine (or adopts ``engine``), probes its workers. An engine
         started here is shut down again if the probe fails."""
         if episodes is None and cfg.agent_func_path:  # before the engine: a bad agent file fails in a second
-            episodes = EpisodeRunner.load(cfg.agent_func_path, cfg.model, max_model_len=cfg.max_model_len)
+            episodes = EpisodeRunner.load(
+                cfg.agent_func_path, cfg.model, max_model_len=cfg.max_model_len, tool_call_parser=cfg.tool_call_parser
+            )
         share = cfg.gpu_memory_utilization
         if engine is None:
             share = memory_share(cfg)
@@ -309,6 +311,8 @@ class RolloutCore:
         return self.episodes.identity if self.episodes is not None else ""
 
     async def shutdown(self) -> None:
+        if self.episodes is not None:
+            await self.episodes.close()
         if self.llm is not None:
             llm, self.llm = self.llm, None
             await shutdown_async_llm(llm)  # its output handler first: no EngineDeadError after a clean stop
@@ -563,6 +567,15 @@ class RolloutCore:
         await self.release("update")
         async with self._changed:  # an adapter-only update held nothing, yet the version moved
             self._changed.notify_all()
+
+    def admit_from(self, version: int) -> None:
+        """No prompt starts on weights older than ``version`` from now on (a controller's version
+        at its Welcome: its pushes bring at least that)."""
+        self.version_floor = version
+
+    def count_aborted_by_controller(self, prompts: int) -> None:
+        """The server cancelled ``prompts`` prompts the controller dropped (``P.Abort``)."""
+        self.counters["aborted_by_controller"] += prompts
 
     async def pause(self) -> None:
         await self.hold("pause")

@@ -94,17 +94,32 @@ class EpisodeRunner:
         return self.source.identity
 
     @classmethod
-    def load(cls, path: str, model: str, *, max_model_len: int) -> EpisodeRunner:
-        """The agent file's executor run in-process, with the model's tokenizer. Raises
+    def load(cls, path: str, model: str, *, max_model_len: int, tool_call_parser: str = "") -> EpisodeRunner:
+        """The agent file's executor run in-process, with the model's tokenizer; a file that defines
+        ``agent_func`` runs through the OpenAI-compatible endpoint (``agent_openai.py``). Raises
         ValueError naming the file (before any engine starts: a bad file fails in a second)."""
         from transformers import AutoTokenizer
 
         from rollout_service.agent import load_agent
+        from rollout_service.agent_openai import OpenAIAgent, defines_agent_func, load_agent_func
 
-        executor, identity = load_agent(path)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        log.info("agent %s from %s", identity, path)
-        return cls(InProcessAgent(executor, identity, tokenizer), tokenizer, max_model_len=max_model_len)
+        source: EpisodeSource
+        if defines_agent_func(path):
+            func, identity = load_agent_func(path)
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            source = OpenAIAgent(func, identity, tokenizer, model=model, tool_call_parser=tool_call_parser)
+        else:
+            executor, identity = load_agent(path)
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            source = InProcessAgent(executor, identity, tokenizer)
+        log.info("agent %s from %s (%s)", identity, path, type(source).__name__)
+        return cls(source, tokenizer, max_model_len=max_model_len)
+
+    async def close(self) -> None:
+        """Stops what the agent source serves (the OpenAI-compatible endpoint), if anything."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            await close()
 
     def check(self, token_ids: list[int], agent: P.AgentParams) -> None:
         """Raises BadRequest for episodes this server cannot run."""

@@ -262,8 +262,9 @@ class TrainSection:
     )
     agent_func_path: str = flag(
         "",
-        "an agent file (OpenRLHF's AgentExecutor contract): every prompt runs as a multi-turn episode on the "
-        "rollout servers, which load the same file (launch.local passes it on); the agent's rewards are the reward",
+        "an agent file (OpenRLHF's AgentExecutor contract, or an 'async def agent_func(client, prompt, label)' "
+        "written against the OpenAI API): every prompt runs as a multi-turn episode on the rollout servers, which "
+        "load the same file (launch.local passes it on); the agent's rewards are the reward (docs/agents.md)",
         flat="agent_func_path",
     )
     colocate_actor_ref: bool = flag(
@@ -635,6 +636,12 @@ class AgentSection:
         "again, up to 5 times, then stop the run naming it) or drop (leave its group out, counted)",
         choices=("retry", "drop"),
         flat="agent_failure",
+    )
+    tool_call_parser: str = flag(
+        "",
+        "an OpenAI-API agent file's (agent_func): the vLLM tool parser the rollout servers parse its replies' "
+        "tool calls with (vLLM's --tool-call-parser names: hermes, llama3_json, ...); launch.local passes it on",
+        flat="tool_call_parser",
     )
 
     def __post_init__(self) -> None:

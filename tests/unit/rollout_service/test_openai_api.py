@@ -360,3 +360,91 @@ def test_agent_func_files_are_told_apart_loaded_and_their_rewards_read(tmp_path)
     with pytest.raises(EpisodeError, match="one of 'rewards' or 'reward'"):
         reward_of({"score": 1})
     assert "helpers" in sys.modules  # (the helpers import path the suite sets)
+
+
+# ---------------------------------------------------------------------------------------- in the core
+def core_running_agent_func(func):
+    """A core on the vLLM stand-in (``helpers.fake_llm``) whose episodes run ``func`` through the
+    endpoint. The stand-in samples 3 + (input length + t) % 7 (EOS is 3), log-prob -1.5; its
+    vocabulary is widened to the character tokenizer's text."""
+    from common import protocol as P
+    from helpers.fake_llm import core_on_fake_llm
+    from rollout_service.episodes import EpisodeRunner
+
+    agent = OpenAIAgent(func, "f.py:0123456789ab", TOK, model="m")
+    core = core_on_fake_llm(EpisodeRunner(agent, TOK, max_model_len=200), max_model_len=200)
+    core.llm.model_config = SimpleNamespace(get_vocab_size=lambda: 256)
+    return core, P.AgentParams(agent="f.py:0123456789ab", max_len=200, max_turns=0, step_timeout_s=5)
+
+
+def test_calls_go_through_the_cores_gate_a_weight_update_mid_episode_included():
+    from common import protocol as P
+
+    answered, pushed = [], asyncio.Event()
+
+    async def agent_func(client, prompt, label):
+        msgs = [{"role": "user", "content": "q"}]
+        r = await client.chat.completions.create(model="m", messages=msgs)
+        answered.append(1)
+        await pushed.wait()  # the update lands while the agent thinks
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=msgs)
+        return 1.0
+
+    core, params = core_running_agent_func(agent_func)
+    sp = P.SamplingParams(temperature=1.0, max_new_tokens=3, n=2, logprobs=True)
+
+    async def scenario():
+        ep = asyncio.ensure_future(core.generate(1, ids("learner"), sp, agent=params, label=""))
+        while len(answered) < 2:  # both episodes' first calls answered on v0
+            await asyncio.sleep(0.01)
+        await core.start_weight_update(1)
+        await core.update_weights(["w"], ["float32"], [[1]])
+        await core.finish_weight_update(1)
+        pushed.set()
+        res = await ep
+        await core.shutdown()
+        return res
+
+    llm = core.llm  # (shutdown lets go of it)
+    res = run(scenario())
+    p1 = ids(render([{"role": "user", "content": "q"}]))
+    a1 = [3 + (len(p1) + t) % 7 for t in range(3)]  # cut by length: the template's EOS follows as feedback
+    env = [EOS] + ids("\n\x01user\nagain\x03\n\x01assistant\n")
+    a2 = [3 + (len(p1) + 3 + len(env) + t) % 7 for t in range(3)]
+    for s in res.samples:
+        assert s.episode.prompt == p1 and s.token_ids == a1 + env + a2
+        assert s.episode.action_mask == [1] * 3 + [0] * len(env) + [1] * 3
+        assert s.logprobs == [-1.5] * 3 + [0.0] * len(env) + [-1.5] * 3
+        assert s.policy_version == 0 and s.episode.turns == 2 and s.finish_reason == "length"
+    salts = [p.get("cache_salt") for p in llm.prompts.values()]
+    assert salts.count("rayless-v0") == 2 and salts.count("rayless-v1") == 2
+    assert core.episodes.counters["episodes"] == 2
+
+
+def test_an_episode_cancelled_mid_call_aborts_the_engine_request_behind_the_endpoint():
+    from common import protocol as P
+
+    async def agent_func(client, prompt, label):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        return 0.0
+
+    core, params = core_running_agent_func(agent_func)
+    llm = core.llm
+    sp = P.SamplingParams(temperature=1.0, max_new_tokens=100, n=1, logprobs=True)  # 1 s on the stand-in
+
+    async def scenario():
+        ep = asyncio.ensure_future(core.generate(1, ids("learner"), sp, agent=params, label=""))
+        while not llm.running:  # the call is in the engine
+            await asyncio.sleep(0.01)
+        ep.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await ep
+        for _ in range(50):
+            if "abort" in llm.calls:
+                break
+            await asyncio.sleep(0.02)
+        assert "abort" in llm.calls
+        await core.shutdown()
+
+    run(scenario())
