@@ -141,7 +141,7 @@ class RolloutServer:
         if welcome is None:
             return self._exit_code
         self._welcomed = True
-        self.core.version_floor = welcome.policy_version
+        self.core.admit_from(welcome.policy_version)
         log.info(
             "%s welcomed by the controller (its policy version %d, ours %d)",
             self.name,
@@ -234,7 +234,7 @@ class RolloutServer:
             elif isinstance(msg, P.Error) and msg.code == "unknown_peer":
                 await self._hello_again()
             elif isinstance(msg, P.Welcome) and self.shell.welcomed_again(msg):
-                self.core.version_floor = msg.policy_version
+                self.core.admit_from(msg.policy_version)
                 # Before any call of the new controller is spawned: the old one's weight calls
                 # still queued are refused, its open update failed, its group dropped.
                 self._drop_weight_sync("a new controller session began")
@@ -263,7 +263,7 @@ class RolloutServer:
         tasks = [t for pid in msg.prompt_ids if (t := self._prompt_tasks.pop(pid, None)) is not None]
         for t in tasks:
             t.cancel()
-        self.core.counters["aborted_by_controller"] += len(tasks)
+        self.core.count_aborted_by_controller(len(tasks))
         log.info(
             "aborted %d of %d prompt(s) on the controller's request: %s", len(tasks), len(msg.prompt_ids), msg.reason
         )

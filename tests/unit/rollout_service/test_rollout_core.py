@@ -68,7 +68,7 @@ def test_in_flight_sample_kept_through_an_update_and_labelled_with_its_start(cor
 def test_prompts_wait_for_the_version_they_ask_for_and_for_the_welcome_floor(core):
     async def main():
         want2 = asyncio.ensure_future(core.generate(1, [5], SP, min_version=2))
-        core.version_floor = 1
+        core.admit_from(1)
         floor = asyncio.ensure_future(core.generate(2, [5], SP))
         await asyncio.sleep(0.1)
         assert not core.llm.prompts and core.metrics()["waiting"] == 2
