@@ -448,3 +448,21 @@ def test_an_episode_cancelled_mid_call_aborts_the_engine_request_behind_the_endp
         await core.shutdown()
 
     run(scenario())
+
+
+def test_the_calculator_example_trains_with_its_tool():
+    """examples/agents/openai_calculator.py as a user would run it, on the scripted engine: a
+    calculator call, the tool's value in the conversation, the right answer rewarded."""
+    pytest.importorskip("vllm")
+    from helpers.paths import ROOT
+
+    func, _ = load_agent_func(str(ROOT / "examples/agents/openai_calculator.py"))
+    calc = func.__globals__["calculate"]
+    assert calc("(3 + 4) * 12") == "84" and calc("1/4") == "0.25"
+    assert calc("__import__('os')").startswith("error") and calc("2 ** 1000").startswith("error")
+    a1 = ids('<tool_call>{"name": "calculator", "arguments": {"expression": "17 * 23"}}</tool_call>') + [EOS]
+    a2 = ids("It is 391") + [EOS]
+    eng, req = engine_for([a1, a2], max_len=400)
+    ep = run(episode(make_agent(func, "hermes"), eng, prompt="What is 17 * 23?", label="391"))
+    assert (ep.reward, ep.turns, ep.extra_logs) == (1.0, 2, {"tool_calls": 1.0, "answered": 1.0})
+    assert "\x01tool\n391\x03" in text(req.calls[1][0])  # the tool's value, as the template writes it
