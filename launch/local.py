@@ -292,6 +292,10 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
         out.append("--enable_sleep")
     if learner.train.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
         out += ["--agent_func_path", os.path.abspath(learner.train.agent_func_path)]
+        a = learner.agent
+        if a.env_workers:  # the environments in worker processes beside each server (rollout_service/env_pool.py)
+            out += ["--agent_env_workers", str(a.env_workers), "--agent_episode_timeout_s", str(a.episode_timeout_s)]
+            out += ["--agent_env_worker_memory_mb", str(a.env_worker_memory_mb)]
         if learner.agent.tool_call_parser:  # an agent_func file's tool calls (rollout_service/openai_api.py)
             out += ["--tool_call_parser", learner.agent.tool_call_parser]
     if learner.ds.lora.rank and learner.services.lora_sync == "adapter":  # vLLM serves the learner's adapter

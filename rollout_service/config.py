@@ -83,6 +83,26 @@ class RolloutConfig:
         "refused",
         group="agents",
     )
+    agent_env_workers: int = flag(
+        0,
+        "environment worker processes the agent's episodes run in (rollout_service/env_pool.py: a step that "
+        "hangs, crashes, leaks or exits fails its episode and the worker is replaced, never the server); 0: in "
+        "this server's own process, on the loop that drives vLLM (comparison and debugging)",
+        group="agents",
+    )
+    agent_episode_timeout_s: float = flag(
+        0.0,
+        "with --agent_env_workers: an episode's wall time at most, engine time included; past it the episode "
+        "fails (0: no limit)",
+        group="agents",
+    )
+    agent_env_worker_memory_mb: float = flag(
+        0.0,
+        "with --agent_env_workers: a worker whose resident memory passes this many MiB is killed, failing the "
+        "episode whose environment code was running (0: no limit; watched, not RLIMIT_AS, which breaks torch's "
+        "and tokenizers' address-space reservations)",
+        group="agents",
+    )
     # -- weights
     weight_transfer_backend: str = flag(
         "auto",
@@ -144,6 +164,11 @@ class RolloutConfig:
             raise ValueError(f"--heartbeat_s must be > 0, got {self.heartbeat_s}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.agent_env_workers < 0 or self.agent_episode_timeout_s < 0 or self.agent_env_worker_memory_mb < 0:
+            raise ValueError(
+                "--agent_env_workers, --agent_episode_timeout_s and --agent_env_worker_memory_mb must be >= 0, got "
+                f"{self.agent_env_workers}, {self.agent_episode_timeout_s}, {self.agent_env_worker_memory_mb}"
+            )
         if self.idle_spin_s is not None and self.idle_spin_s < 0:
             raise ValueError(f"--idle_spin_s must be >= 0, got {self.idle_spin_s}")
         if self.enable_lora and (self.max_lora_rank < 1 or self.max_loras < 1):

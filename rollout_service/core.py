@@ -265,6 +265,14 @@ class RolloutCore:
             episodes = EpisodeRunner.load(
                 cfg.agent_func_path, cfg.model, max_model_len=cfg.max_model_len, tool_call_parser=cfg.tool_call_parser
             )
+        if episodes is not None and cfg.agent_env_workers:  # the environments in worker processes (env_pool.py)
+            episodes = await episodes.in_workers(
+                cfg.agent_func_path,
+                cfg.model,
+                workers=cfg.agent_env_workers,
+                episode_timeout_s=cfg.agent_episode_timeout_s,
+                memory_mb=cfg.agent_env_worker_memory_mb,
+            )
         share = cfg.gpu_memory_utilization
         if engine is None:
             share = memory_share(cfg)
@@ -647,9 +655,9 @@ class RolloutCore:
 
     def metrics(self) -> dict[str, float]:
         """The heartbeat's stats: the core's counters and those of its parts, by the same names."""
-        counters = {**self.counters, **self.weights.counters, **self.adapters.counters}
+        counters: dict[str, float] = {**self.counters, **self.weights.counters, **self.adapters.counters}
         # A server without an agent reports the episode counters too (zeros): one set of names.
-        counters.update(self.episodes.counters if self.episodes is not None else dict.fromkeys(EPISODE_COUNTERS, 0))
+        counters.update(self.episodes.metrics() if self.episodes is not None else dict.fromkeys(EPISODE_COUNTERS, 0))
         return {
             "in_flight": float(len(self._in_flight)),
             "waiting": float(self._waiting),

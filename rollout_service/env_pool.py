@@ -605,3 +605,33 @@ class EnvPool:
                         f"was killed: it used {mb:.0f} MiB, over --agent_env_worker_memory_mb {self.memory_mb:g}",
                         suspects="crash",
                     )
+
+
+class PooledAgent:
+    """The episode seam's source (``episodes.EpisodeSource``) for an agent file run in a pool of
+    environment workers: ``--agent_env_workers`` > 0."""
+
+    def __init__(self, pool: EnvPool, identity: str, *, episode_timeout_s: float = 0.0) -> None:
+        self.pool, self.identity, self.episode_timeout_s = pool, identity, episode_timeout_s
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    def metrics(self) -> dict[str, float]:
+        return self.pool.metrics()
+
+    async def run(
+        self, prompt_text: str, label: str | None, sampling_params: Any, engine: TurnEngine, step_timeout_s: float
+    ) -> Episode:
+        return await self.pool.run_episode(
+            engine,
+            prompt_id=-1,  # the seam does not carry it: the runner logs a failure with it
+            prompt_text=prompt_text,
+            label=label,
+            sampling_params=sampling_params,
+            step_timeout_s=step_timeout_s,
+            episode_timeout_s=self.episode_timeout_s,
+        )

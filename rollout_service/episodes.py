@@ -93,6 +93,23 @@ class EpisodeRunner:
     def identity(self) -> str:
         return self.source.identity
 
+    async def in_workers(
+        self, path: str, model: str, *, workers: int, episode_timeout_s: float = 0.0, memory_mb: float = 0.0
+    ) -> EpisodeRunner:
+        """This runner's agent file run in ``workers`` environment worker processes instead
+        (``env_pool.py``), each with the model's tokenizer; raises ValueError naming the file."""
+        from rollout_service.env_pool import EnvPool, PooledAgent
+
+        pool = EnvPool(path, workers=workers, model=model, memory_mb=memory_mb)
+        source = PooledAgent(pool, self.identity, episode_timeout_s=episode_timeout_s)
+        await source.start()
+        return EpisodeRunner(source, self.tokenizer, max_model_len=self.max_model_len)
+
+    def metrics(self) -> dict[str, float]:
+        """The episode counters, and the environment workers' when the agent runs in them."""
+        extra = getattr(self.source, "metrics", None)
+        return {**self.counters, **(extra() if extra is not None else {})}
+
     @classmethod
     def load(cls, path: str, model: str, *, max_model_len: int, tool_call_parser: str = "") -> EpisodeRunner:
         """The agent file's executor run in-process, with the model's tokenizer; a file that defines

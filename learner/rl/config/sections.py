@@ -630,6 +630,23 @@ class AgentSection:
         "one reset() or step() of the environment; an episode past it fails (see --agent_failure)",
         flat="agent_step_timeout_s",
     )
+    env_workers: int = flag(
+        0,
+        "environment worker processes per rollout server the episodes run in (a hung, crashing, leaking or "
+        "exiting step fails its episode, never the server; 0: in the server's process); launch.local passes it on",
+        flat="agent_env_workers",
+    )
+    episode_timeout_s: float = flag(
+        0.0,
+        "with --agent_env_workers: an episode's wall time at most (0: no limit); launch.local passes it on",
+        flat="agent_episode_timeout_s",
+    )
+    env_worker_memory_mb: float = flag(
+        0.0,
+        "with --agent_env_workers: resident memory of one worker at most, in MiB (0: no limit); launch.local "
+        "passes it on",
+        flat="agent_env_worker_memory_mb",
+    )
     failure: str = flag(
         "retry",
         "a prompt whose episode failed (the environment raised, hung or answered garbage): retry (issue it "
