@@ -209,7 +209,9 @@ def _portable(result: Any) -> Any:
         toks = toks.tolist()
     out["observation_tokens"] = list(toks) if isinstance(toks, list | tuple) else toks
     out["action_ranges"] = [[int(a), int(b)] for a, b in result.get("action_ranges") or []]
-    out["reward"] = as_number(result.get("reward"), "the episode's 'reward'")
+    if "reward" in result:  # None: left to the run's reward service (build_episode's rule)
+        r = result["reward"]
+        out["reward"] = None if r is None else as_number(r, "the episode's 'reward'")
     if result.get("scores") is not None:
         out["scores"] = as_number(result["scores"], "the episode's 'scores'")
     out["extra_logs"] = numeric_logs(result.get("extra_logs"), "execute()")
