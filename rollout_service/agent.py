@@ -116,6 +116,7 @@ class TurnEngine:
         max_len: int,
         max_turns: int = 0,
         decode: Callable[[list[int]], str] | None = None,
+        prompt_id: int = -1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._request, self._to_params, self._clock = request, to_params, clock
@@ -123,6 +124,7 @@ class TurnEngine:
         # instead of vLLM's incremental one per token, in the process that runs the episodes).
         self._decode = decode
         self.prompt_token_ids = list(prompt_token_ids)  # the learner's prompt (agent_api uses it)
+        self.prompt_id = prompt_id  # the controller's id of the prompt, for logs (-1: unknown)
         self.max_len, self.max_turns = max_len, max_turns
         self.turns: list[Turn] = []
         self.history: list[list[int]] = []  # each turn's input, for the prefix check

@@ -628,7 +628,7 @@ class PooledAgent:
     ) -> Episode:
         return await self.pool.run_episode(
             engine,
-            prompt_id=-1,  # the seam does not carry it: the runner logs a failure with it
+            prompt_id=engine.prompt_id,
             prompt_text=prompt_text,
             label=label,
             sampling_params=sampling_params,

@@ -179,6 +179,7 @@ class EpisodeRunner:
                 max_len=agent.max_len,
                 max_turns=agent.max_turns,
                 decode=self.action_text,
+                prompt_id=prompt_id,
             )
             return await self.source.run(prompt_text, label, first_params(i), engine, agent.step_timeout_s)
 

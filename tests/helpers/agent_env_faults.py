@@ -2,7 +2,7 @@
 
 For the environment worker pool (``rollout_service/env_pool.py``): healthy episodes beside ones
 whose step hangs, crashes the worker, leaks memory or exits. Two actions per healthy episode
-(feedback " ok" after the first), reward 1 per step. The label picks the fault, in the second
+(feedback " 1" after the first), reward 1 per step. The label picks the fault, in the second
 step (after its second action, so the episode has turns to lose):
 
 * ``ok``: healthy; ``slow:S``: healthy, each step sleeps S seconds (asyncio);
@@ -26,7 +26,7 @@ from typing import Any
 from rollout_service.agent_api import AgentInstanceBase, MultiTurnAgentExecutor
 
 TURNS = 2
-FEEDBACK = " ok"
+FEEDBACK = " 1"  # in the stand-in engine's vocabulary (100) as a character tokenizer encodes it
 
 
 def _healthy(turn: int) -> dict:

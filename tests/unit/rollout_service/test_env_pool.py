@@ -14,10 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from common import protocol as P
+from common.agent_file import agent_identity
+from helpers.agent_env_faults import FEEDBACK
 from helpers.agent_fakes import CharTokenizer, ids, same_params, vllm_output
+from helpers.fake_llm import FakeLLM
 from helpers.paths import HELPERS
 from rollout_service.agent import EpisodeError, TurnEngine
-from rollout_service.env_pool import EnvPool
+from rollout_service.config import RolloutConfig
+from rollout_service.core import RolloutCore
+from rollout_service.env_pool import EnvPool, PooledAgent
+from rollout_service.episodes import EpisodeRunner
+from rollout_service.errors import AgentFailed
 
 FAULTS = str(HELPERS / "agent_env_faults.py")
 EOS = CharTokenizer.eos_token_id
@@ -73,11 +81,11 @@ async def many(pool, labels, **kw):
 
 
 def check_healthy(ep):
-    # two actions with " ok" between them, exactly as the in-process loop builds them
+    # two actions with the feedback between them, exactly as the in-process loop builds them
     assert ep.prompt == ids("ab")
-    assert ep.response == [*ACTION, *ids(" ok"), *ACTION]
-    assert ep.action_mask == [1, 1, 0, 0, 0, 1, 1]
-    assert ep.logprobs == pytest.approx([-0.1, -0.2, 0, 0, 0, -0.1, -0.2])
+    assert ep.response == [*ACTION, *ids(FEEDBACK), *ACTION]
+    assert ep.action_mask == [1, 1, 0, 0, 1, 1]
+    assert ep.logprobs == pytest.approx([-0.1, -0.2, 0, 0, -0.1, -0.2])
     assert (ep.reward, ep.turns, ep.finish_reason) == (2.0, 2, "stop")
 
 
@@ -243,3 +251,35 @@ def test_workers_die_with_the_pool():
 
     procs = run(main())
     assert all(p.poll() is not None for p in procs)
+
+
+def test_episodes_through_the_core_run_in_the_workers_and_a_crash_fails_only_its_prompt():
+    # RolloutCore on the vLLM stand-in, its episodes in two workers: every turn through the
+    # core's gate; the pool's counters join the heartbeat's stats
+    identity = agent_identity(FAULTS)
+    params = P.AgentParams(agent=identity, max_len=40, step_timeout_s=10)
+    sp = P.SamplingParams(temperature=1.0, max_new_tokens=3, n=2, logprobs=True)
+
+    async def main():
+        pool = make_pool(2)
+        await pool.start()
+        runner = EpisodeRunner(PooledAgent(pool, identity), CharTokenizer(), max_model_len=64)
+        cfg = RolloutConfig(model="m", controller="tcp://127.0.0.1:1", max_model_len=64, weight_transfer_backend="gloo")
+        core = await RolloutCore.create(cfg, engine=FakeLLM(), episodes=runner)
+        try:
+            ok = await core.generate(1, [1, 2], sp, agent=params, label="ok")
+            with pytest.raises(AgentFailed, match="was killed by SIGSEGV"):
+                await core.generate(2, [1, 2], sp, agent=params, label="segv")
+            again = await core.generate(3, [1, 2], sp, agent=params, label="ok")
+            return ok, again, core.metrics()
+        finally:
+            await runner.close()
+
+    ok, again, m = run(main())
+    for res in (ok, again):
+        for s in res.samples:
+            ep = s.episode
+            assert ep.turns == 2 and ep.reward == 2.0 and ep.action_mask == [1, 1, 1, 0, 0, 1, 1, 1]
+            assert s.token_ids == ep.response and s.logprobs == [-1.5] * 3 + [0.0] * 2 + [-1.5] * 3
+    assert m["episodes"] == 4 and m["failed_episodes"] == 1 and m["env_workers"] == 2
+    assert m["env_worker_crashes"] >= 1 and m["env_workers_live"] >= 1
