@@ -64,16 +64,23 @@ class EpisodeSource(Protocol):
 
 class InProcessAgent:
     """An OpenRLHF ``AgentExecutor`` run in this process, on the server's event loop
-    (``agent.run_episode``: the environment's deadline per step, the episode checked)."""
+    (``agent.run_episode``: the environment's deadline per step, the episode checked). The
+    executor's ``llm_engine`` is one object for every episode, as OpenRLHF's is
+    (``shared_engine.SharedEngine``: an executor that keeps the first one still reaches each
+    episode's own engine)."""
 
     def __init__(self, executor: Any, identity: str, tokenizer: Any) -> None:
+        from rollout_service.shared_engine import SharedEngine, SharedEngineExecutor
+
         self.executor, self.identity, self.tokenizer = executor, identity, tokenizer
+        self.shared = SharedEngine(lambda toks: tokenizer.decode(toks, skip_special_tokens=False))
+        self._run = SharedEngineExecutor(executor, self.shared)
 
     async def run(
         self, prompt_text: str, label: str | None, sampling_params: Any, engine: TurnEngine, step_timeout_s: float
     ) -> Episode:
         return await run_episode(
-            self.executor,
+            self._run,
             engine,
             prompt_text=prompt_text,
             label=label,

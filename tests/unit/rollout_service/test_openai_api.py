@@ -466,3 +466,82 @@ def test_the_calculator_example_trains_with_its_tool():
     ep = run(episode(make_agent(func, "hermes"), eng, prompt="What is 17 * 23?", label="391"))
     assert (ep.reward, ep.turns, ep.extra_logs) == (1.0, 2, {"tool_calls": 1.0, "answered": 1.0})
     assert "\x01tool\n391\x03" in text(req.calls[1][0])  # the tool's value, as the template writes it
+
+
+# ---------------------------------------------------------------------------------------- one llm_engine
+def test_an_executor_that_keeps_the_first_llm_engine_and_calls_it_from_its_own_thread_trains():
+    """OpenRLHF's agent_func_openai_server_executor.py keeps the first episode's llm_engine and
+    calls it from a uvicorn thread: every episode of every prompt, two prompts at once and one
+    after them, is built from its own calls (before: 'the episode took no action')."""
+    from common import protocol as P
+    from helpers.agent_fakes import CharTokenizer
+    from helpers.fake_llm import core_on_fake_llm
+    from helpers.thread_server_executor import AgentExecutor
+    from rollout_service.episodes import EpisodeRunner, InProcessAgent
+
+    tok = CharTokenizer()
+    core = core_on_fake_llm(EpisodeRunner(InProcessAgent(AgentExecutor(), "t.py:0", tok), tok, max_model_len=64))
+    params = P.AgentParams(agent="t.py:0", max_len=40, max_turns=0, step_timeout_s=5)
+    sp = P.SamplingParams(temperature=1.0, max_new_tokens=3, n=2, logprobs=True)
+
+    async def scenario():
+        both = await asyncio.gather(
+            core.generate(1, [1, 2], sp, agent=params, label=""),
+            core.generate(2, [5, 6, 7], sp, agent=params, label=""),
+        )
+        later = await core.generate(3, [8], sp, agent=params, label="")
+        await core.shutdown()
+        return [*both, later]
+
+    for res in run(scenario()):
+        n = len(res.prompt_token_ids)
+        a1 = [3 + (n + t) % 7 for t in range(3)]
+        a2 = [3 + (n + 4 + t) % 7 for t in range(3)]
+        for s in res.samples:
+            assert s.episode.prompt == res.prompt_token_ids and s.token_ids == a1 + [ord("?")] + a2
+            assert s.episode.action_mask == [1, 1, 1, 0, 1, 1, 1] and s.episode.turns == 2
+
+
+def test_twin_episodes_whose_first_calls_crossed_are_each_built_from_their_own_calls():
+    """Two episodes of one prompt, calls from a foreign thread: the first call cannot say whose it
+    is, so episode A's lands on B's engine; when A's executor returns, the records are exchanged."""
+    import threading
+
+    from helpers.agent_fakes import CharTokenizer
+    from rollout_service.shared_engine import SharedEngine, SharedEngineExecutor
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    shared = SharedEngine(CharTokenizer().decode)
+    b_started, a_done = asyncio.Event(), asyncio.Event()
+
+    class Executor:
+        async def execute(self, prompt, label, sp, max_length, tokenizer, llm_engine):
+            me = label
+            if me == "A":
+                await b_started.wait()  # B is registered first, so A's first call goes to B's engine
+            else:
+                b_started.set()
+                await a_done.wait()
+            toks = ids(prompt)
+            out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(llm_engine.generate(toks, sp), loop))
+            seq = toks + list(out.outputs[0].token_ids)
+            if me == "A":
+                a_done.set()
+            return {"observation_tokens": seq, "action_ranges": [(len(toks), len(seq))], "reward": 1.0}
+
+    async def main():
+        req = ScriptedRequest([ids("aa"), ids("bb")])  # one engine behind both, as the server's gate is
+        ea, eb = (TurnEngine(req, same_params, prompt_token_ids=ids("p"), max_len=100) for _ in range(2))
+        run_ = SharedEngineExecutor(Executor(), shared)
+        # B's episode starts (and registers) first.
+        tb = asyncio.ensure_future(run_.execute("p", "B", PARAMS, 100, TOK, eb))
+        await asyncio.sleep(0)
+        ta = asyncio.ensure_future(run_.execute("p", "A", PARAMS, 100, TOK, ea))
+        ra, rb = await asyncio.gather(ta, tb)
+        return ea, eb, ra, rb
+
+    ea, eb, ra, rb = run(main())
+    loop.call_soon_threadsafe(loop.stop)
+    assert ra["observation_tokens"] == ids("paa") and rb["observation_tokens"] == ids("pbb")
+    assert [t.action for t in ea.turns] == [ids("aa")] and [t.action for t in eb.turns] == [ids("bb")]
