@@ -5,7 +5,7 @@ An agent file that defines, at its top level, ::
     async def agent_func(client, prompt, label, **kwargs):   # client: openai.AsyncOpenAI
         reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
         ...
-        return reward        # a number, or {"rewards": r, "scores": s, "extra_logs": {...}}
+        return reward        # a number, {"rewards": r, "scores": s, "extra_logs": {...}}, or None
 
 (and no ``AgentExecutor`` class) trains as it is: every episode gets a client bound to its own
 base URL and key on the server's OpenAI-compatible endpoint (``openai_api.py``), each call is a
@@ -70,10 +70,11 @@ def load_agent_func(path: str) -> tuple[Any, str]:
     return fn, agent_identity(p)
 
 
-def reward_of(result: Any) -> tuple[float, float, dict[str, float]]:
+def reward_of(result: Any) -> tuple[float | None, float | None, dict[str, float]]:
     """``agent_func``'s answer as (reward, score, extra_logs): a number (or one-element tensor), or
     a dict with ``rewards`` (OpenRLHF's reward-function key; ``reward`` also read), ``scores``
-    and ``extra_logs``, as an OpenRLHF reward function returns."""
+    and ``extra_logs``, as an OpenRLHF reward function returns. ``None`` (or a reward of None):
+    the run's reward service scores the episode, as with an OpenRLHF executor's ``reward: None``."""
     try:
         if isinstance(result, dict):
             keys = [k for k in ("rewards", "reward") if k in result]
@@ -81,12 +82,13 @@ def reward_of(result: Any) -> tuple[float, float, dict[str, float]]:
                 raise EnvironmentError_(
                     f"{FUNCTION}'s dict must hold one of 'rewards' or 'reward' (keys: {sorted(result)})"
                 )
-            reward = as_number(result[keys[0]], f"{FUNCTION}'s {keys[0]!r}")
+            r = result[keys[0]]
+            reward = None if r is None else as_number(r, f"{FUNCTION}'s {keys[0]!r}")
             s = result.get("scores")
             score = reward if s is None else as_number(s, f"{FUNCTION}'s 'scores'")
             return reward, score, numeric_logs(result.get("extra_logs"), FUNCTION)
         if result is None:
-            raise EnvironmentError_(f"{FUNCTION} returned None: it must return its reward (a number or a dict)")
+            return None, None, {}
         reward = as_number(result, f"{FUNCTION}'s reward")
         return reward, reward, {}
     except EnvironmentError_ as e:

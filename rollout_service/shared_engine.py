@@ -18,8 +18,8 @@ later episode "took no action". Here every executor gets this one object instead
   its twin's engine; when ``execute`` returns, the records are exchanged so that each episode is
   built from its own calls (``claim``). The one thing not exchanged is the step clock: until then
   the twin's engine counted that call's time as the engine's;
-* ``generate`` takes OpenRLHF 0.10's ``multi_modal_data`` (``None``: text only; images are
-  refused, naming the episode's agent) and any other keyword OpenRLHF may pass, as vLLM's does.
+* ``generate`` takes OpenRLHF 0.10's ``multi_modal_data`` (handed to the episode's engine, which
+  serves text turns and fails an episode that sends images) and ignores other keywords.
 
 Other attributes (``prompt_token_ids``, ``turns_left``, ``max_len``) are the calling episode's.
 """
@@ -78,26 +78,24 @@ class SharedEngine:
         return getattr(engine, name)
 
     async def generate(self, token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None, **_: Any) -> Any:
-        if multi_modal_data:
-            raise EpisodeError("the agent passed multi_modal_data: images are not served to agent episodes yet")
         engine = _episode.get()
         try:
             here = asyncio.get_running_loop() is self._loop
         except RuntimeError:
             here = False
         if engine is not None and here:
-            return await engine.generate(token_ids, sampling_params)
+            return await engine.generate(token_ids, sampling_params, multi_modal_data)
         if self._loop is None:
             raise EpisodeError("llm_engine.generate was called while no episode runs")
         # Another thread's loop: run on the server's, where the gate and the engine live.
-        fut = asyncio.run_coroutine_threadsafe(self._generate_routed(list(token_ids), sampling_params), self._loop)
-        return await asyncio.wrap_future(fut)
+        call = self._generate_routed(list(token_ids), sampling_params, multi_modal_data)
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call, self._loop))
 
-    async def _generate_routed(self, token_ids: list[int], sampling_params: Any) -> Any:
+    async def _generate_routed(self, token_ids: list[int], sampling_params: Any, multi_modal_data: Any) -> Any:
         engine = self._route(token_ids)
         self._routed[engine] = self._routed.get(engine, 0) + 1
         try:
-            return await engine.generate(token_ids, sampling_params)
+            return await engine.generate(token_ids, sampling_params, multi_modal_data)
         finally:
             self._routed[engine] -= 1
             if not self._routed[engine]:

@@ -355,8 +355,9 @@ def test_agent_func_files_are_told_apart_loaded_and_their_rewards_read(tmp_path)
         load_agent_func(sync)
     assert reward_of(0.5) == (0.5, 0.5, {})
     assert reward_of({"rewards": 1, "scores": 0, "extra_logs": {"hit": True}}) == (1.0, 0.0, {"hit": 1.0})
-    with pytest.raises(EpisodeError, match="returned None"):
-        reward_of(None)
+    assert reward_of(None) == (None, None, {})  # the run's reward service scores it
+    with pytest.raises(EpisodeError, match="'rewards' must be a number"):
+        reward_of({"rewards": "high"})
     with pytest.raises(EpisodeError, match="one of 'rewards' or 'reward'"):
         reward_of({"score": 1})
     assert "helpers" in sys.modules  # (the helpers import path the suite sets)
