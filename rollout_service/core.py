@@ -664,5 +664,8 @@ class RolloutCore:
             "tokens_per_s": round(self._meter.rate(), 2),
             "generated_tokens": float(self._meter.total),
             "policy_version": float(self.version),
+            # what it can serve now: its Hello's capacity, scaled by the share of its environment
+            # workers that are up (env_pool.py; none up: 0, and the controller sends it nothing)
+            "capacity": float(int(self.cfg.max_num_seqs * counters.get("env_capacity_share", 1.0))),
             **{k: float(v) for k, v in counters.items()},
         }

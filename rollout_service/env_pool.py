@@ -621,7 +621,8 @@ class PooledAgent:
         await self.pool.close()
 
     def metrics(self) -> dict[str, float]:
-        return self.pool.metrics()
+        # the share of the pool that takes episodes: the server's heartbeat scales its capacity by it
+        return {**self.pool.metrics(), "env_capacity_share": self.pool.live_share()}
 
     async def run(
         self, prompt_text: str, label: str | None, sampling_params: Any, engine: TurnEngine, step_timeout_s: float

@@ -52,12 +52,13 @@ class Peer:
 
     def __post_init__(self) -> None:
         # Read once: dispatch asks for it for every peer on every turn, and a peer's
-        # capabilities are those of its Hello (saying Hello again makes a new Peer).
+        # capabilities are those of its Hello (saying Hello again makes a new Peer); a heartbeat
+        # with a "capacity" stat updates it (a rollout server whose environment workers died).
         self.capacity: int = max(1, self.capabilities.capacity) if self.capabilities is not None else 1
 
     @property
     def load(self) -> float:
-        return len(self.in_flight) / self.capacity
+        return len(self.in_flight) / max(1, self.capacity)
 
 
 @dataclass
@@ -146,6 +147,8 @@ class ServicePool:
         if isinstance(msg, Heartbeat):
             peer.policy_version = msg.policy_version
             peer.stats = dict(msg.stats)
+            if "capacity" in msg.stats:  # what it can serve now (a rollout server with dead environment workers: less)
+                peer.capacity = max(0, int(msg.stats["capacity"]))
             return None
         if isinstance(msg, Error) and msg.code == "fatal" and msg.call_id == 0:
             self._declare_dead(peer, f"announced a fatal error: {msg.message}")

@@ -133,3 +133,17 @@ def test_the_runs_own_check_refuses_a_peer_and_says_why(setup):
 def test_results_from_unknown_peer_are_not_returned(setup):
     ctrl, pool, clock, svcs = setup
     assert pool.handle(b"ghost", P.Heartbeat(name="ghost")) is None
+
+
+def test_a_heartbeats_capacity_is_what_the_peer_is_sent(setup):
+    # a rollout server whose environment workers died says so: capacity 0 gets it no work,
+    # and its capacity comes back with them
+    ctrl, pool, clock, svcs = setup
+    _, a, _ = join(ctrl, pool, svcs, "a", capacity=4)
+    for p in pool.take_joined():
+        p.ready = True
+    pool.handle(a, P.Heartbeat(name="a", stats={"capacity": 0.0}))
+    assert pool.pick("rollout") is None
+    pool.handle(a, P.Heartbeat(name="a", stats={"capacity": 2.0}))
+    peer = pool.pick("rollout")
+    assert peer.name == "a" and peer.capacity == 2 and peer.load == 0

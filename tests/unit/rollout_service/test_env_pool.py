@@ -283,3 +283,5 @@ def test_episodes_through_the_core_run_in_the_workers_and_a_crash_fails_only_its
             assert s.token_ids == ep.response and s.logprobs == [-1.5] * 3 + [0.0] * 2 + [-1.5] * 3
     assert m["episodes"] == 4 and m["failed_episodes"] == 1 and m["env_workers"] == 2
     assert m["env_worker_crashes"] >= 1 and m["env_workers_live"] >= 1
+    # the heartbeat's capacity: --max_num_seqs (64) scaled by the share of workers up
+    assert m["capacity"] == int(64 * m["env_workers_live"] / 2)
