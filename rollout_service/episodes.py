@@ -105,7 +105,12 @@ class EpisodeRunner:
     ) -> EpisodeRunner:
         """This runner's agent file run in ``workers`` environment worker processes instead
         (``env_pool.py``), each with the model's tokenizer; raises ValueError naming the file."""
+        from rollout_service.agent_openai import OpenAIAgent
         from rollout_service.env_pool import EnvPool, PooledAgent
+
+        if isinstance(self.source, OpenAIAgent):  # its workers would need the endpoint's address: not built yet
+            log.warning("--agent_env_workers: an agent_func file (OpenAI API) runs in the server's process for now")
+            return self
 
         pool = EnvPool(path, workers=workers, model=model, memory_mb=memory_mb)
         source = PooledAgent(pool, self.identity, episode_timeout_s=episode_timeout_s)

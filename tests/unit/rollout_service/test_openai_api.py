@@ -546,3 +546,11 @@ def test_twin_episodes_whose_first_calls_crossed_are_each_built_from_their_own_c
     loop.call_soon_threadsafe(loop.stop)
     assert ra["observation_tokens"] == ids("paa") and rb["observation_tokens"] == ids("pbb")
     assert [t.action for t in ea.turns] == [ids("aa")] and [t.action for t in eb.turns] == [ids("bb")]
+
+
+def test_an_agent_func_file_loads_as_the_openai_kind_and_stays_in_process_with_env_workers(tmp_path):
+    from rollout_service.episodes import EpisodeRunner
+
+    path = agent_file(tmp_path, "async def agent_func(client, prompt, label):\n    return 1.0\n")
+    runner = EpisodeRunner(OpenAIAgent(load_agent_func(path)[0], "a.py:0", TOK, model="m"), TOK, max_model_len=64)
+    assert run(runner.in_workers(path, "m", workers=2)) is runner
