@@ -9,16 +9,20 @@ x n samples are generated as:
   its own, its input the episode so far; the environment answers at once, with no feedback);
 * agent, slow environment: the same, each step waiting ``--step_s`` (default 50 ms; awaited by
   an ``async def step``, or with ``--blocking`` slept in a plain ``def`` the server runs in a
-  thread).
+  thread);
+* agent in worker processes, zero-cost environment: the zero-cost episodes with the executor in
+  ``--env_workers`` environment worker processes (``rollout_service/env_pool.py``, the server's
+  ``--agent_env_workers``), every turn a message to the server and back.
 
 Reported per variant: generated tokens/s (the policy's tokens only) and episodes/s; the medians
 of the per-round ratios are the numbers to read. Goals (issue 26): zero-cost agent / plain
 >= 0.9 (the loop adds little), slow / zero-cost >= 0.8 at 16+ concurrent episodes (waiting on
-environments overlaps generation). The later turns' prefix-cache hit rate is printed too (the
+environments overlaps generation), zero-cost agent in workers / plain >= 0.9 (issue 39: the
+environments out of the engine's process cost little). The later turns' prefix-cache hit rate is printed too (the
 CPU backend caches whole 128-token blocks: the prompts are long enough to fill one).
 
 Run: ``python bench/agent.py [--rounds 4] [--prompts 16] [--n 2] [--turns 3] [--turn_tokens 48]
-[--step_s 0.05] [--blocking]`` (needs vllm; prints a JSON summary line last).
+[--step_s 0.05] [--blocking] [--env_workers 2]`` (needs vllm; prints a JSON summary line last).
 """
 
 from __future__ import annotations
@@ -53,11 +57,27 @@ async def _run(core, prompts, sampling, agent=None) -> dict:
     return {"s": wall, "tokens_per_s": tokens / wall, "episodes_per_s": len(samples) / wall, "tokens": tokens}
 
 
+class _Switch:
+    """The episode source of the bench's core: the executor in this process, or in the worker
+    pool, as the variant asks (one engine for every variant)."""
+
+    def __init__(self, in_process, pooled) -> None:
+        self.in_process, self.pooled, self.use_pool = in_process, pooled, False
+        self.identity = in_process.identity
+
+    async def run(self, *args):
+        return await (self.pooled if self.use_pool else self.in_process).run(*args)
+
+    async def close(self) -> None:
+        await self.pooled.close()
+
+
 async def main_async(args) -> dict:
     from common import protocol as P
     from common.tiny import build_tiny_model
     from rollout_service.config import RolloutConfig
     from rollout_service.core import RolloutCore
+    from rollout_service.episodes import EpisodeRunner
 
     model = build_tiny_model(Path(tempfile.gettempdir()) / "rayless-bench-tiny")
     cfg = RolloutConfig(
@@ -68,9 +88,15 @@ async def main_async(args) -> dict:
         max_model_len=1024,
         max_num_seqs=64,
         seed=0,
-        agent_func_path=str(ENV_FILE),
     )
-    core = await RolloutCore.create(cfg)
+    os.environ["RAYLESS_BENCH_TURNS"] = str(args.turns)  # before the workers start: they read their own copy
+    os.environ["RAYLESS_BENCH_STEP_S"] = "0"  # the workers' environment is the zero-cost one
+    os.environ["RAYLESS_BENCH_BLOCKING"] = "0"
+    in_process = EpisodeRunner.load(str(ENV_FILE), str(model), max_model_len=cfg.max_model_len)
+    pooled = await in_process.in_workers(str(ENV_FILE), str(model), workers=args.env_workers)
+    switch = _Switch(in_process.source, pooled.source)
+    episodes = EpisodeRunner(switch, in_process.tokenizer, max_model_len=cfg.max_model_len)
+    core = await RolloutCore.create(cfg, episodes=episodes)
     rng = random.Random(0)
     vocab = core.llm.model_config.get_vocab_size()
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)] for _ in range(args.prompts)]
@@ -78,7 +104,6 @@ async def main_async(args) -> dict:
     agent = P.AgentParams(
         agent=core.agent_identity, max_len=args.prompt_len + k * t + 1, max_turns=k, step_timeout_s=60
     )
-    os.environ["RAYLESS_BENCH_TURNS"] = str(k)
     os.environ["RAYLESS_BENCH_BLOCKING"] = "1" if args.blocking else "0"
     # the episodes' turns stop on the tokens the plain samples stop on: none but the length
     plain_sp = P.SamplingParams(n=args.n, temperature=1.0, max_new_tokens=k * t, stop_token_ids=[])
@@ -87,13 +112,15 @@ async def main_async(args) -> dict:
     async def variant(name: str) -> dict:
         if name == "plain":
             return await _run(core, prompts, plain_sp)
-        os.environ["RAYLESS_BENCH_STEP_S"] = "0" if name == "agent" else str(args.step_s)
+        switch.use_pool = name == "workers"
+        os.environ["RAYLESS_BENCH_STEP_S"] = str(args.step_s) if name == "slow_env" else "0"
         return await _run(core, prompts, turn_sp, agent)
 
     await variant("plain")  # warm-up: first-use costs out of the rounds
     await variant("agent")
+    await variant("workers")
     rounds = []
-    names = ["plain", "agent", "slow_env"]
+    names = ["plain", "agent", "workers", "slow_env"]
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         before = core.metrics()
@@ -104,6 +131,7 @@ async def main_async(args) -> dict:
         rounds.append(got)
         print(
             f"round {r}: plain {got['plain']['tokens_per_s']:.0f} tok/s, agent {got['agent']['tokens_per_s']:.0f}, "
+            f"in {args.env_workers} workers {got['workers']['tokens_per_s']:.0f}, "
             f"slow env {got['slow_env']['tokens_per_s']:.0f} ({got['slow_env']['episodes_per_s']:.1f} episodes/s); "
             f"later turns' prefix-cache hit {got['prefix_hit']:.2f}",
             flush=True,
@@ -125,6 +153,10 @@ async def main_async(args) -> dict:
         "agent_tokens_per_s": med(lambda g: g["agent"]["tokens_per_s"]),
         "slow_env_tokens_per_s": med(lambda g: g["slow_env"]["tokens_per_s"]),
         "agent_over_plain": med(lambda g: g["agent"]["tokens_per_s"] / g["plain"]["tokens_per_s"]),
+        "env_workers": args.env_workers,
+        "workers_tokens_per_s": med(lambda g: g["workers"]["tokens_per_s"]),
+        "workers_over_plain": med(lambda g: g["workers"]["tokens_per_s"] / g["plain"]["tokens_per_s"]),
+        "workers_over_agent": med(lambda g: g["workers"]["tokens_per_s"] / g["agent"]["tokens_per_s"]),
         "slow_env_over_agent": med(lambda g: g["slow_env"]["tokens_per_s"] / g["agent"]["tokens_per_s"]),
         "later_turn_prefix_hit": med(lambda g: g["prefix_hit"]),
     }
@@ -140,9 +172,11 @@ def main() -> None:
     ap.add_argument("--turn_tokens", type=int, default=48)
     ap.add_argument("--step_s", type=float, default=0.05, help="the slow environment's step")
     ap.add_argument("--blocking", action="store_true", help="the slow step sleeps in a plain def (a thread)")
+    ap.add_argument("--env_workers", type=int, default=2, help="environment worker processes of the workers variant")
     summary = asyncio.run(main_async(ap.parse_args()))
     print(
-        f"agent loop / plain generation: {summary['agent_over_plain']:.2f} (goal >= 0.9); "
+        f"agent loop / plain generation: {summary['agent_over_plain']:.2f} (goal >= 0.9); in "
+        f"{summary['env_workers']} environment workers / plain: {summary['workers_over_plain']:.2f} (goal >= 0.9); "
         f"{summary['step_s'] * 1000:.0f} ms environment / zero-cost: {summary['slow_env_over_agent']:.2f} "
         f"(goal >= 0.8) at {summary['concurrent_episodes']} concurrent episodes"
     )

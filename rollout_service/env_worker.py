@@ -10,7 +10,8 @@ The worker loads the agent file itself (``rollout_service.agent.load_agent``, th
 the server uses to check the file at start-up) and its own tokenizer (the executor receives
 one), and runs any number of episodes at once on its own event loop (plain ``def`` steps on its
 own thread pool, ``agent_api``'s). An episode's state (the ``AgentInstance``, the executor's
-locals) lives only here. Its ``llm_engine`` is ``EngineProxy``: every ``generate`` is sent to
+locals) lives only here. Its ``llm_engine`` (``SharedEngine``, one object for every episode, as
+OpenRLHF's, each call routed to the calling episode's ``EngineProxy``): every ``generate`` is sent to
 the server, whose ``TurnEngine`` runs it (records the turn, checks the limits, goes through the
 version gate) and sends back what an executor reads of vLLM's ``RequestOutput``.
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import copy
 import functools
 import importlib
@@ -196,6 +198,32 @@ class EngineProxy:
         return request_output(answer, toks, f"ep{self.episode}-{call}")
 
 
+_episode: contextvars.ContextVar[EngineProxy | None] = contextvars.ContextVar("rayless_env_episode", default=None)
+
+
+class SharedEngine:
+    """The one ``llm_engine`` every episode of this worker is handed, as OpenRLHF hands its executors
+    one engine object (an executor may keep the first episode's): each call is the calling
+    episode's, found by a context variable set in the episode's task (tasks it spawns inherit
+    it). A call from a thread of the executor's own carries no episode and is refused with why."""
+
+    def __getattr__(self, name: str) -> Any:
+        proxy = _episode.get()
+        if proxy is None or name.startswith("_"):
+            raise AttributeError(f"llm_engine.{name} is an episode's, and no episode is running here")
+        return getattr(proxy, name)
+
+    async def generate(self, token_ids: Any, sampling_params: Any, **kw: Any) -> RequestOutput:
+        proxy = _episode.get()
+        if proxy is None:
+            raise RuntimeError(
+                "llm_engine.generate was called outside an episode's task (from a thread of the executor's own?): "
+                "in an environment worker an episode's calls come from its task; run such an executor with "
+                "--agent_env_workers 0"
+            )
+        return await proxy.generate(token_ids, sampling_params, **kw)
+
+
 def _portable(result: Any) -> Any:
     """The executor's result as msgpack carries it: the fields the server builds the episode
     from, numbers checked here (with the server's field names) so a tensor reward travels."""
@@ -223,9 +251,10 @@ def _portable(result: Any) -> Any:
 class Worker:
     def __init__(self, writer: asyncio.StreamWriter, run_episode: Any) -> None:
         self.writer = writer
-        self.run_episode = run_episode  # (proxy, msg) -> awaitable result dict
+        self.run_episode = run_episode  # (llm_engine, msg) -> awaitable result dict
         self.pending: dict[tuple[int, int], asyncio.Future] = {}
         self.episodes: dict[int, asyncio.Task] = {}
+        self.engine = SharedEngine()
 
     def send(self, msg: dict) -> None:
         if not self.writer.is_closing():
@@ -266,9 +295,9 @@ class Worker:
 
     async def _episode(self, msg: dict) -> None:
         ep = msg["ep"]
-        proxy = EngineProxy(self, ep, list(msg["prompt_token_ids"]), int(msg.get("max_turns", 0)))
+        _episode.set(EngineProxy(self, ep, list(msg["prompt_token_ids"]), int(msg.get("max_turns", 0))))
         try:
-            result = await self.run_episode(proxy, msg)
+            result = await self.run_episode(self.engine, msg)
             answer = {"op": "done", "ep": ep, "result": _portable(result)}
         except asyncio.CancelledError:
             return  # the server gave the episode up and was answered by the cancel
@@ -294,9 +323,9 @@ def _executor_kind(args: argparse.Namespace, tokenizer: Any):
 
     executor, _ = load_agent(args.agent)
 
-    async def run_episode(proxy: EngineProxy, msg: dict) -> Any:
+    async def run_episode(engine: SharedEngine, msg: dict) -> Any:
         sp = SamplingParams(**{k: v for k, v in msg["sp"].items() if k in {f.name for f in fields(SamplingParams)}})
-        return await executor.execute(msg["prompt"], msg["label"], copy.copy(sp), msg["max_len"], tokenizer, proxy)
+        return await executor.execute(msg["prompt"], msg["label"], copy.copy(sp), msg["max_len"], tokenizer, engine)
 
     return run_episode
 

@@ -241,6 +241,40 @@ def test_a_worker_that_keeps_dying_fails_episodes_after_one_rerun_and_live_share
     assert m["env_worker_deaths"] >= 2
 
 
+KEEPS_FIRST_ENGINE = """
+from rollout_service.agent_api import AgentExecutorBase
+
+
+class AgentExecutor(AgentExecutorBase):
+    # keeps the first episode's llm_engine, as OpenRLHF's openai-server executor does
+    engine = None
+
+    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine):
+        AgentExecutor.engine = AgentExecutor.engine or llm_engine
+        toks = list(AgentExecutor.engine.prompt_token_ids)
+        out = await AgentExecutor.engine.generate(toks, sampling_params)
+        action = list(out.outputs[0].token_ids)
+        return {"observation_tokens": toks + action, "action_ranges": [(len(toks), len(toks) + len(action))],
+                "reward": 1.0}
+"""
+
+
+def test_an_executor_that_keeps_the_first_llm_engine_reaches_each_episodes_own(tmp_path):
+    f = tmp_path / "keeps_engine.py"
+    f.write_text(KEEPS_FIRST_ENGINE)
+
+    async def main():
+        pool = EnvPool(str(f), workers=1, tokenizer_factory="helpers.agent_fakes:CharTokenizer")
+        await pool.start()
+        try:
+            return [await episode(pool, "", pid=i) for i in range(3)]
+        finally:
+            await pool.close()
+
+    for ep in run(main()):
+        assert ep.response == ACTION and ep.turns == 1 and ep.reward == 1.0
+
+
 def test_workers_die_with_the_pool():
     async def main():
         pool = make_pool(2)
