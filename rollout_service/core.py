@@ -302,6 +302,10 @@ class RolloutCore:
             engines[0],
             info.idle_spin_s,
         )
+        # vLLM keeps a traceback that reaches this frame (an exception it caught while the engine
+        # started), and a finished frame keeps its locals: the engine must not be one of them, or
+        # it outlives shutdown() and its __del__ fails at the interpreter's exit.
+        engine = None
         return core
 
     def _engine_or_none(self) -> AsyncLLM | None:
