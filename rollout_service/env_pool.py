@@ -38,7 +38,9 @@ Faults, and what happens to the other episodes of a worker:
   engine call are innocent and re-run on another worker from their first turn; those whose
   environment code was running are suspects: a lone suspect is the cause and fails; several
   are re-run, each at most once (suspected a second time, it fails). An innocent episode is
-  re-run whenever its worker dies (every death fails or suspects someone else, so this ends).
+  re-run when its worker dies, up to ``MAX_RERUNS`` times. A worker acknowledges every message
+  that resumes an episode before that episode's code can run, so an episode whose answer was
+  never read (waiting behind a blocked loop, or in flight) is not a suspect.
   The worker is replaced (with a back-off when replacements fail to start);
 * ``sys.exit`` in a step is an exception in the worker (``SystemExit``): that episode fails,
   the worker and its other episodes go on.
@@ -72,6 +74,7 @@ from rollout_service.env_worker import frame, read_frame, sampling_dict
 
 log = logging.getLogger(__name__)
 
+MAX_RERUNS = 3  # however innocent it looks, an episode whose worker died this often fails
 ROOT = Path(__file__).resolve().parents[1]  # the worker imports rollout_service and common from here
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -106,6 +109,8 @@ class _Run:
     done: asyncio.Future  # ("done", result) | ("failed", message) | ("rerun", suspected) | ("lost", why)
     suspected: bool  # an earlier attempt was in environment code when its worker died
     calls: set[asyncio.Task] = field(default_factory=set)  # engine calls of this attempt, running here
+    last_sent: int = 0  # the worker's frame number of the last message sent for it (its start, an answer)
+    reruns: int = 0  # attempts before this one
 
 
 class _Worker:
@@ -119,6 +124,8 @@ class _Worker:
         # environment code), "blocked" (those in environment code since before the loop went quiet))
         self.kill_reason: tuple[str, str] | None = None
         self.last_heard = time.monotonic()  # any message, beats included: its event loop ran
+        self.sent = 0  # frames sent to it
+        self.acked = -1  # of those, how many it said it had read (-1: it never said)
         self.acks: dict[int, asyncio.Future] = {}
         self.reader_task: asyncio.Task | None = None
 
@@ -126,9 +133,16 @@ class _Worker:
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: dict) -> int:
+        """Sends ``msg``; its frame number (whether the worker read it: ``acked``)."""
         if not self.dead and not self.writer.is_closing():
             self.writer.write(frame(msg))
+            self.sent += 1
+        return self.sent
+
+    def delivered(self, run: _Run) -> bool:
+        """The worker read the last message sent for ``run``: its code may be running."""
+        return self.acked < 0 or run.last_sent <= self.acked
 
 
 class EnvPool:
@@ -294,14 +308,17 @@ class EnvPool:
         t0 = time.monotonic()
         sp = sampling_dict(sampling_params)
         suspected: bool | None = None  # None: the first attempt
+        reruns = 0
         while True:
             worker = await self._pick()
             if suspected is not None:  # a re-run: its environment time starts now, not while it waited
                 engine.restart()
             ep = next(self._ids)
-            run = _Run(ep, prompt_id, engine, asyncio.get_running_loop().create_future(), bool(suspected))
+            run = _Run(
+                ep, prompt_id, engine, asyncio.get_running_loop().create_future(), bool(suspected), reruns=reruns
+            )
             worker.runs[ep] = run
-            worker.send(
+            run.last_sent = worker.send(
                 {
                     "op": "run",
                     "ep": ep,
@@ -330,6 +347,7 @@ class EnvPool:
             if outcome[0] == "lost":
                 raise EpisodeError(outcome[1])
             suspected = bool(suspected) or outcome[1]
+            reruns += 1
 
     async def _watch(self, worker: _Worker, run: _Run, step_s: float, episode_s: float, t0: float) -> tuple:
         engine = run.engine
@@ -444,6 +462,7 @@ class EnvPool:
             while True:
                 msg = await read_frame(w.reader)
                 w.last_heard = time.monotonic()
+                w.acked = max(w.acked, int(msg.get("ack", -1)))
                 self._dispatch(w, msg)
         except (EOFError, ValueError) as e:
             if isinstance(e, ValueError):
@@ -471,8 +490,8 @@ class EnvPool:
                     run.done.set_result(("failed", msg["error"]))
             if w.retiring and not w.runs and not w.dead:
                 self._stop_retired(w)
-        elif op == "beat":
-            pass
+        elif op in ("beat", "ack"):
+            pass  # their "ack" field is read for every message
         elif op == "cancelled":
             ack = w.acks.get(ep)  # type: ignore[arg-type]
             if ack is not None and not ack.done():
@@ -503,7 +522,7 @@ class EnvPool:
                 cached=int(getattr(out, "num_cached_tokens", 0) or 0),
             )
         if w.runs.get(run.ep) is run:
-            w.send(answer)
+            run.last_sent = w.send(answer)
 
     # ------------------------------------------------------------------ deaths
     def _kill(self, w: _Worker, why: str, *, suspects: str) -> None:
@@ -534,15 +553,18 @@ class EnvPool:
         # episode of the worker at once; the worker handles its messages in order, so the one in
         # environment code the longest is the one whose step blocked it (the others' answers wait
         # behind it, undelivered).
-        suspects = [] if mode == "gone" else [r for r in runs if not r.engine.in_engine]
+        # Not a suspect either: one whose last message the worker never read (its code was idle).
+        suspects = [] if mode == "gone" else [r for r in runs if not r.engine.in_engine and w.delivered(r)]
         if mode == "blocked" and suspects:
             suspects = [max(suspects, key=lambda r: r.engine.environment_time())]
         rerun, lost = [], []
         for r in runs:
             for t in r.calls:
                 t.cancel()
-            if r in suspects and r.suspected:
-                r.done.set_result(("lost", f"its environment worker {why}, the second worker to die under it"))
+            if (r in suspects and r.suspected) or r.reruns >= MAX_RERUNS:
+                r.done.set_result(
+                    ("lost", f"its environment worker {why} ({r.reruns + 1} workers died under this episode)")
+                )
             elif r in suspects and len(suspects) == 1:
                 r.done.set_result(("lost", f"its environment worker {why} while this episode's environment code ran"))
             else:

@@ -25,7 +25,10 @@ msgpack map with an ``op`` (never pickle). Server -> worker: ``run`` (start an e
 deadline passed). Worker -> server: ``ready`` or ``error`` (after loading), ``gen`` (an engine
 call of an episode), ``done`` (the executor's result) or ``failed`` (why the episode failed),
 ``cancelled`` (a cancel was acted on), ``beat`` (every ``--beat_s``: the worker's event loop
-runs). EOF on the socket: exit.
+runs), ``ack`` (a ``run`` or ``out`` was read: written before the episode's code can run). Every
+worker message carries ``ack``, how many server messages it has read: the server tells an
+episode whose answer the worker never read (innocent when it dies) from one whose environment
+code may be running. EOF on the socket: exit.
 """
 
 from __future__ import annotations
@@ -255,10 +258,11 @@ class Worker:
         self.pending: dict[tuple[int, int], asyncio.Future] = {}
         self.episodes: dict[int, asyncio.Task] = {}
         self.engine = SharedEngine()
+        self.handled = 0  # messages read from the server: every message says so ("ack")
 
     def send(self, msg: dict) -> None:
         if not self.writer.is_closing():
-            self.writer.write(frame(msg))
+            self.writer.write(frame({**msg, "ack": self.handled}))
 
     async def beat(self, every_s: float) -> None:
         """Says the event loop runs: a blocking call in an ``async`` step stops these, and the
@@ -273,7 +277,12 @@ class Worker:
                 msg = await read_frame(reader)
             except EOFError:
                 return  # the server closed the socket (or died): stop
+            self.handled += 1
             op = msg["op"]
+            if op in ("run", "out"):
+                # Said before the episode's code can run (it runs on a later turn of this loop):
+                # the server then knows this episode's code may be running when the worker dies.
+                self.send({"op": "ack"})
             if op == "run":
                 ep: int = msg["ep"]
                 task = asyncio.ensure_future(self._episode(msg))

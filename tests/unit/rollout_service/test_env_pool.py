@@ -180,7 +180,7 @@ def test_a_worker_that_dies_fails_the_episode_that_killed_it_and_reruns_the_othe
     # the culprit fails at the first death, or (a busy host let a healthy episode be in its
     # environment code at that moment too: two suspects, both re-run) at the second
     assert reason in str(bad)
-    assert "while this episode's environment code ran" in str(bad) or "the second worker to die" in str(bad)
+    assert "while this episode's environment code ran" in str(bad) or "workers died under this episode" in str(bad)
     for ep in healthy:
         check_healthy(ep)
     assert m["env_worker_deaths"] in (1, 2) and m["env_episodes_lost"] == 1
