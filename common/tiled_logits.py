@@ -153,8 +153,9 @@ class _Tile:
         if self.entropy == "grad":
             ent = _entropy(z, lse)
         elif self.entropy == "metric" and self.calls == 1:
-            with torch.no_grad():
-                ent = _entropy(z.detach(), lse.detach())
+            with torch.no_grad():  # in place: one (n, V) buffer beside the logits
+                pz = torch.sub(z, lse).exp_().mul_(z)  # p_v z_v; a -inf logit gives 0 * -inf = NaN, read as 0
+                ent = lse.squeeze(-1) - pz.nan_to_num_(nan=0.0).sum(dim=-1)
         return lp, ent
 
 

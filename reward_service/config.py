@@ -156,6 +156,13 @@ class RewardConfig:
         "(0: off)",
         group="models",
     )
+    logits_tile_tokens: int = flag(
+        1024,
+        "the reference model's log-probs (--ref_backend hf) this many response tokens at a time: the final hidden "
+        "states go through the output head one tile at a time, so a micro-batch's (tokens x vocabulary) logits never "
+        "exist whole (common.tiled_logits, as the learner's --ds.logits_tile_tokens); 0: all at once",
+        group="models",
+    )
     bf16: bool = flag(
         False, "load models in bfloat16 (log-probs and rewards are still returned in float32)", group="models"
     )
@@ -190,6 +197,8 @@ class RewardConfig:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens_per_gpu < 0:
             raise ValueError(f"--max_tokens_per_gpu must be >= 0 (0: off), got {self.max_tokens_per_gpu}")
+        if self.logits_tile_tokens < 0:
+            raise ValueError(f"--logits_tile_tokens must be >= 0 (0: whole logits), got {self.logits_tile_tokens}")
         for name in ("timeout_s", "heartbeat_s", "connect_timeout_s", "reconnect_timeout_s", "temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")

@@ -13,6 +13,12 @@ model's real forward (any logit soft-capping or scaling it does is included), ra
 hand-rolled ``backbone -> lm_head``. Position ids follow the mask, so padding does not shift
 positions: results equal an unpadded forward up to fp32 rounding of different kernel shapes
 (and exactly when a micro-batch holds one sequence).
+
+With ``tile_tokens`` > 0 (``--logits_tile_tokens``, on by default) not even the response part's
+logits are built whole: the same forward runs with the output head's input captured and the
+responses' hidden states go through the head ``tile_tokens`` rows at a time
+(``common.tiled_logits``), the same numbers to fp32 rounding. A model whose forward changes the
+logits after the head (soft-capping, a logit scale) keeps the whole logits, said once at load.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 
 import torch
 
+from common.tiled_logits import head_inputs, token_logprobs, untileable_reason
 from reward_service.batching import chunks, pad
 
 log = logging.getLogger(__name__)
@@ -35,8 +42,13 @@ class ReferenceScorer:
         temperature: float = 1.0,
         pad_id: int = 0,
         max_tokens: int = 0,
+        tile_tokens: int = 0,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
+        reason = untileable_reason(self.model) if tile_tokens > 0 else None
+        if reason is not None:
+            log.warning("--logits_tile_tokens: the reference model's logits are built whole: %s", reason)
+        self.tile_tokens = tile_tokens if reason is None else 0
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens  # > 0: micro-batches by padded tokens (--max_tokens_per_gpu)
         self.temperature = temperature
@@ -53,6 +65,7 @@ class ReferenceScorer:
         micro_batch_size: int = 8,
         temperature: float = 1.0,
         max_tokens: int = 0,
+        tile_tokens: int = 0,
     ) -> ReferenceScorer:
         from transformers import AutoModelForCausalLM
 
@@ -63,7 +76,12 @@ class ReferenceScorer:
             pad_id = 0
         log.info("reference model %s loaded (%s, %s)", path, dtype, device)
         return cls(
-            model, micro_batch_size=micro_batch_size, temperature=temperature, pad_id=int(pad_id), max_tokens=max_tokens
+            model,
+            micro_batch_size=micro_batch_size,
+            temperature=temperature,
+            pad_id=int(pad_id),
+            max_tokens=max_tokens,
+            tile_tokens=tile_tokens,
         )
 
     @property
@@ -100,6 +118,8 @@ class ReferenceScorer:
         if max_r == 0:
             return [torch.empty(0, dtype=torch.float32) for _ in responses]
         ids, mask, pos = pad(seqs, self.pad_id, "left", self.device)  # (B, T)
+        if self.tile_tokens > 0:
+            return self._tiled(ids, mask, pos, responses, max_r)
         # Logits at columns T-1-max_r .. T-2 predict the last max_r tokens of every row; the
         # last column (predicting past the end) is computed too, cheaper than slicing inputs.
         logits = self.model(
@@ -119,3 +139,24 @@ class ReferenceScorer:
             lp = lg.log_softmax(-1).gather(-1, r.to(lg.device).long()[:, None])[:, 0]  # (n,)
             res.append(lp.cpu())
         return res
+
+    def _tiled(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, responses: list[torch.Tensor], max_r: int
+    ) -> list[torch.Tensor]:
+        """``_chunk``'s numbers without its (B, max_r + 1, V) logits: the same forward up to the
+        head's input, then the responses' rows through the head a tile at a time."""
+        head = self.model.get_output_embeddings()
+        hidden = head_inputs(
+            self.model,
+            head,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            logits_to_keep=max_r + 1,
+            use_cache=False,
+        )  # (B, max_r + 1, H)
+        # Row b's n response tokens are predicted by the n columns before the final one, as in _chunk.
+        rows = torch.cat([hidden[b, max_r - len(r) : max_r] for b, r in enumerate(responses)])  # (L, H)
+        labels = torch.cat([r.long() for r in responses]).to(rows.device)  # (L,)
+        lp, _ = token_logprobs(head, rows, labels, temperature=self.temperature, tile_tokens=self.tile_tokens)
+        return list(lp.cpu().split([len(r) for r in responses]))

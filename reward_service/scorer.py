@@ -225,6 +225,7 @@ class Scorer:
                     micro_batch_size=cfg.micro_batch_size,
                     max_tokens=cfg.max_tokens_per_gpu,
                     temperature=cfg.temperature,
+                    tile_tokens=cfg.logits_tile_tokens,
                 )
             tokenizer = None
             if cfg.tokenizer_path() and any(s.needs_text for s in sources):

@@ -41,11 +41,20 @@ def sft_loss(
         the loss (this micro-batch's share) and metrics: ``nll`` (local mean over its
         response tokens) and ``tokens`` (its response-token count), detached.
     """
+    mask = labels != IGNORE_INDEX  # (B, T)
+    logp = log_probs_from_logits(logits, labels.masked_fill(~mask, 0))  # (B, T) float32
+    return sft_loss_of_logprobs(logp, labels, global_tokens=global_tokens)
+
+
+def sft_loss_of_logprobs(
+    logp: torch.Tensor, labels: torch.Tensor, *, global_tokens: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``sft_loss`` from the labels' log-probs (B, T) (float32; any value where a label is
+    ``IGNORE_INDEX``), as the tiled path (``--ds.logits_tile_tokens``) gives them without logits."""
     if global_tokens <= 0:
         raise ValueError(f"global_tokens must be > 0, got {global_tokens}")
     mask = labels != IGNORE_INDEX  # (B, T)
-    logp = log_probs_from_logits(logits, labels.masked_fill(~mask, 0))  # (B, T) float32
-    nll_sum = -(logp * mask).sum()
+    nll_sum = -torch.where(mask, logp, torch.zeros_like(logp)).sum()
     n = mask.sum()
     metrics = {"nll": (nll_sum / n.clamp(min=1)).detach(), "tokens": n.detach().float()}
     return nll_sum / global_tokens, metrics

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.tiled_logits import head_inputs, token_logprobs, untileable_reason
+from common.tiled_logits import head_inputs, token_logprobs
 from common.weights.source import unwrap
 from learner.algorithms.advantages import compute_advantages
 from learner.algorithms.kl import AdaptiveKLController, FixedKLController, compute_kl
@@ -81,9 +80,7 @@ from learner.rl.micro_batches import plan_micro_batches
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.ema import EMA
 from learner.runtime.lora import base_hf_model
-from learner.runtime.models import check_packable
-
-log = logging.getLogger("learner")
+from learner.runtime.models import check_packable, tileable
 
 
 def _world() -> tuple[int, int]:
@@ -125,7 +122,7 @@ def response_logprobs(
     hf = base_hf_model(unwrap(model))
     hf_class: type = type(hf)  # `type`: mypy's `type[Any]` is not Hashable for the cache
     keep = response_only and _takes_logits_to_keep(hf_class)  # peft passes it on
-    if keep and tile_tokens > 0 and _tileable(hf):
+    if keep and tile_tokens > 0 and tileable(hf):
         return _tiled(model, hf, batch, temperature, with_entropy, entropy_grad, tile_tokens)
     packed = "logit_index" in batch
     if packed:
@@ -163,18 +160,6 @@ def response_logprobs(
         lp = unpack_to_padded(lp, mask)
         ent = unpack_to_padded(ent, mask) if ent is not None else None
     return lp, ent
-
-
-def _tileable(hf: Any) -> bool:
-    """Whether the tiled path reproduces this model's logits; the reason it does not is said once per class."""
-    reason = untileable_reason(hf)
-    if reason is not None and type(hf) not in _SAID_UNTILEABLE:
-        _SAID_UNTILEABLE.add(type(hf))
-        log.warning("--ds.logits_tile_tokens: %s's logits are built whole: %s", type(hf).__name__, reason)
-    return reason is None
-
-
-_SAID_UNTILEABLE: set[type] = set()
 
 
 def _tiled(

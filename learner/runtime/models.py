@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.tiled_logits import head_inputs, token_logprobs, untileable_reason
 from common.weights.source import unwrap
 from learner.algorithms.kl import last_token_index
 from learner.algorithms.losses import log_probs_from_logits
@@ -124,24 +125,55 @@ def load_reward_model(
     return model
 
 
-def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probs of the response tokens per row, and their count.
+def tileable(hf_model: Any) -> bool:
+    """Whether ``common.tiled_logits`` reproduces this HF model's logits (``--ds.logits_tile_tokens``);
+    the reason it does not, if so, is said once per model class, and the caller builds them whole."""
+    reason = untileable_reason(hf_model)
+    if reason is not None and type(hf_model) not in _SAID_UNTILEABLE:
+        _SAID_UNTILEABLE.add(type(hf_model))
+        log.warning("--ds.logits_tile_tokens: %s's logits are built whole: %s", type(hf_model).__name__, reason)
+    return reason is None
 
-    Args:
-        logits: (B, T, V); labels: (B, T) shifted targets, ``IGNORE_INDEX`` where not counted.
+
+_SAID_UNTILEABLE: set[type] = set()
+
+
+def label_logprobs(engine: Any, batch: dict, *, tile_tokens: int, packed: bool | None = None) -> torch.Tensor:
+    """(B, T) float32 log-probs of ``batch["labels"]`` (shifted targets) under the model, 0 where
+    a label is ``IGNORE_INDEX``.
+
+    ``tile_tokens`` > 0 (``--ds.logits_tile_tokens``): only the counted positions' hidden states go
+    through the head, that many at a time (``common.tiled_logits``): the (B, T, V) logits are never
+    built, nor the prompt's. 0: the model's whole logits, then ``log_probs_from_logits``.
+    """
+    labels = batch["labels"]
+    mask = labels != IGNORE_INDEX  # (B, T)
+    packed = packed if packed is not None else "position_ids" in batch
+    inputs = (
+        dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        if packed
+        else dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    )
+    hf = base_hf_model(unwrap(engine))
+    if tile_tokens <= 0 or not tileable(hf):
+        logits = engine(**inputs, use_cache=False).logits  # (B, T, V)
+        return log_probs_from_logits(logits, labels.masked_fill(~mask, 0)) * mask
+    head = hf.get_output_embeddings()
+    hidden = head_inputs(engine, head, **inputs, use_cache=False, logits_to_keep=0)  # (B, T, H): every column
+    lp, _ = token_logprobs(head, hidden[mask], labels[mask], tile_tokens=tile_tokens)  # (K,)
+    return lp.new_zeros(mask.shape).masked_scatter(mask, lp)
+
+
+def sequence_logprobs(
+    engine: Any, batch: dict, *, tile_tokens: int, packed: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the counted tokens per row (``label_logprobs``), and their count.
+
     Returns:
         ``(logp_sum (B,), tokens (B,))``, float32.
     """
-    mask = labels != IGNORE_INDEX  # (B, T)
-    logp = log_probs_from_logits(logits, labels.masked_fill(~mask, 0))  # (B, T)
-    return (logp * mask).sum(-1), mask.sum(-1).float()
-
-
-def forward_logits(engine: Any, batch: dict, *, packed: bool | None = None) -> torch.Tensor:
-    """Causal-LM logits of a collated batch (padded or packed rows)."""
-    if packed if packed is not None else "position_ids" in batch:
-        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    return engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logp = label_logprobs(engine, batch, tile_tokens=tile_tokens, packed=packed)  # (B, T), 0 where not counted
+    return logp.sum(-1), (batch["labels"] != IGNORE_INDEX).sum(-1).float()
 
 
 # Attention implementations whose transformers code keeps packed samples apart given position

@@ -12,7 +12,7 @@ from learner.algorithms.dpo_loss import dpo_loss
 from learner.runtime import engine as E
 from learner.runtime.flags import model_options
 from learner.runtime.lora import apply_lora
-from learner.runtime.models import forward_logits, sequence_logprobs
+from learner.runtime.models import sequence_logprobs
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.rm_data import collate_pairs, pair_sample
 from learner.supervised.trainer import (
@@ -40,7 +40,7 @@ class DPOTrainer(Trainer):
         self.ref = ref_engine
 
     def _logps(self, model, batch):
-        logp, tokens = sequence_logprobs(forward_logits(model, batch, packed=False), batch["labels"])
+        logp, tokens = sequence_logprobs(model, batch, tile_tokens=self.cfg.ds.logits_tile_tokens, packed=False)
         half = logp.shape[0] // 2
         return logp[:half], logp[half:], tokens[:half]
 

@@ -19,7 +19,7 @@ loss serves:
   as sample boundaries: flash_attention_2 gets per-sample ``cu_seqlens``, and SDPA/eager
   (CPU) get a block-diagonal causal mask. Attention never crosses samples on either path
   (``tests/unit/supervised/test_sft_data.py`` checks packed logits equal per-sample logits). The forward
-  must pass ``use_cache=False`` (``learner.runtime.models.forward_logits`` does): with a KV cache
+  must pass ``use_cache=False`` (``learner.runtime.models.label_logprobs`` does): with a KV cache
   transformers skips the packed-row detection and attends across samples.
 """
 

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss
+from learner.algorithms.sft_loss import IGNORE_INDEX, sft_loss_of_logprobs
 from learner.runtime import engine as E
 from learner.runtime.flags import model_options
 from learner.runtime.lora import apply_lora
-from learner.runtime.models import check_packable, forward_logits
+from learner.runtime.models import check_packable, label_logprobs
 from learner.supervised.checkpoint import check_resumable, trainer_checkpointer
 from learner.supervised.sft_data import collate_packed, collate_padded, sft_sample
 from learner.supervised.trainer import (
@@ -41,8 +41,8 @@ class SFTTrainer(Trainer):
         return max(1.0, E.all_reduce_sum(float(local)))
 
     def loss(self, batch, global_tokens):
-        logits = forward_logits(self.engine, batch)
-        loss, m = sft_loss(logits, batch["labels"], global_tokens=global_tokens)
+        logp = label_logprobs(self.engine, batch, tile_tokens=self.cfg.ds.logits_tile_tokens)
+        loss, m = sft_loss_of_logprobs(logp, batch["labels"], global_tokens=global_tokens)
         # DeepSpeed averages gradients over ranks and accumulation steps; the loss is already
         # this micro-batch's share of the global mean, so undo both divisions.
         return loss * (self.world * self.accum), {"loss": m["nll"], "tokens": m["tokens"]}
@@ -51,8 +51,8 @@ class SFTTrainer(Trainer):
         sums = {"nll": 0.0, "tokens": 0.0}
         for batch in batches:
             batch = to_device(batch)
-            logits = forward_logits(self.engine, batch)
-            _, m = sft_loss(logits, batch["labels"], global_tokens=1.0)
+            logp = label_logprobs(self.engine, batch, tile_tokens=self.cfg.ds.logits_tile_tokens)
+            _, m = sft_loss_of_logprobs(logp, batch["labels"], global_tokens=1.0)
             sums["nll"] += float(m["nll"] * m["tokens"])
             sums["tokens"] += float(m["tokens"])
         total = reduce_sums(sums)

@@ -62,6 +62,9 @@ def test_tiles_give_the_whole_logits_numbers_and_gradients(tile):
     assert ent is not None
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-6)
+    _, metric = token_logprobs(head, hidden, labels, temperature=0.7, tile_tokens=tile, entropy="metric")
+    assert metric is not None and not metric.requires_grad
+    torch.testing.assert_close(metric, want_ent, rtol=0, atol=1e-6)  # in place, the -inf entry read as 0
     for got, exp in zip(grads(lp, ent), want, strict=True):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, exp, rtol=0, atol=1e-6)
