@@ -87,6 +87,7 @@ bench: setup
 	$(PY) bench/lora_serving.py
 	$(PY) bench/lora_push.py
 	$(PY) bench/dynamic_batch.py --packing
+	$(PY) bench/long_context.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/
