@@ -42,6 +42,10 @@ GREEDY = P.SamplingParams(temperature=0.0, max_new_tokens=16)
 # cache holds full blocks that a later request (and a later *version*) could hit.
 PREFIX = [1] + [(7 * i) % 700 + 3 for i in range(139)]
 AGENT_FILE = HELPERS / "agent_three_turns.py"  # ra runs it (for the prompts that ask for episodes)
+# rc runs this one in 2 environment worker processes: the label picks a fault (or none)
+FAULTS_FILE = HELPERS / "agent_env_faults.py"
+RC_ENV_WORKERS = ["--agent_func_path", str(FAULTS_FILE), "--agent_env_workers", "2"]
+RC_ENV_WORKERS += ["--agent_env_worker_memory_mb", "1500", "--agent_episode_timeout_s", "120"]
 PROMPTS = [PREFIX + [10 + k, 20 + k, 30 + k, 40 + k, 50 + k, 60 + k, 70 + k, 80 + k, 90 + k, 100 + k] for k in range(4)]
 
 
@@ -143,11 +147,8 @@ def stack(tiny_model_dir, tmp_path_factory):
         # rc serves LoRA adapters too (the last test pushes one to it): --lora_sync adapter's server half.
         ctrl.rc_lora_dir = logs / "rc-adapters"
         lora = ["--enable_lora", "--max_lora_rank", "8", "--lora_dir", str(ctrl.rc_lora_dir)]
-        ctrl.servers.append(
-            Server(
-                "rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, "--connect_timeout_s", "1200", *lora
-            )
-        )
+        rc_flags = ["--connect_timeout_s", "1200", *lora, *RC_ENV_WORKERS]
+        ctrl.servers.append(Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, *rc_flags))
         ctrl.wait_joined(["ra", "rb"], timeout=600)
         release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
         # rd waits for a controller nobody runs, to be stopped there (its own test, late in the
@@ -491,6 +492,86 @@ def test_a_server_joining_after_updates_gets_the_current_weights_before_work(sta
     assert health.policy_version == v and health.stats["prompts"] == 0  # synced, and nothing served before
     got = _run(stack, PROMPTS, GREEDY, first_id=500, version=v, to="rc")
     _assert_parity(stack.model, PROMPTS, got, v)  # the current weights, not the checkpoint it loaded
+
+
+def _agent_round(stack, labels, first_id, agent, sampling):
+    """``labels``' episodes on rc in one batch; (seconds until every "ok" one came back, the
+    errors of the others by prompt id)."""
+    ids = list(range(first_id, first_id + len(labels)))
+    prompts = [PREFIX[:30] + [300 + i % 50] for i in range(len(labels))]
+    batch = P.PromptBatch(
+        prompt_ids=ids,
+        token_ids=prompts,
+        sampling=sampling,
+        policy_version=stack.pool.policy_version,
+        agent=agent,
+        labels=list(labels),
+    )
+    t0 = time.monotonic()
+    stack.ep.send(batch, to=b"rc")
+    healthy = [i for i, lab in zip(ids, labels, strict=True) if lab == "ok"]
+    try:
+        stack.wait_results(healthy, timeout=300)
+    except TimeoutError as e:  # say what rc said about them
+        rc = next(s for s in stack.servers if s.name == "rc")
+        said = [line for line in rc.log_tail(200_000).splitlines() if "env" in line or "prompt" in line]
+        errors = [e.message for e in stack.errors if e.prompt_ids and e.prompt_ids[0] in ids]
+        raise AssertionError(f"{e}; errors {errors}; rc's log:\n" + "\n".join(said[-40:])) from None
+    took = time.monotonic() - t0
+    faulty = {i for i, lab in zip(ids, labels, strict=True) if lab != "ok"}
+
+    def errors() -> dict[int, str]:
+        return {e.prompt_ids[0]: e.message for e in stack.errors if e.prompt_ids and e.prompt_ids[0] in faulty}
+
+    stack.wait_until(lambda: set(errors()) == faulty, "the faulty episodes' errors", timeout=120)
+    return took, errors()
+
+
+def test_environment_faults_in_worker_processes_fail_only_their_episodes(stack):
+    """rc runs tests/helpers/agent_env_faults.py in 2 environment worker processes
+    (--agent_env_workers 2, 1500 MiB each): episodes whose step hangs, segfaults its worker,
+    allocates without bound or calls sys.exit run beside healthy ones on the real engine. Each
+    faulty prompt is answered with an agent_failed error naming why; every healthy one completes,
+    and their time is measured against a batch without faults; rc's heartbeat counts the dead
+    workers and, once they are replaced, its full capacity again."""
+    if "rc" not in stack.client.servers(ready_only=True):  # run alone (-k): rc joins here
+        stack.ep.sock.bind(f"tcp://127.0.0.1:{stack.late_port}")
+        stack.wait_joined(["rc"], timeout=600)
+    agent = P.AgentParams(agent=stack.client.peer("rc").capabilities.agent, max_len=120, step_timeout_s=3.0)
+    sampling = P.SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=3, logprobs=True)
+    healthy = 48
+    first = 20_000  # ids no other test of this module uses
+    _agent_round(stack, ["ok"] * healthy, first, agent, sampling)  # warm-up: the first episodes' costs out
+    before = stack.client.call("rc", P.GetHealth()).stats
+    clean, _ = _agent_round(stack, ["ok"] * healthy, first + 100, agent, sampling)
+    faults = ["hang", "segv", "leak", "exit"]
+    labels = ["ok"] * healthy + faults
+    with_faults, errors = _agent_round(stack, labels, first + 200, agent, sampling)
+    print(
+        f"environment faults: {healthy} healthy episodes in {clean:.2f} s alone, {with_faults:.2f} s beside a hang, a "
+        f"segfault, a leak and an exit ({clean / with_faults:.2f} of the throughput)"
+    )
+    why = {lab: errors[first + 200 + healthy + k] for k, lab in enumerate(faults)}
+    said = " ".join(why.values())
+    assert "sys.exit(3)" in why["exit"]
+    # A worker that dies with two episodes in their environment code (the hang awaits forever in
+    # its step) cannot tell which killed it: both are re-run, and the one there at the second
+    # death fails with that death's reason.
+    assert "--agent_step_timeout_s" in why["hang"] or "died under this episode" in why["hang"]
+    assert "SIGSEGV" in said and "--agent_env_worker_memory_mb 1500" in said
+    for i in range(first + 200, first + 200 + healthy):  # every healthy one: two actions, reward 2
+        b = stack.results[i]
+        row = b.prompt_ids.index(i)
+        assert b.episodes.turns[row] == 2 and b.episodes.rewards[row] == 2.0
+
+    def stats() -> dict:
+        return stack.client.call("rc", P.GetHealth()).stats
+
+    stack.wait_until(lambda: stats()["env_workers_live"] == 2, "rc's environment workers replaced", timeout=120)
+    after = stats()
+    assert after["env_worker_deaths"] - before["env_worker_deaths"] >= 2  # the segfault and the leak
+    assert after["failed_episodes"] - before["failed_episodes"] == 4
+    assert after["capacity"] == stack.client.peer("rc").capabilities.capacity  # its Hello's: every worker up
 
 
 def test_a_lora_adapter_is_served_by_vllm_and_pushes_after_the_first_send_it_alone(stack):
