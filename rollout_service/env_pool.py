@@ -404,6 +404,9 @@ class EnvPool:
         many step threads to cancelled plain-def steps is retired."""
         if worker.runs.pop(run.ep, None) is None:
             return  # already settled (the worker died, or answered meanwhile)
+        # Only an episode whose environment code may be running can leave a thread behind (one
+        # waiting on the engine, e.g. a prompt the controller aborted, runs none).
+        in_environment = not run.engine.in_engine and worker.delivered(run)
         if not run.done.done():
             run.done.set_result(("lost", "given up"))
         for t in run.calls:
@@ -413,7 +416,7 @@ class EnvPool:
         if worker.retiring and not worker.runs:
             self._stop_retired(worker)
             return
-        worker.step_cancels += 1
+        worker.step_cancels += in_environment
         ack = asyncio.get_running_loop().create_future()
         worker.acks[run.ep] = ack
         worker.send({"op": "cancel", "ep": run.ep})

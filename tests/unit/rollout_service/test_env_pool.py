@@ -189,6 +189,31 @@ def test_a_worker_that_dies_fails_the_episode_that_killed_it_and_reruns_the_othe
     assert m["env_worker_over_memory" if fault == "leak" else "env_worker_crashes"] == m["env_worker_deaths"]
 
 
+def test_a_worker_that_lost_threads_to_cancelled_steps_is_retired_and_replaced():
+    # each cancelled plain-def step keeps its thread in the worker: after max_step_cancels the
+    # worker takes no new episode, finishes its running ones and a fresh one replaces it
+    async def main():
+        pool = make_pool(1, max_step_cancels=2)
+        await pool.start()
+        first = next(iter(pool._workers)).pid
+        try:
+            hung = await many(pool, ["hang_def", "hang_def"], step_timeout_s=0.5)
+            for _ in range(200):
+                if pool.live() == 1 and next(iter(pool._workers)).pid != first:
+                    break
+                await asyncio.sleep(0.05)
+            after = await many(pool, ["ok"] * 4)
+            return hung, after, pool.metrics()
+        finally:
+            await pool.close()
+
+    hung, after, m = run(main())
+    assert all(isinstance(r, EpisodeError) for r in hung)
+    for ep in after:
+        check_healthy(ep)
+    assert m["env_worker_retired"] == 1 and m["env_worker_deaths"] == 0 and m["env_workers_live"] == 1
+
+
 def test_sys_exit_fails_its_episode_only_and_the_worker_goes_on():
     async def main():
         pool = make_pool(1)
