@@ -55,3 +55,19 @@ def test_too_few_gpus_for_the_colocated_layout_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(ValueError, match="need 2 GPUs, 1 visible"):
         _roles(tmp_path, "--colocate_all_models", learner_nproc=2)
+
+
+def test_the_learners_environment_worker_flags_reach_every_rollout_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    agent = tmp_path / "env.py"
+    agent.write_text("")
+    flags = f"--agent_func_path {agent} --agent_env_workers 3 --agent.episode_timeout_s 90 --agent_env_worker_memory_mb 2000"
+    cmd = _roles(tmp_path, flags, rollout_servers=2)["rollout-1"].cmd
+    for flag, value in (
+        ("--agent_env_workers", "3"),
+        ("--agent_episode_timeout_s", "90.0"),
+        ("--agent_env_worker_memory_mb", "2000.0"),
+    ):
+        assert cmd[cmd.index(flag) + 1] == value
+    # none given: the servers' own default (episodes in their process)
+    assert "--agent_env_workers" not in _roles(tmp_path, f"--agent_func_path {agent}")["rollout-0"].cmd
