@@ -121,7 +121,8 @@ class EpisodeSession:
         tools = body.get("tools") or None
         if tools is not None and self.tool_parser is None and body.get("tool_choice") != "none":
             raise RequestError("this request has 'tools' but the rollout server has no --tool_call_parser")
-        call = self._prepare(lambda: self.trace.chat_prompt(body.get("messages"), tools))
+        kw = body.get("chat_template_kwargs")
+        call = self._prepare(lambda: self.trace.chat_prompt(body.get("messages"), tools, kw))
         action, lps, reason = await self._generate(call, body)
         text = self._text(action, reason, keep_special=tools is not None)
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -168,7 +169,7 @@ class EpisodeSession:
                 tools=body.get("tools"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 tokenize=False,
-                **self.trace.template_kwargs,
+                **{**self.trace.template_kwargs, **(body.get("chat_template_kwargs") or {})},
             )
             toks = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         elif isinstance(body.get("prompt"), str):

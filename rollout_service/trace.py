@@ -55,6 +55,7 @@ class Call:
     # chat: the conversation as sent (normalised), the tools; completion: the running text
     messages: list[dict] = field(default_factory=list)
     tools: Any = None
+    template_kwargs: dict = field(default_factory=dict)  # the request's chat_template_kwargs, with the trace's
     text: str = ""
 
 
@@ -131,27 +132,38 @@ class Trace:
     def _tokens(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render(self, messages: list[dict], tools: Any, call: int) -> str:
+    def render(self, messages: list[dict], tools: Any, call: int, template_kwargs: dict | None = None) -> str:
+        kwargs = self.template_kwargs if template_kwargs is None else template_kwargs
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
             )
         except Exception as e:
             raise TraceError(f"call {call}: the chat template refused the conversation: {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ chat
-    def chat_prompt(self, messages: Any, tools: Any = None) -> Call:
-        """The next chat call's input (not yet recorded: ``record`` it once the engine answered)."""
+    def chat_prompt(self, messages: Any, tools: Any = None, template_kwargs: Any = None) -> Call:
+        """The next chat call's input (not yet recorded: ``record`` it once the engine answered).
+        ``template_kwargs``: the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``)."""
         k = len(self.calls) + 1
         msgs = normalise(messages, k)
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TraceError(f"call {k}: 'chat_template_kwargs' must be an object")
+        kw = {**self.template_kwargs, **(template_kwargs or {})}
         if not self.calls:
-            return Call("chat", self._tokens(self.render(msgs, tools, k)), messages=msgs, tools=tools)
+            toks = self._tokens(self.render(msgs, tools, k, kw))
+            return Call("chat", toks, messages=msgs, tools=tools, template_kwargs=kw)
         prev = self.calls[-1]
         if prev.kind != "chat":
             raise TraceError(f"call {k} is a chat call after completion calls: an episode's calls are of one kind")
         if tools != prev.tools:
             raise TraceError(
                 f"call {k} changed 'tools' from call {k - 1}'s: the policy saw the earlier tools in its prompt"
+            )
+        if kw != prev.template_kwargs:
+            raise TraceError(
+                f"call {k} changed 'chat_template_kwargs' from call {k - 1}'s ({prev.template_kwargs} -> {kw}): the "
+                "policy's earlier turns were sampled after the template as it rendered then"
             )
         replies = self._reply_positions()  # where call i's reply sits, for i < k - 1
         for i, (was, now) in enumerate(zip(prev.messages, msgs, strict=False)):
@@ -181,7 +193,7 @@ class Trace:
         ghost = list(msgs)
         for j, pos in enumerate([*sorted(replies), at]):
             ghost[pos] = {"role": "assistant", "content": marks[j]}
-        text = self.render(ghost, tools, k)
+        text = self.render(ghost, tools, k, kw)
         cut = text.find(marks[-1])
         if cut < 0 or text.count(marks[-1]) != 1:
             raise TraceError(
@@ -200,7 +212,7 @@ class Trace:
             ):
                 tail += 1
             new = new[tail:]
-        return Call("chat", prev.prompt + prev.action + new, messages=msgs, tools=tools)
+        return Call("chat", prev.prompt + prev.action + new, messages=msgs, tools=tools, template_kwargs=kw)
 
     def _reply_positions(self) -> dict[int, int]:
         """Message index -> the call (0-based) whose reply sits there, for every recorded call but

@@ -5,7 +5,8 @@ Jinja chat template shaped as Qwen3's: ``\\x01ROLE\\n CONTENT \\x03\\n`` per mes
 EOS, so an action that stops ends with the template's end-of-turn token), tools listed in a
 system turn, tool calls written as ``<tool_call>{json}</tool_call>`` after the content, and, as
 Qwen3 does, the ``<think>...</think>`` block of every assistant message before the last user
-message dropped: the history rewrite the endpoint's exact-reuse rule is for.
+message dropped: the history rewrite the endpoint's exact-reuse rule is for; and, as Qwen3's,
+``enable_thinking=False`` opens the reply with an empty ``<think></think>``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ TEMPLATE = (
     "{%- endfor -%}{%- endif -%}"
     "{{ '\x03\n' }}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '\x01assistant\n' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '\x01assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>' }}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 _env = jinja2.Environment()

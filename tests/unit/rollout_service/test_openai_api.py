@@ -554,3 +554,16 @@ def test_an_agent_func_file_loads_as_the_openai_kind_and_stays_in_process_with_e
     path = agent_file(tmp_path, "async def agent_func(client, prompt, label):\n    return 1.0\n")
     runner = EpisodeRunner(OpenAIAgent(load_agent_func(path)[0], "a.py:0", TOK, model="m"), TOK, max_model_len=64)
     assert run(runner.in_workers(path, "m", workers=2)) is runner
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_change_within_an_episode():
+    t = Trace(TOK)
+    m1 = [{"role": "user", "content": "hi"}]
+    c1 = t.chat_prompt(m1, None, {"enable_thinking": False})
+    assert text(c1.prompt).endswith("\x01assistant\n<think></think>")
+    t.record(c1, ids("ok") + [EOS], "stop")
+    m2 = [*m1, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    c2 = t.chat_prompt(m2, None, {"enable_thinking": False})
+    assert c2.prompt == c1.prompt + ids("ok") + [EOS] + ids("\n\x01user\nmore\x03\n\x01assistant\n<think></think>")
+    with pytest.raises(TraceError, match="call 2 changed 'chat_template_kwargs'"):
+        t.chat_prompt(m2)
