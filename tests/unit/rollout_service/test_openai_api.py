@@ -567,3 +567,25 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_change_within_an_ep
     assert c2.prompt == c1.prompt + ids("ok") + [EOS] + ids("\n\x01user\nmore\x03\n\x01assistant\n<think></think>")
     with pytest.raises(TraceError, match="call 2 changed 'chat_template_kwargs'"):
         t.chat_prompt(m2)
+
+
+def test_with_the_tiny_models_own_tokenizer_the_stitched_input_is_the_templates_rendering(tiny_model_dir):
+    """The tiny model's ChatML template keeps history as it was, so exact reuse must give, token
+    for token, what the template itself renders for the whole conversation: the sampled reply
+    (ending in its <|im_end|>) stands where the template writes the reply's text, no token of the
+    policy's re-encoded, none doubled."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    t = Trace(tok)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two plus two"}]
+    c1 = t.chat_prompt(msgs)
+    assert c1.prompt == tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    reply = "four, I think"
+    a1 = list(tok(reply, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]  # as sampled, EOS kept
+    t.record(c1, a1, "stop")
+    msgs = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "and three plus three"}]
+    c2 = t.chat_prompt(msgs)
+    whole = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert c2.prompt == list(tok(whole, add_special_tokens=False)["input_ids"])
+    assert c2.prompt[: len(c1.prompt) + len(a1)] == c1.prompt + a1
