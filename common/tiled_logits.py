@@ -165,7 +165,7 @@ def token_logprobs(
     labels: torch.Tensor,
     *,
     temperature: float = 1.0,
-    tile_tokens: int = 1024,
+    tile_tokens: int = 256,
     entropy: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(head(h) / tau)[y] per row, and the entropy of softmax(head(h) / tau), tile by tile.

@@ -157,7 +157,7 @@ class RewardConfig:
         group="models",
     )
     logits_tile_tokens: int = flag(
-        1024,
+        256,
         "the reference model's log-probs (--ref_backend hf) this many response tokens at a time: the final hidden "
         "states go through the output head one tile at a time, so a micro-batch's (tokens x vocabulary) logits never "
         "exist whole (common.tiled_logits, as the learner's --ds.logits_tile_tokens); 0: all at once",

@@ -189,7 +189,7 @@ class DSSection:
         flat="packing_samples",
     )
     logits_tile_tokens: int = flag(
-        1024,
+        256,
         "token log-probs, entropy and the losses on them computed this many tokens at a time: the model's final "
         "hidden states go through the output head one tile of rows at a time, recomputed in backward, so at most one "
         "tile's (tokens x vocabulary) logits exist (common.tiled_logits; docs/long-context.md); 0: all of a "
