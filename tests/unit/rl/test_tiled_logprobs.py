@@ -1,7 +1,7 @@
 """--ds.logits_tile_tokens: the policy's log-probs, entropy, losses and gradients computed tile by
 tile (common.tiled_logits) are those of the whole logits, to fp32 rounding.
 
-On the tiny model in fp32, tiles of 5 tokens (dividing none of the micro-batches' token counts)
+On the tiny model in fp32, tiles of 5 tokens (the batch's 22 counted tokens: a short last tile)
 against 0 (whole logits): ``response_logprobs`` on padded and packed rows with agent action masks
 (values and entropy at the policy's tokens; zeros elsewhere), and a PolicyTrainer step (the
 old-log-probs pass, the policy loss with the entropy in it, KL to the reference) on every
