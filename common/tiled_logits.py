@@ -88,6 +88,11 @@ def untileable_reason(hf_model: torch.nn.Module) -> str | None:
     head = hf_model.get_output_embeddings()
     if not isinstance(head, torch.nn.Module):
         return f"{type(hf_model).__name__} has no output embeddings module (get_output_embeddings)"
+    if any(hasattr(p, "ds_id") for p in head.parameters()):
+        # ZeRO-3 partitions the head: each tile's call would all-gather its weight (a collective,
+        # and ranks hold different numbers of tiles), and a tile recomputed in backward finds the
+        # weight released (seen with LoRA's frozen head: "Recomputed values ... different metadata").
+        return "ZeRO-3 partitions its output head (a tile per gather would differ between ranks)"
     config = getattr(hf_model, "config", None)
     for name in _LOGIT_POSTPROCESSING:
         value = getattr(config, name, None)

@@ -43,6 +43,7 @@ def test_every_flag_keeps_its_default():
         "tokenizer": None,
         "micro_batch_size": 8,
         "max_tokens_per_gpu": 0,
+        "logits_tile_tokens": 256,  # the reference model's log-probs 256 tokens at a time (common/tiled_logits.py)
         "bf16": False,
         "device": "auto",
         "attn_implementation": None,
