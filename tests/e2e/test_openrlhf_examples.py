@@ -13,8 +13,9 @@ and ``rewrite`` changes only these tokens of the argv, saying each change in the
   shared fleet serves) and the e2e agent file, both written for OpenRLHF's contract;
 - absolute output paths (``/openrlhf/...``, ``//exp/...``) -> the test's folder (relative ones are
   kept: every run starts in its test's folder);
-- sizes -> a couple of steps of a few samples (``SIZES``), and the one flag added: a step cap,
-  ``--train.max_steps 2`` for PPO; the supervised runs stop by their data (8 rows, batches of 4);
+- sizes -> a couple of steps of a few samples (``SIZES``), and the flags added: a step cap,
+  ``--train.max_steps 2`` for PPO, and ``--rollout.max_new_tokens 8`` where a PPO example leaves
+  it at its default (1024); the supervised runs stop by their data (8 rows, batches of 4);
 - GPU counts (Ray's placement flags, ``--vllm.num_engines``, tensor parallel) -> this host's;
 - GPU-only switches the CPU cannot take -> dropped, by ``drop_gpu_only`` (the list is there).
 
@@ -361,8 +362,11 @@ def test_ppo_example_runs_on_the_shared_fleet(script, tmp_path, tiny_model_dir, 
     local.data = write_prompts(tmp_path / "prompts.jsonl", example, 64)
     local.eval_data = write_prompts(tmp_path / "eval.jsonl", example, 4)
     argv, changes = rewrite(example, local)
-    argv += ["--train.max_steps", str(STEPS)]
-    report(script, [*changes, f"added: --train.max_steps {STEPS}"], argv)
+    added = ["--train.max_steps", str(STEPS)]
+    if "--rollout.max_new_tokens" not in argv:  # the default, 1024 tokens, of a tiny model's noise: minutes on CPU
+        added += ["--rollout.max_new_tokens", str(SIZES["--rollout.max_new_tokens"]("", argv))]
+    argv += added
+    report(script, [*changes, f"added: {shlex.join(added)}"], argv)
     # The reward service launch.local would start for these flags (a function or an RM, and the
     # reference for KL) stands in for the fleet's for this run; the rollout servers are the fleet's.
     cfg = parse(PPOConfig, ["--pretrain", str(tiny_model_dir), *argv], raise_errors=True)
