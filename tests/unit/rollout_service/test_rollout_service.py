@@ -144,13 +144,15 @@ def stack(tiny_model_dir, tmp_path_factory):
         ballast, ctrl.pressure = hold_memory()
         ctrl.start("ra", logs, "--idle_spin_s", "0.05", "--agent_func_path", str(AGENT_FILE))
         ctrl.start("rb", logs, env={KV_SPACE_ENV: None})  # unset: vLLM checks the share
+        ctrl.wait_joined(["ra", "rb"], timeout=600)
+        release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
         # rc serves LoRA adapters too (the last test pushes one to it): --lora_sync adapter's server half.
+        # Started once rb has passed its memory check: rc's engine and environment workers (~1 GiB
+        # with its own) starting beside that check took the memory rb's share was sized for.
         ctrl.rc_lora_dir = logs / "rc-adapters"
         lora = ["--enable_lora", "--max_lora_rank", "8", "--lora_dir", str(ctrl.rc_lora_dir)]
         rc_flags = ["--connect_timeout_s", "1200", *lora, *RC_ENV_WORKERS]
         ctrl.servers.append(Server("rc", tiny_model_dir, f"tcp://127.0.0.1:{ctrl.late_port}", logs, *rc_flags))
-        ctrl.wait_joined(["ra", "rb"], timeout=600)
-        release(ballast)  # rb's engine passed vLLM's check: the pressure has done its part
         # rd waits for a controller nobody runs, to be stopped there (its own test, late in the
         # file: its engine starts while the first tests run).
         ctrl.servers.append(
