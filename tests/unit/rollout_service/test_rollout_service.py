@@ -555,11 +555,12 @@ def test_environment_faults_in_worker_processes_fail_only_their_episodes(stack):
     )
     why = {lab: errors[first + 200 + healthy + k] for k, lab in enumerate(faults)}
     said = " ".join(why.values())
-    assert "sys.exit(3)" in why["exit"]
     # A worker that dies with two episodes in their environment code (the hang awaits forever in
-    # its step) cannot tell which killed it: both are re-run, and the one there at the second
-    # death fails with that death's reason.
-    assert "--agent_step_timeout_s" in why["hang"] or "died under this episode" in why["hang"]
+    # its step; the exit may be in the segfault's worker) cannot tell which killed it: both are
+    # re-run, and the one there at the second death fails with that death's reason. (sys.exit's
+    # own reason, alone in its worker, is test_env_pool's.)
+    assert "sys.exit(3)" in why["exit"] or "died under this episode" in why["exit"], said
+    assert "--agent_step_timeout_s" in why["hang"] or "died under this episode" in why["hang"], said
     # Each fails with a reason; on a loaded host (a CI run) a step of the segfault's or the leak's
     # worker outlasted the 3 s step timeout first, and the step timeout was their reason.
     reasons = ("SIGSEGV", "--agent_env_worker_memory_mb 1500", "--agent_step_timeout_s", "died under this episode")
