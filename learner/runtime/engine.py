@@ -110,11 +110,17 @@ def clear_stale_op_locks(max_age_s: float = STALE_LOCK_S) -> list[str]:
 
 def build_ops() -> None:
     """Builds the CPU ops DeepSpeed JIT-compiles on first use, once, at set-up: later runs
-    (and parallel ranks) then load them instead of racing to build them."""
+    (and parallel ranks) then load them instead of racing to build them. The shared-memory
+    collective every run loads, and DeepSpeedCPUAdam (``--adam_offload``): ~80 s of both cores
+    to build, which a fresh checkout's test suite otherwise paid inside its first offloading
+    test, under the load of its neighbours, while the others that need it waited on its lock
+    (one such run took 336 s in CI, 45 s with the op built)."""
     clear_stale_op_locks()
     from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder import CPUAdamBuilder
 
     build_shm_op()
+    CPUAdamBuilder().load()
 
 
 # Rank 0's rendezvous store (``_host_rendezvous_store``): it serves the process group for as
