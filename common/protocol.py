@@ -99,6 +99,7 @@ class RewardCapabilities(Capabilities, tag="reward"):
     rewards: bool = False
     ref_idle_spin_s: float | None = None  # a vLLM reference engine's idle spin (--ref_backend vllm)
     ref_gpu_memory_utilization: float | None = None  # the share that engine was started with
+    teacher_logprobs: bool = False  # it serves a teacher's log-probs (--teacher_pretrain; distillation)
 
 
 ServiceCapabilities = RolloutCapabilities | RewardCapabilities
@@ -306,13 +307,17 @@ class ScoredBatch(Message):
     scores: Tensor | None = None  # (N,) float32, e.g. raw accuracy for logging (OpenRLHF `scores`)
     extra_logs: dict[str, list[float]] = {}  # per-sample metrics to log (name -> (N,))
     server: str = ""
+    # (L,) float32, the teacher's log-probs of the response tokens (on-policy distillation), laid
+    # out as ref_logprobs; None: the service has no teacher
+    teacher_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
         _check_len("sample_indices", self.sample_indices, n, "one per sample")
         _check_tensor("rewards", self.rewards, "float")
-        if self.ref_logprobs is not None:
-            _check_tensor("ref_logprobs", self.ref_logprobs, "float", ndim=None)
+        for name in ("ref_logprobs", "teacher_logprobs"):
+            if getattr(self, name) is not None:
+                _check_tensor(name, getattr(self, name), "float", ndim=None)
         if self.scores is not None:
             _check_tensor("scores", self.scores, "float")
         if _numel(self.rewards) != n:
@@ -537,8 +542,15 @@ class WeightUpdate(Message):
     # server to serve beside its weights (--lora_sync adapter); the others (if any: a joiner's
     # base weights, sent first) load into the weights as always.
     lora: LoraAdapter | None = None
+    # "": plain tensors, loaded as they come. "full" / "delta" (--weight_sync delta,
+    # common/weights/delta.py): whole tensors the server keeps as its base, or the changes to
+    # that base ("NAME#idx" / "NAME#val", or NAME whole); either ends with "#digest", which the
+    # server checks against its base before loading. aliases come with a full push only.
+    encoding: str = ""
 
     def __post_init__(self) -> None:
+        if self.encoding not in ("", "full", "delta"):
+            raise ValueError(f"encoding: unknown {self.encoding!r} (known: '', 'full', 'delta')")
         _check_len("dtype_names", self.dtype_names, len(self.names), "one per name")
         _check_len("shapes", self.shapes, len(self.names), "one per name")
         if self.lora is not None and not any(".lora_" in n for n in self.names):

@@ -91,6 +91,33 @@ class RewardConfig:
         group="reference model",
     )
 
+    # -- teacher (on-policy distillation)
+    teacher_pretrain: str | None = flag(
+        None,
+        "HF causal LM path of a teacher: return its per-token log-probs of each response, as the reference's "
+        "(on-policy distillation, docs/distillation.md); it must share the policy's tokenizer",
+        group="teacher model",
+    )
+    teacher_backend: str = flag(
+        "hf",
+        "hf: transformers on one device; vllm: a vLLM engine's prompt log-probs over --teacher_tensor_parallel_size "
+        "GPUs (as --ref_backend)",
+        choices=("hf", "vllm"),
+        group="teacher model",
+    )
+    teacher_tensor_parallel_size: int = flag(1, "--teacher_backend vllm: GPUs the teacher spans", group="teacher model")
+    teacher_max_model_len: int = flag(
+        0, "--teacher_backend vllm: longest prompt + response scored (0: the model's own limit)", group="teacher model"
+    )
+    teacher_gpu_memory_utilization: float | None = flag(
+        None,
+        "--teacher_backend vllm: share of each GPU its engine may take (default as --ref_gpu_memory_utilization's)",
+        group="teacher model",
+    )
+    teacher_enforce_eager: bool = flag(
+        False, "--teacher_backend vllm: no CUDA graphs / torch.compile", group="teacher model"
+    )
+
     # -- reward model
     reward_pretrain: str | None = flag(
         None, "HF reward model path (sequence classifier or OpenRLHF value-head format)", group="reward model"
@@ -142,7 +169,8 @@ class RewardConfig:
     # -- models
     tokenizer: str | None = flag(
         None,
-        "tokenizer of the policy, to decode token ids into text (default: --ref_pretrain, else --reward_pretrain)",
+        "tokenizer of the policy, to decode token ids into text, and the one a --teacher_pretrain must share "
+        "(default: --ref_pretrain, else --teacher_pretrain, else --reward_pretrain)",
         group="models",
     )
     micro_batch_size: int = flag(
@@ -181,9 +209,10 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the flag at fault (``parse`` turns it into a usage error)."""
-        if not (self.ref_pretrain or self.reward_pretrain or self.func_files() or self.urls()):
+        if not (self.ref_pretrain or self.teacher_pretrain or self.reward_pretrain or self.func_files() or self.urls()):
             raise ValueError(
-                "nothing to score with: give --ref_pretrain, --reward_pretrain, --reward_func or --remote_rm_url"
+                "nothing to score with: give --ref_pretrain, --teacher_pretrain, --reward_pretrain, --reward_func "
+                "or --remote_rm_url"
             )
         if self.normalize_reward and not self.reward_pretrain:
             raise ValueError("--normalize_reward applies to a reward model: give --reward_pretrain")
@@ -217,9 +246,25 @@ class RewardConfig:
             share = self.ref_gpu_memory_utilization
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"--ref_gpu_memory_utilization must be in (0, 1], got {share}")
-        if self.ref_idle_spin_s is not None and self.ref_backend != "vllm":
+        if self.teacher_backend == "vllm":
+            if not self.teacher_pretrain:
+                raise ValueError("--teacher_backend vllm serves the teacher: give --teacher_pretrain")
+            if self.temperature != 1.0:
+                raise ValueError(
+                    "--teacher_backend vllm reads log-probs from the raw logits: --temperature must be 1 "
+                    "(use --teacher_backend hf for a temperature-scaled teacher)"
+                )
+            if self.teacher_tensor_parallel_size < 1:
+                raise ValueError(
+                    f"--teacher_tensor_parallel_size must be >= 1, got {self.teacher_tensor_parallel_size}"
+                )
+            share = self.teacher_gpu_memory_utilization
+            if share is not None and not 0 < share <= 1:
+                raise ValueError(f"--teacher_gpu_memory_utilization must be in (0, 1], got {share}")
+        if self.ref_idle_spin_s is not None and "vllm" not in (self.ref_backend, self.teacher_backend):
             raise ValueError(
-                "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers: add --ref_backend vllm"
+                "--ref_idle_spin_s is the idle spin of --ref_backend (or --teacher_backend) vllm's workers: add "
+                "--ref_backend vllm"
             )
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("--retries and --retry_backoff_s must be >= 0")
@@ -234,7 +279,7 @@ class RewardConfig:
         return [u for u in _split(self.remote_rm_url) if not u.endswith(".py")]
 
     def tokenizer_path(self) -> str | None:
-        return self.tokenizer or self.ref_pretrain or self.reward_pretrain
+        return self.tokenizer or self.ref_pretrain or self.teacher_pretrain or self.reward_pretrain
 
 
 def _split(csv: str | None) -> list[str]:

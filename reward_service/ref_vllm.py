@@ -60,6 +60,7 @@ class VLLMReferenceScorer:
         seed: int = 0,
         idle_spin_s: float | None = None,
         who: str = "reward service",
+        flag: str = MEMORY_FLAG,
     ) -> VLLMReferenceScorer:
         """``gpu_memory_utilization``: None for this host's default (module doc); ``idle_spin_s``:
         how long the workers poll after their last step (``--ref_idle_spin_s``; None:
@@ -67,8 +68,8 @@ class VLLMReferenceScorer:
         would refuse the share (before any engine process starts, or after it did)."""
         from vllm import LLM
 
-        share = choose_share(gpu_memory_utilization, GPU_MEMORY_SHARE, model=path, flag=MEMORY_FLAG, who=who)
-        check_start(share, model=path, flag=MEMORY_FLAG, who=who)
+        share = choose_share(gpu_memory_utilization, GPU_MEMORY_SHARE, model=path, flag=flag, who=who)
+        check_start(share, model=path, flag=flag, who=who)
 
         if idle_spin_s is not None:  # read by reward_service.ref_worker_ext in the workers vLLM spawns
             os.environ[IDLE_SPIN_ENV] = str(idle_spin_s)
@@ -97,7 +98,7 @@ class VLLMReferenceScorer:
             # vLLM's worker raised in its own process; the memory check, read again, says
             # whether it was the share (memory taken since check_start ran).
             if "initialization failed" in str(e):
-                refused = start_refusal(share, model=path, flag=MEMORY_FLAG, who=who)
+                refused = start_refusal(share, model=path, flag=flag, who=who)
                 if refused is not None:
                     raise EngineStartRefused(refused) from None
             raise
@@ -106,11 +107,11 @@ class VLLMReferenceScorer:
         scorer.memory_share = share
         scorer.idle_spin_s = llm.collective_rpc("rayless_idle_spin_s")[0]
         log.info(
-            "reference model %s on vLLM (tp %d, %s, %s %.2f), idle spin %s s",
+            "scoring model %s on vLLM (tp %d, %s, %s %.2f), idle spin %s s",
             path,
             tensor_parallel_size,
             dtype,
-            MEMORY_FLAG,
+            flag,
             share,
             scorer.idle_spin_s,
         )

@@ -1,7 +1,8 @@
 """The socket-free core of the reward service: ``Scorer.score(ScoreRequest) -> ScoredBatch``.
 
-A Scorer holds an optional reference scorer (per-token log-probs for the KL term) and any
-number of reward *sources*, built from the config by the ``SOURCES`` registry:
+A Scorer holds an optional reference scorer (per-token log-probs for the KL term), an optional
+teacher (the same kind of model, ``load_logprob_model``: its log-probs for on-policy
+distillation, docs/distillation.md) and any number of reward *sources*, built from the config by the ``SOURCES`` registry:
 
 ========  =========================================  ==========================
 name      what                                       flags
@@ -15,7 +16,8 @@ Combination: a sample's reward is the **sum** of its sources' rewards (e.g. an R
 format bonus); each source's own reward is logged in ``extra_logs["reward/<source>"]`` when
 there are several. A sample fails if any source failed it (``failed[i]`` joins the reasons,
 reward NaN). ``scores`` sums each source's ``scores``, or its rewards where it gave none
-(OpenRLHF's default). A service with only ``--ref_pretrain`` returns rewards of 0.
+(OpenRLHF's default). A service with only ``--ref_pretrain`` and/or ``--teacher_pretrain``
+returns rewards of 0.
 
 Function and remote sources wait on other processes, so they run in threads while the
 reference and reward models compute. How to use it in-process (tests, notebooks)::
@@ -32,7 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Union
 
 import torch
 
@@ -166,6 +168,56 @@ def _remote_sources(cfg: RewardConfig) -> list[RewardSource]:
     )
 
 
+LogprobModel = Union[ReferenceScorer, "VLLMReferenceScorer"]
+
+
+def load_logprob_model(cfg: RewardConfig, role: str) -> LogprobModel:
+    """A scoring model: per-token log-probs of each response (``logprobs(prompts, responses)``).
+    ``role`` "ref" (--ref_*) or "teacher" (--teacher_*): the same code, its own flags."""
+    path = cfg.ref_pretrain if role == "ref" else cfg.teacher_pretrain
+    assert path
+    if getattr(cfg, f"{role}_backend") == "vllm":
+        from reward_service.ref_vllm import VLLMReferenceScorer
+
+        name = cfg.name or "reward service"
+        return VLLMReferenceScorer.load(
+            path,
+            dtype="bfloat16" if cfg.bf16 else "float32",
+            tensor_parallel_size=getattr(cfg, f"{role}_tensor_parallel_size"),
+            max_model_len=getattr(cfg, f"{role}_max_model_len") or None,
+            gpu_memory_utilization=getattr(cfg, f"{role}_gpu_memory_utilization"),
+            enforce_eager=getattr(cfg, f"{role}_enforce_eager"),
+            idle_spin_s=cfg.ref_idle_spin_s,
+            who=name if role == "ref" else f"{name} (teacher)",
+            flag=f"--{role}_gpu_memory_utilization",
+        )
+    return ReferenceScorer.load(
+        path,
+        dtype=_dtype(cfg),
+        device=device_of(cfg),
+        attn_implementation=cfg.attn_implementation,
+        micro_batch_size=cfg.micro_batch_size,
+        max_tokens=cfg.max_tokens_per_gpu,
+        temperature=cfg.temperature,
+        tile_tokens=cfg.logits_tile_tokens,
+    )
+
+
+def check_teacher_vocabulary(cfg: RewardConfig, teacher: LogprobModel) -> None:
+    """The teacher scores the policy's token ids: its tokenizer must be the policy's (--tokenizer,
+    else --ref_pretrain's) and its vocabulary must hold every id of it. Raises ValueError naming
+    both paths (start-up, exit 2)."""
+    policy = cfg.tokenizer or cfg.ref_pretrain
+    assert cfg.teacher_pretrain
+    if policy:
+        from common.vocab import check_same_tokenizer
+
+        check_same_tokenizer(
+            policy, cfg.teacher_pretrain, student_flag="--tokenizer" if cfg.tokenizer else "--ref_pretrain"
+        )
+    # Without either, the request's ids are checked against the teacher's vocabulary (_check_token_ids).
+
+
 # name -> builder(config) -> sources. Cheap checks first: a bad reward file fails start-up
 # before minutes of model loading.
 SOURCES: dict[str, Callable[[RewardConfig], list[RewardSource]]] = {
@@ -182,12 +234,14 @@ class Scorer:
     def __init__(
         self,
         *,
-        ref: ReferenceScorer | VLLMReferenceScorer | None = None,
+        ref: LogprobModel | None = None,
+        teacher: LogprobModel | None = None,
         sources: Sequence[RewardSource] = (),
         tokenizer=None,
         name: str = "reward",
     ) -> None:
         self.ref = ref
+        self.teacher = teacher  # on-policy distillation: the same kind of model, another checkpoint
         self.sources = list(sources)
         self.tokenizer = tokenizer  # the policy's: decodes token ids for text sources
         self.name = name
@@ -202,31 +256,10 @@ class Scorer:
         try:
             for build in SOURCES.values():
                 sources += build(cfg)
-            ref: ReferenceScorer | VLLMReferenceScorer | None = None
-            if cfg.ref_pretrain and cfg.ref_backend == "vllm":
-                from reward_service.ref_vllm import VLLMReferenceScorer
-
-                ref = VLLMReferenceScorer.load(
-                    cfg.ref_pretrain,
-                    dtype="bfloat16" if cfg.bf16 else "float32",
-                    tensor_parallel_size=cfg.ref_tensor_parallel_size,
-                    max_model_len=cfg.ref_max_model_len or None,
-                    gpu_memory_utilization=cfg.ref_gpu_memory_utilization,
-                    enforce_eager=cfg.ref_enforce_eager,
-                    idle_spin_s=cfg.ref_idle_spin_s,
-                    who=cfg.name or "reward service",
-                )
-            elif cfg.ref_pretrain:
-                ref = ReferenceScorer.load(
-                    cfg.ref_pretrain,
-                    dtype=_dtype(cfg),
-                    device=device_of(cfg),
-                    attn_implementation=cfg.attn_implementation,
-                    micro_batch_size=cfg.micro_batch_size,
-                    max_tokens=cfg.max_tokens_per_gpu,
-                    temperature=cfg.temperature,
-                    tile_tokens=cfg.logits_tile_tokens,
-                )
+            ref = load_logprob_model(cfg, "ref") if cfg.ref_pretrain else None
+            teacher = load_logprob_model(cfg, "teacher") if cfg.teacher_pretrain else None
+            if teacher is not None:
+                check_teacher_vocabulary(cfg, teacher)
             tokenizer = None
             if cfg.tokenizer_path() and any(s.needs_text for s in sources):
                 from transformers import AutoTokenizer
@@ -235,8 +268,11 @@ class Scorer:
         except BaseException:
             for s in sources:
                 s.close()
+            for m in (locals().get("ref"), locals().get("teacher")):
+                if m is not None and hasattr(m, "close"):
+                    m.close()
             raise
-        return cls(ref=ref, sources=sources, tokenizer=tokenizer, name=cfg.name or "reward")
+        return cls(ref=ref, teacher=teacher, sources=sources, tokenizer=tokenizer, name=cfg.name or "reward")
 
     def capabilities(self) -> RewardCapabilities:
         """What the Hello announces: which sources this service computes (the server adds its
@@ -244,8 +280,11 @@ class Scorer:
         from reward_service.ref_vllm import VLLMReferenceScorer  # light: vLLM itself loads with the engine
 
         caps = RewardCapabilities(
-            sources=(["ref"] if self.ref else []) + [s.name for s in self.sources],
+            sources=(["ref"] if self.ref else [])
+            + (["teacher"] if self.teacher else [])
+            + [s.name for s in self.sources],
             ref_logprobs=self.ref is not None,
+            teacher_logprobs=self.teacher is not None,
             rewards=bool(self.sources),
         )
         if isinstance(self.ref, VLLMReferenceScorer):  # what its workers spin after scoring, the share it took
@@ -259,8 +298,9 @@ class Scorer:
         t0 = time.monotonic()
         inp = from_request(req)
         n = len(inp)
-        if self.ref is not None and inp.prompt_tokens is None:
-            raise BadRequest("reference log-probs need samples.prompt_token_ids (the prompt tokens)")
+        for model, what in ((self.ref, "reference"), (self.teacher, "teacher")):
+            if model is not None and inp.prompt_tokens is None:
+                raise BadRequest(f"{what} log-probs need samples.prompt_token_ids (the prompt tokens)")
         self._check_token_ids(inp)
         if any(s.needs_text for s in self.sources):
             with_text(inp, self.tokenizer)
@@ -270,9 +310,10 @@ class Scorer:
             else {}
         )
         ref_logprobs = self.ref.logprobs(inp.prompt_tokens, inp.response_tokens) if self.ref else None
+        teacher_logprobs = self.teacher.logprobs(inp.prompt_tokens, inp.response_tokens) if self.teacher else None
         results = [(s, s.score(inp)) for s in self.sources if not s.background]
         results += [(s, futs[id(s)].result()) for s in self.sources if s.background]
-        scored = self._combine(inp, results, ref_logprobs)
+        scored = self._combine(inp, results, ref_logprobs, teacher_logprobs)
         self.last_batch_s = time.monotonic() - t0
         self.counters["requests"] += 1
         self.counters["samples"] += n
@@ -282,6 +323,7 @@ class Scorer:
         """An id outside a model's vocabulary would raise deep in its embedding (an "internal"
         error, counted towards fatal): it is the request's fault, so say so up front."""
         vocabs = [(self.ref.vocab_size, "reference model")] if self.ref is not None else []
+        vocabs += [(self.teacher.vocab_size, "teacher")] if self.teacher is not None else []
         vocabs += [(v, s.name) for s in self.sources if (v := getattr(s, "vocab_size", None))]
         if not vocabs or not len(inp):
             return
@@ -298,7 +340,11 @@ class Scorer:
                 )
 
     def _combine(
-        self, inp: ScoringInput, results: list[tuple[RewardSource, SourceResult]], ref_logprobs: torch.Tensor | None
+        self,
+        inp: ScoringInput,
+        results: list[tuple[RewardSource, SourceResult]],
+        ref_logprobs: torch.Tensor | None,
+        teacher_logprobs: torch.Tensor | None = None,
     ) -> ScoredBatch:
         n = len(inp)
         rewards, scores = [0.0] * n, [0.0] * n
@@ -332,6 +378,7 @@ class Scorer:
             scores=torch.tensor(scores, dtype=torch.float32),
             extra_logs=extra,
             server=self.name,
+            teacher_logprobs=teacher_logprobs,
         )
 
     def stats(self) -> dict[str, float]:
@@ -344,8 +391,9 @@ class Scorer:
     def close(self) -> None:
         for s in self.sources:
             s.close()
-        close_ref = getattr(self.ref, "close", None)  # a vLLM reference engine has processes to stop
-        if close_ref is not None:
-            close_ref()
+        for model in (self.ref, self.teacher):
+            close = getattr(model, "close", None)  # a vLLM engine has processes to stop
+            if close is not None:
+                close()
         if self._pool:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -30,6 +30,12 @@ def test_every_flag_keeps_its_default():
         "ref_max_model_len": 0,
         "ref_gpu_memory_utilization": None,  # 0.9 on GPUs; on CPU what the engine needs (common/vllm_memory.py)
         "ref_enforce_eager": False,
+        "teacher_pretrain": None,  # on-policy distillation (docs/distillation.md)
+        "teacher_backend": "hf",
+        "teacher_tensor_parallel_size": 1,
+        "teacher_max_model_len": 0,
+        "teacher_gpu_memory_utilization": None,
+        "teacher_enforce_eager": False,
         "reward_pretrain": None,
         "value_head_prefix": "auto",
         "normalize_reward": False,
