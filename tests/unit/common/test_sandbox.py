@@ -1,0 +1,162 @@
+"""common.sandbox: model-written code in fresh, isolated, limited processes.
+
+Each hostile program (an infinite loop, a CPU spin, a fork bomb, a memory bomb, a write outside its
+directory, a socket, a read of the run's CURVE keys, gigabytes of output) must end as that call's
+failure with its reason, leave nothing behind, and leave the sandbox serving the next call. Run in
+both modes this host gives: "auto" (namespaces where the host allows them; root here) and the
+"process" fallback (resource limits and an audit hook, for hosts without namespaces). Small limits
+keep each case to about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from common.sandbox import Sandbox, SandboxError, SandboxLimits
+
+LIMITS = SandboxLimits(wall_s=2.0, cpu_s=1.0, memory_mb=128, max_procs=8, max_output_bytes=64 << 10, disk_mb=8)
+
+
+@pytest.fixture(scope="module", params=["auto", "process"])
+def sandbox(request):
+    sb = Sandbox(workers=2, limits=LIMITS, isolation=request.param)
+    yield sb
+    sb.close()
+
+
+def _alive_after(sb: Sandbox) -> None:
+    """Nothing else touched: the next call is served as usual."""
+    r = sb.run_sync("print(input() * 2)", stdin="ab")
+    assert (r.reason, r.stdout) == ("ok", "abab\n"), r
+
+
+def test_runs_code_with_stdin_and_reports_exit(sandbox):
+    r = sandbox.run_sync("import sys\nprint(sum(map(int, sys.stdin.read().split())))", stdin="1 2 3")
+    assert (r.reason, r.exit_code, r.stdout) == ("ok", 0, "6\n")
+    assert r.isolation == sandbox.isolation != "auto"
+    r = sandbox.run_sync("raise ValueError('bad')")
+    assert (r.reason, r.exit_code) == ("exit", 1) and "ValueError: bad" in r.stderr
+    r = sandbox.run_sync("import sys; sys.exit(3)")
+    assert (r.reason, r.exit_code) == ("exit", 3)
+    r = sandbox.run_sync("import os; print(os.getcwd() == os.environ['HOME'], sorted(os.environ))")
+    assert r.stdout == "True ['HOME', 'LANG', 'PATH', 'TMPDIR']\n"  # the service's environment is not there
+
+
+def test_infinite_loop_is_killed_at_the_wall_limit(sandbox):
+    t0 = time.monotonic()
+    r = sandbox.run_sync("import time\nwhile True: time.sleep(0.01)", timeout_s=0.5)
+    assert r.reason == "timeout" and r.exit_code is None, r
+    assert time.monotonic() - t0 < 3
+    _alive_after(sandbox)
+
+
+def test_cpu_spin_stops_at_the_cpu_limit(sandbox):
+    r = sandbox.run_sync("while True: pass", limits=LIMITS.replace(cpu_s=1, wall_s=15))
+    assert r.reason == "cpu_time", r
+    _alive_after(sandbox)
+
+
+def test_fork_bomb_is_refused(sandbox):
+    r = sandbox.run_sync("import os\nwhile True:\n    os.fork()")
+    # namespaces: RLIMIT_NPROC under a uid of its own; process mode as root: fork is refused outright
+    assert r.reason in ("processes", "exit") and r.reason == ("processes" if r.isolation != "process" else r.reason)
+    assert "BlockingIOError" in r.stderr or "os.fork is not allowed" in r.stderr, r
+    _alive_after(sandbox)
+
+
+def test_memory_bomb_hits_the_memory_limit(sandbox):
+    r = sandbox.run_sync("x = []\nwhile True:\n    x.append(bytearray(16 << 20))")
+    assert r.reason == "memory" and "MemoryError" in r.stderr, r
+    _alive_after(sandbox)
+
+
+def test_writes_outside_its_directory_fail(sandbox, tmp_path):
+    target = tmp_path / "escaped.txt"
+    r = sandbox.run_sync(f"open({str(target)!r}, 'w').write('x')")
+    assert r.reason == "exit" and not target.exists(), r
+    r = sandbox.run_sync("open('mine.txt', 'w').write('x' * 100); print(open('mine.txt').read().count('x'))")
+    assert (r.reason, r.stdout) == ("ok", "100\n")  # its own directory is writable
+    r = sandbox.run_sync("import os; print(os.path.exists('mine.txt'))")
+    assert r.stdout == "False\n"  # and fresh per call
+
+
+def test_no_network(sandbox):
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    try:
+        r = sandbox.run_sync(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)")
+        assert r.reason == "exit", r
+        assert "Network is unreachable" in r.stderr or "not allowed" in r.stderr, r.stderr
+        with pytest.raises(TimeoutError):
+            server.accept()  # nothing reached the host's loopback
+    finally:
+        server.close()
+
+
+def test_cannot_read_the_runs_keys(sandbox, tmp_path):
+    from common.auth import keygen
+
+    keys = keygen(tmp_path / "auth")
+    secret = keys / "controller.key_secret"
+    code = f"print(open({str(secret)!r}).read())"
+    r = sandbox.run_sync(code)
+    assert r.reason == "exit" and "secret-key" not in r.stdout, r
+    assert "FileNotFoundError" in r.stderr or "PermissionError" in r.stderr
+
+
+def test_gigabytes_of_output_are_cut_and_killed(sandbox):
+    t0 = time.monotonic()
+    r = sandbox.run_sync("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
+    assert r.reason == "output_limit" and r.truncated, r
+    assert len(r.stdout) + len(r.stderr) <= LIMITS.max_output_bytes
+    assert time.monotonic() - t0 < 2
+    _alive_after(sandbox)
+
+
+def test_a_timed_out_call_leaves_no_process_behind():
+    """Killed whole: a child the code started dies with it (namespace modes: the PID namespace)."""
+    with Sandbox(workers=1, limits=LIMITS) as sb:
+        if sb.isolation == "process":
+            pytest.skip("process mode refuses subprocesses; killpg covers its forks")
+        marker = "987.125"
+        r = sb.run_sync(f"import subprocess\nsubprocess.Popen(['sleep', '{marker}'])\nwhile True: pass", timeout_s=0.5)
+        assert r.reason == "timeout"
+        time.sleep(0.1)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    assert marker.encode() not in f.read(), f"sleep {marker} (pid {pid}) outlived its sandbox"
+            except OSError:
+                continue
+
+
+def test_concurrent_calls_from_an_event_loop():
+    with Sandbox(workers=2, limits=LIMITS) as sb:
+
+        async def many():
+            return await asyncio.gather(*(sb.run(f"print({i} * {i})") for i in range(8)))
+
+        results = asyncio.run(many())
+        assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(8)]
+        assert [r.stdout for r in sb.run_many_sync([("print(input())", str(i)) for i in range(4)])] == [
+            f"{i}\n" for i in range(4)
+        ]
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="SandboxLimits.wall_s"):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(ValueError, match="unknown sandbox limit"):
+        LIMITS.replace(wal_s=1)
+    with pytest.raises(SandboxError, match="language 'rust'"):
+        Sandbox(language="rust")
+    with pytest.raises(SandboxError, match="isolation 'docker'"):
+        Sandbox(isolation="docker")
+    with pytest.raises(SandboxError, match="workers"):
+        Sandbox(workers=0)
