@@ -107,6 +107,7 @@ class OpenAIAgent:
         model: str,
         tool_call_parser: str = "",
         endpoint: OpenAIEndpoint | None = None,
+        in_process: bool = True,
     ) -> None:
         from rollout_service.openai_api import tool_parser_class
 
@@ -117,20 +118,26 @@ class OpenAIAgent:
         params = inspect.signature(func).parameters
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self._kwargs = [k for k in OPTIONAL_KWARGS if takes_all or k in params]
+        self.in_process = in_process  # the client's requests: in this process, or over loopback HTTP
         self._http: Any = None
 
     def client(self, session: EpisodeSession) -> Any:
-        """An ``openai.AsyncOpenAI`` bound to the episode (its base URL and key); one HTTP
-        connection pool for every episode of the server (no proxy: the endpoint is loopback).
-        The pool is httpx's interface over aiohttp's client (``httpx-aiohttp``, what openai's
-        ``DefaultAioHttpClient`` is): 1.5 ms a call where httpx's own took 6.8 ms on a loaded
-        2-core host, on the loop that also drives the engine."""
+        """An ``openai.AsyncOpenAI`` bound to the episode (its base URL and key). Its requests
+        reach the endpoint in this process (``InProcessTransport``: no socket, no HTTP parsing;
+        with ``in_process=False``, over loopback HTTP through one aiohttp connection pool), on the
+        loop that also drives the engine, so every millisecond a call costs here is the engine's
+        (bench/agent.py --openai)."""
         import httpx
-        from httpx_aiohttp import HttpxAiohttpClient
         from openai import AsyncOpenAI
 
         if self._http is None:
-            self._http = HttpxAiohttpClient(trust_env=False, timeout=None, limits=httpx.Limits(max_connections=4096))
+            if self.in_process:
+                self._http = httpx.AsyncClient(transport=self.endpoint.transport(), timeout=None, trust_env=False)
+            else:  # httpx's interface over aiohttp's client (openai's DefaultAioHttpClient)
+                from httpx_aiohttp import HttpxAiohttpClient
+
+                limits = httpx.Limits(max_connections=4096)
+                self._http = HttpxAiohttpClient(trust_env=False, timeout=None, limits=limits)
         return AsyncOpenAI(
             base_url=self.endpoint.base_url(session),
             api_key=session.key,

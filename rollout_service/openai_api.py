@@ -27,24 +27,34 @@ A call the episode's trace cannot take (a conversation that does not extend the 
 see ``trace.py``) is answered 400 and fails the episode with that message even if the agent
 catches the error: a sample whose turns do not line up must not train.
 
-The HTTP server is aiohttp's, on the server's own event loop (no thread: a call reaches the
-engine without crossing loops), bound to 127.0.0.1 on a free port; signals are left to the
-rollout server. Not FastAPI on uvicorn, which vLLM's own server uses: on a 2-core host under
-load a request through uvicorn took 48 ms whatever the handler did, 5 ms through aiohttp.web
-with the same client (httpx), 0.4 ms through a bare asyncio socket (2026-12-04;
-``bench/agent_openai.py`` prints the endpoint's own time per call). Requests are read as plain
-JSON (no pydantic model per call).
+Two ways in, one answer (``OpenAIEndpoint.answer``: a key, what is asked, the JSON body):
+
+* the client rayless hands an agent (``agent_openai.py``) carries its requests in-process
+  (``InProcessTransport``, an ``httpx`` transport): no socket and no HTTP parsing on either side,
+  on the loop that also drives the engine, where every millisecond a call costs is the engine's;
+* any other client (one the agent builds from its base URL, a library, a subprocess) reaches the
+  HTTP server: aiohttp's, on the server's own event loop (no thread: a call reaches the engine
+  without crossing loops), bound to 127.0.0.1 on a free port; signals are left to the rollout
+  server. Not FastAPI on uvicorn, which vLLM's own server uses: on a 2-core host under load a
+  request through uvicorn took 48 ms whatever the handler did, 5 ms through aiohttp.web with the
+  same client (httpx), 0.4 ms through a bare asyncio socket (2026-12-04).
+
+``python bench/agent.py --openai`` prints a call's time both ways and the episodes/s of each
+against the direct agent contract. Requests are read as plain JSON (no pydantic model per call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import secrets
 import time
 import uuid
 from typing import Any
+
+import httpx
 
 from rollout_service.agent import EpisodeError, TurnEngine
 from rollout_service.trace import Call, Trace, TraceError
@@ -108,6 +118,7 @@ class EpisodeSession:
         self.closed = False
         self._running: int | None = None  # the call number in the engine, if any
         self._call_task: asyncio.Task | None = None  # the HTTP handler running it
+        self._tool_parsers: dict[str, tuple[Any, Any]] = {}  # tool_choice (JSON) -> (parser, request)
 
     def close(self) -> None:
         """The episode ended (or was cancelled): a call still in the engine is aborted."""
@@ -236,15 +247,19 @@ class EpisodeSession:
         return self.tokenizer.decode(toks, skip_special_tokens=not keep_special)
 
     def _parse_tools(self, text: str, body: dict) -> Any:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        # One parser and one request per episode and tool choice: an episode's tools never change
+        # (the trace refuses it), and building vLLM's parser can read the whole vocabulary (a real
+        # model's: 150k entries) and the request validates every message (the conversation grows).
+        # The parser reads the reply's text and the request's tools, not the messages.
+        choice = body.get("tool_choice", "auto")
+        cache_key = json.dumps(choice, sort_keys=True)
+        if cache_key not in self._tool_parsers:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        request = ChatCompletionRequest(
-            model=self.model,
-            messages=body.get("messages") or [],
-            tools=body.get("tools"),
-            tool_choice=body.get("tool_choice", "auto"),
-        )
-        return self.tool_parser(self.tokenizer, request.tools).extract_tool_calls(text, request)
+            request = ChatCompletionRequest(model=self.model, messages=[], tools=body.get("tools"), tool_choice=choice)
+            self._tool_parsers[cache_key] = (self.tool_parser(self.tokenizer, request.tools), request)
+        parser, request = self._tool_parsers[cache_key]
+        return parser.extract_tool_calls(text, request)
 
     def _logprobs(self, action: list[int], lps: list[float]) -> list[dict]:
         out = []
@@ -316,56 +331,57 @@ class OpenAIEndpoint:
             runner, self._runner = self._runner, None
             await runner.cleanup()
 
-    # ------------------------------------------------------------------ HTTP
+    # ------------------------------------------------------------------ requests
     def _session(self, key: str | None) -> EpisodeSession:
         s = self._sessions.get(key or "")
         if s is None:
             raise KeyError("no running episode has this key (its base URL or API key); it may have ended")
         return s
 
+    async def answer(self, key: str | None, what: str, body: bytes) -> tuple[int, dict]:
+        """One request, whatever carried it: ``what`` is ``chat``, ``completion``, ``tokenize`` or
+        ``models``; ``body`` the request's JSON bytes. Returns the HTTP status and the JSON answer
+        (an OpenAI-style ``{"error": ...}`` for anything but 200)."""
+        try:
+            session = self._session(key)
+        except KeyError as e:
+            return _error(401, str(e.args[0]), "authentication_error")
+        try:
+            if what == "models":
+                return 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "rayless"}]}
+            parsed = json.loads(body) if body else None
+            if not isinstance(parsed, dict):
+                return _error(400, "the request body must be a JSON object")
+            if what == "chat":
+                return 200, await session.chat(parsed)
+            if what == "completion":
+                return 200, await session.completion(parsed)
+            return 200, session.tokenize(parsed)
+        except (RequestError, TraceError) as e:
+            return _error(400, str(e))
+        except ValueError as e:  # a malformed body (JSON, a field of the wrong type)
+            return _error(400, f"{type(e).__name__}: {e}")
+        except EpisodeError as e:  # the engine refused the agent's input
+            return _error(400, str(e))
+        except asyncio.CancelledError:  # its episode ended under it (aborted, timed out): nobody reads this
+            return _error(499, "the episode ended while this call ran")
+        except Exception as e:  # noqa: BLE001 - the server's fault (the engine), answered; the episode fails by its record
+            log.warning("agent endpoint: %s failed: %s: %s", what, type(e).__name__, e)
+            return _error(500, f"{type(e).__name__}: {e}", "server_error")
+
+    def transport(self) -> InProcessTransport:
+        """An ``httpx`` transport that hands a client's requests to ``answer`` in this process."""
+        return InProcessTransport(self)
+
+    # ------------------------------------------------------------------ HTTP
     def _app(self) -> Any:
         from aiohttp import web
 
-        def error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-            return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
-
-        async def handle(request: web.Request, what: str) -> web.Response:
-            key = request.match_info.get("key")
-            if key is None:
-                auth = request.headers.get("Authorization", "")
-                key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-            try:
-                session = self._session(key)
-            except KeyError as e:
-                return error(401, str(e.args[0]), "authentication_error")
-            try:
-                body = await request.json() if what != "models" else {}
-                if not isinstance(body, dict):
-                    return error(400, "the request body must be a JSON object")
-                if what == "chat":
-                    return web.json_response(await session.chat(body))
-                if what == "completion":
-                    return web.json_response(await session.completion(body))
-                if what == "tokenize":
-                    return web.json_response(session.tokenize(body))
-                return web.json_response(
-                    {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "rayless"}]}
-                )
-            except (RequestError, TraceError) as e:
-                return error(400, str(e))
-            except ValueError as e:  # a malformed body (JSON, a field of the wrong type)
-                return error(400, f"{type(e).__name__}: {e}")
-            except EpisodeError as e:  # the engine refused the agent's input
-                return error(400, str(e))
-            except asyncio.CancelledError:  # its episode ended under it (aborted, timed out): nobody reads this
-                return error(499, "the episode ended while this call ran")
-            except Exception as e:  # noqa: BLE001 - the server's fault (the engine), answered; the episode fails by its record
-                log.warning("agent endpoint: %s failed: %s: %s", what, type(e).__name__, e)
-                return error(500, f"{type(e).__name__}: {e}", "server_error")
-
         def route(what: str) -> Any:
             async def handler(request: web.Request) -> web.Response:
-                return await handle(request, what)
+                key = request.match_info.get("key") or _bearer(request.headers.get("Authorization", ""))
+                status, answer = await self.answer(key, what, await request.read())
+                return web.json_response(answer, status=status)
 
             return handler
 
@@ -380,3 +396,56 @@ class OpenAIEndpoint:
             app.router.add_post(f"{prefix}/tokenize", route("tokenize"))
         app.router.add_get("/health", health)
         return app
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _bearer(auth: str) -> str | None:
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+
+
+# path suffix, method -> what ``OpenAIEndpoint.answer`` serves
+_ROUTES = {
+    ("/v1/chat/completions", "POST"): "chat",
+    ("/v1/completions", "POST"): "completion",
+    ("/v1/models", "GET"): "models",
+    ("/tokenize", "POST"): "tokenize",
+}
+
+
+class InProcessTransport(httpx.AsyncBaseTransport):
+    """The client side of the endpoint without a socket: what an ``httpx`` client (the ``openai``
+    client's) sends to the endpoint's address is answered by ``OpenAIEndpoint.answer`` in this
+    process, on this event loop, as the HTTP server would answer it (same paths, keys, statuses and
+    JSON). No connection, no HTTP parsing on either side: the ``openai`` client rayless hands an
+    agent uses it (``agent_openai.py``); the loopback HTTP server stays for any other client.
+
+    Each request runs in a task of its own, as an HTTP handler would: cancelling the caller (its
+    episode ended) cancels the call, which aborts its engine request."""
+
+    def __init__(self, endpoint: OpenAIEndpoint) -> None:
+        self.endpoint = endpoint
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path, key = request.url.path, None
+        if path.startswith("/e/"):
+            key, _, rest = path[3:].partition("/")
+            path = "/" + rest
+        else:
+            key = _bearer(request.headers.get("Authorization", ""))
+        what = _ROUTES.get((path, request.method))
+        if what is None:
+            status, answer = _error(404, f"{request.method} {request.url.path}: not served by this endpoint")
+        else:
+            body = await request.aread()
+            call = asyncio.ensure_future(self.endpoint.answer(key, what, body))
+            try:  # shielded: the call answers a cancel with a 499, which must not swallow the caller's
+                status, answer = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+        return httpx.Response(
+            status, content=json.dumps(answer).encode(), headers={"content-type": "application/json"}, request=request
+        )

@@ -150,8 +150,14 @@ def agent_file(tmp_path, body: str, name: str = "agent.py") -> str:
     return str(p)
 
 
-def make_agent(func, tool_call_parser: str = "") -> OpenAIAgent:
-    return OpenAIAgent(func, "agent.py:0", TOK, model="char-model", tool_call_parser=tool_call_parser)
+def make_agent(func, tool_call_parser: str = "", in_process: bool = True) -> OpenAIAgent:
+    return OpenAIAgent(
+        func, "agent.py:0", TOK, model="char-model", tool_call_parser=tool_call_parser, in_process=in_process
+    )
+
+
+# The client rayless hands an agent reaches the endpoint in-process; any other client over HTTP.
+TRANSPORTS = pytest.mark.parametrize("in_process", [True, False], ids=["in_process", "http"])
 
 
 def engine_for(actions: list[list[int]], max_len: int = 200, max_turns: int = 0) -> tuple[TurnEngine, ScriptedRequest]:
@@ -177,8 +183,9 @@ async def episode(agent: OpenAIAgent, engine: TurnEngine, prompt: str = "hi", la
         await agent.close()
 
 
-def test_an_openai_client_agent_trains_on_the_exact_tokens_with_a_parsed_tool_call():
-    """Two chat calls through real HTTP: a tool call parsed by vLLM's hermes parser, the tool's
+@TRANSPORTS
+def test_an_openai_client_agent_trains_on_the_exact_tokens_with_a_parsed_tool_call(in_process):
+    """Two chat calls (in-process, and through real HTTP): a tool call parsed by vLLM's hermes parser, the tool's
     answer sent back, a final answer; the sample is the two calls stitched, mask and log-probs
     exact, the reward the function's."""
     pytest.importorskip("vllm")
@@ -202,7 +209,7 @@ def test_an_openai_client_agent_trains_on_the_exact_tokens_with_a_parsed_tool_ca
         return {"rewards": float(r2.choices[0].message.content == label), "extra_logs": {"tool_calls": 1}}
 
     eng, req = engine_for([a1, a2])
-    ep = run(episode(make_agent(agent_func, "hermes"), eng))
+    ep = run(episode(make_agent(agent_func, "hermes", in_process), eng))
     r = seen["first"]
     assert r.choices[0].finish_reason == "tool_calls"
     tc = r.choices[0].message.tool_calls[0]
@@ -261,7 +268,8 @@ def test_concurrent_episodes_each_reach_only_their_own_trace():
     assert codes["wrong"] == 401
 
 
-def test_unserved_requests_get_a_clear_400_and_a_history_rewrite_fails_the_episode_even_if_caught():
+@TRANSPORTS
+def test_unserved_requests_get_a_clear_400_and_a_history_rewrite_fails_the_episode_even_if_caught(in_process):
     import openai
 
     errors = {}
@@ -287,7 +295,7 @@ def test_unserved_requests_get_a_clear_400_and_a_history_rewrite_fails_the_episo
 
     eng, _ = engine_for([ids("x") + [EOS], ids("y") + [EOS]])
     with pytest.raises(EpisodeError, match=r"call 2: message 0 \(user\) is not what call 1 sent"):
-        run(episode(make_agent(agent_func), eng))
+        run(episode(make_agent(agent_func, in_process=in_process), eng))
     assert "'stream': true is not served" in errors["stream"]
     assert "'n' must be 1" in errors["n"]
     assert "'stop' strings are not served" in errors["stop"]
@@ -317,7 +325,8 @@ def test_a_call_past_max_len_is_refused_and_the_episode_ends_as_length_with_the_
     assert len(ep.prompt) + len(ep.response) <= 40
 
 
-def test_completions_models_and_tokenize_through_http():
+@TRANSPORTS
+def test_completions_models_and_tokenize_through_http(in_process):
     got = {}
 
     async def agent_func(client, prompt, label, **kw):
@@ -332,7 +341,7 @@ def test_completions_models_and_tokenize_through_http():
         return 1
 
     eng, req = engine_for([ids("4") + [EOS], ids("6") + [EOS]])
-    ep = run(episode(make_agent(agent_func), eng))
+    ep = run(episode(make_agent(agent_func, in_process=in_process), eng))
     assert got["kw"] == {"model": "char-model", "max_tokens": 100, "max_len": 200}
     assert got["models"] == ["char-model"]
     assert got["text"] == "4" and got["lps"] == pytest.approx([-0.1, -0.2])
@@ -364,7 +373,7 @@ def test_agent_func_files_are_told_apart_loaded_and_their_rewards_read(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- in the core
-def core_running_agent_func(func):
+def core_running_agent_func(func, in_process: bool = True):
     """A core on the vLLM stand-in (``helpers.fake_llm``) whose episodes run ``func`` through the
     endpoint. The stand-in samples 3 + (input length + t) % 7 (EOS is 3), log-prob -1.5; its
     vocabulary is widened to the character tokenizer's text."""
@@ -372,7 +381,7 @@ def core_running_agent_func(func):
     from helpers.fake_llm import core_on_fake_llm
     from rollout_service.episodes import EpisodeRunner
 
-    agent = OpenAIAgent(func, "f.py:0123456789ab", TOK, model="m")
+    agent = OpenAIAgent(func, "f.py:0123456789ab", TOK, model="m", in_process=in_process)
     core = core_on_fake_llm(EpisodeRunner(agent, TOK, max_model_len=200), max_model_len=200)
     core.llm.model_config = SimpleNamespace(get_vocab_size=lambda: 256)
     return core, P.AgentParams(agent="f.py:0123456789ab", max_len=200, max_turns=0, step_timeout_s=5)
@@ -423,14 +432,25 @@ def test_calls_go_through_the_cores_gate_a_weight_update_mid_episode_included():
     assert core.episodes.counters["episodes"] == 2
 
 
-def test_an_episode_cancelled_mid_call_aborts_the_engine_request_behind_the_endpoint():
+@TRANSPORTS
+def test_an_episode_cancelled_mid_call_aborts_the_engine_request_behind_the_endpoint(in_process):
+    """The episode's cancel reaches the agent as a cancel (never swallowed into an answer it could
+    catch and carry on from) and aborts the engine request of the call it was waiting on."""
     from common import protocol as P
 
+    got = {}
+
     async def agent_func(client, prompt, label):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        try:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        except asyncio.CancelledError:
+            got["cancelled"] = True
+            raise
+        except Exception as e:  # noqa: BLE001 - what an agent that carries on would catch
+            got["caught"] = type(e).__name__
         return 0.0
 
-    core, params = core_running_agent_func(agent_func)
+    core, params = core_running_agent_func(agent_func, in_process)
     llm = core.llm
     sp = P.SamplingParams(temperature=1.0, max_new_tokens=100, n=1, logprobs=True)  # 1 s on the stand-in
 
@@ -449,6 +469,7 @@ def test_an_episode_cancelled_mid_call_aborts_the_engine_request_behind_the_endp
         await core.shutdown()
 
     run(scenario())
+    assert got == {"cancelled": True}
 
 
 def test_the_calculator_example_trains_with_its_tool():
