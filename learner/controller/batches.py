@@ -130,7 +130,8 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
     for i, pid in enumerate(s.prompt_ids):
         rows[pid].append(i)
     ref = s.ref_logprobs.reshape(-1) if s.ref_logprobs is not None else None
-    offs = _offsets(response_lengths) if ref is not None else None
+    teacher = s.teacher_logprobs.reshape(-1) if s.teacher_logprobs is not None else None
+    offs = _offsets(response_lengths) if ref is not None or teacher is not None else None
     out = {}
     for pid, r in rows.items():
         out[pid] = ScoredBatch(
@@ -143,5 +144,6 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
             scores=s.scores[r].float() if s.scores is not None else None,
             extra_logs={k: [v[i] for i in r] for k, v in s.extra_logs.items()},
             server=s.server,
+            teacher_logprobs=_take_flat(teacher, response_lengths, r, offs),
         )
     return out

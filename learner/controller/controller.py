@@ -424,7 +424,7 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
         else {}
     )
     ref_offsets = None
-    if sc.ref_logprobs is not None:  # flat, in the order of sc.sample_indices
+    if sc.ref_logprobs is not None or sc.teacher_logprobs is not None:  # flat, in the order of sc.sample_indices
         length = dict(zip(sb.sample_indices, sb.response_lengths, strict=True))
         ref_offsets, acc = {}, 0
         for idx in sc.sample_indices:
@@ -438,10 +438,13 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
     out = []
     for i in order:
         idx = sb.sample_indices[i]
-        ref = None
+        ref = teacher = None
         if ref_offsets is not None:
             a, n = ref_offsets[idx]
-            ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
+            if sc.ref_logprobs is not None:
+                ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
+            if sc.teacher_logprobs is not None:
+                teacher = sc.teacher_logprobs.reshape(-1)[a : a + n].float()
         out.append(
             ScoredSample(
                 prompt_id=e.prompt_id,
@@ -458,6 +461,7 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
                 turns=ep.turns[i] if ep is not None and ep.turns else 0,
                 reward_logs={k: float(v[score_row[idx]]) for k, v in reward_logs.items()},
                 agent_logs=dict(ep.logs[i]) if ep is not None and ep.logs else {},
+                teacher_logprobs=teacher,
             )
         )
     return out

@@ -16,7 +16,8 @@ remote), which may also send the reference's log-probs.
 prompt goes to a reward service only when it must: for the reference's log-probs (KL on), or
 for an episode that left its reward to the service (its executor returned ``reward: None``, as
 OpenRLHF's do to have the reward model or function score the sample). The service's reward then
-stands for those episodes only; the others keep their own. A ``None`` in a run without a reward
+stands for those episodes only; the others keep their own. A teacher's log-probs (on-policy
+distillation) send every prompt to a service, as the reference's do. A ``None`` in a run without a reward
 model or function fails its group, naming the flags (counted and left out, as a failed score).
 """
 
@@ -50,8 +51,8 @@ class ServiceScoring(Scoring):
 
 class EpisodeScoring(Scoring):
     def __init__(self, *, reference: bool, service_rewards: bool) -> None:
-        """``reference``: the reward services send reference log-probs (KL on), so every prompt
-        goes to one; ``service_rewards``: the run has a reward model or function
+        """``reference``: the reward services send reference or teacher log-probs (KL on, or
+        on-policy distillation), so every prompt goes to one; ``service_rewards``: the run has a reward model or function
         (``--reward_pretrain``, ``--remote_rm_url``) that can score an episode's None."""
         self.reference, self.service_rewards = reference, service_rewards
 
@@ -114,4 +115,5 @@ class EpisodeScoring(Scoring):
             scores=scores,
             extra_logs=scored.extra_logs,
             server=scored.server,
+            teacher_logprobs=scored.teacher_logprobs,
         )

@@ -53,6 +53,9 @@ class ScoredSample:
     # means (``learner.rl.metrics.extra_log_metrics``); they are not broadcast to other ranks.
     reward_logs: dict[str, float] = field(default_factory=dict)
     agent_logs: dict[str, float] = field(default_factory=dict)
+    # (T_i,) float32, the teacher's log-probs of the response tokens (on-policy distillation,
+    # --teacher_pretrain); None: no teacher scored it
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def action_len(self) -> int:

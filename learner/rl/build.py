@@ -202,7 +202,8 @@ def sample_scoring(cfg: PPOConfig) -> Scoring:
     if not cfg.train.agent_func_path:
         return ServiceScoring()
     return EpisodeScoring(
-        reference=cfg.algo.kl.needed, service_rewards=bool(cfg.reward.model_name_or_path or cfg.reward.remote_url)
+        reference=cfg.algo.kl.needed or cfg.distill,
+        service_rewards=bool(cfg.reward.model_name_or_path or cfg.reward.remote_url),
     )
 
 
@@ -219,6 +220,14 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
                 "ref",
                 "KL (--init_kl_coef > 0 or --use_kl_loss) needs reference log-probs: start a reward "
                 "service with --ref_pretrain",
+            )
+        )
+    if cfg.distill:
+        want.append(
+            (
+                "teacher",
+                f"--teacher_pretrain is set (on-policy distillation): start a reward service with --teacher_pretrain "
+                f"{cfg.teacher.model_name_or_path}",
             )
         )
     if cfg.reward.model_name_or_path:

@@ -44,13 +44,14 @@ def _token_ids(s: ScoredSample) -> torch.Tensor:
 
 def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, torch.Tensor]:
     """The padded (N, T) per-response-token tensors both layouts share: response (right-padded
-    with ``pad_id``), action_mask, rollout_logprobs, ref_logprobs (zeros where absent)."""
+    with ``pad_id``), action_mask, rollout_logprobs, ref_logprobs and teacher_logprobs (zeros where absent)."""
     n = len(samples)
     T = max(1, max(len(s.response) for s in samples))
     response = torch.full((n, T), pad_id, dtype=torch.long)  # (N, T)
     action_mask = torch.zeros((n, T), dtype=torch.bool)  # (N, T)
     rollout_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     ref_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
+    teacher_lp = torch.zeros((n, T), dtype=torch.float32)  # (N, T)
     for i, s in enumerate(samples):
         t = len(s.response)
         response[i, :t] = s.response
@@ -58,7 +59,15 @@ def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, tor
         rollout_lp[i, :t] = s.rollout_logprobs[:t]
         if s.ref_logprobs is not None:
             ref_lp[i, :t] = s.ref_logprobs[:t]
-    return dict(response=response, action_mask=action_mask, rollout_logprobs=rollout_lp, ref_logprobs=ref_lp)
+        if s.teacher_logprobs is not None:
+            teacher_lp[i, :t] = s.teacher_logprobs[:t]
+    return dict(
+        response=response,
+        action_mask=action_mask,
+        rollout_logprobs=rollout_lp,
+        ref_logprobs=ref_lp,
+        teacher_logprobs=teacher_lp,
+    )
 
 
 def collate(
@@ -189,15 +198,18 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
     refs = [x.ref_logprobs for x in s if x.ref_logprobs is not None]
     has_ref = len(refs) == len(s)
     ref = torch.cat([r.float().reshape(-1) for r in refs]) if s and has_ref else torch.zeros(0)
+    teachers = [x.teacher_logprobs for x in s if x.teacher_logprobs is not None]
+    has_teacher = len(teachers) == len(s)
+    teacher = torch.cat([r.float().reshape(-1) for r in teachers]) if s and has_teacher else torch.zeros(0)
     rewards = torch.tensor([x.reward for x in s], dtype=torch.float32)
     # The agent samples' action masks (all ones for the others), one entry per response token.
     masks = [x.action_mask.float() if x.action_mask is not None else torch.ones(len(x.response)) for x in s]
     mask = torch.cat(masks) if s else torch.zeros(0)
-    return [meta, tokens, lp, ref, rewards, mask]
+    return [meta, tokens, lp, ref, rewards, mask, teacher]
 
 
 def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
-    meta, tokens, lp, ref, rewards, mask = tensors
+    meta, tokens, lp, ref, rewards, mask, teacher = tensors
     codes = {v: k for k, v in FINISH_CODES.items()}
     samples, tok_off, lp_off = [], 0, 0
     for i, (p, t, pid, idx, ver, fin, turns) in enumerate(meta.tolist()):
@@ -217,6 +229,7 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
                 ver,
                 action_mask=mask[lp_off : lp_off + t].bool() if turns else None,
                 turns=turns,
+                teacher_logprobs=teacher[lp_off : lp_off + t].clone() if teacher.numel() else None,
             )
         )
         lp_off += t
@@ -234,9 +247,9 @@ def broadcast_rollout(
     if is_src:
         assert rollout is not None, "rank src broadcasts its rollout"
     parts = _pack(rollout) if rollout is not None and is_src else []
-    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 6, dtype=torch.long, device=device)
+    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 7, dtype=torch.long, device=device)
     dist.broadcast(sizes, src)
-    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32, torch.float32]
+    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32, torch.float32, torch.float32]
     out = []
     for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes, strict=True)):
         buf = parts[i].reshape(-1).to(device) if is_src else torch.empty(n, dtype=dt, device=device)

@@ -75,6 +75,7 @@ from learner.algorithms.shaping import clip_rewards, overlong_penalty, stop_prop
 from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
+from learner.rl.distill_term import DistillTerm
 from learner.rl.experience import collate, score_all_ranks
 from learner.rl.micro_batches import plan_micro_batches
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
@@ -326,6 +327,7 @@ class PolicyTrainer:
             and len(rollout) == cfg.train.batch_size
             and self.actor_updates()
             and not kl_in_reward
+            and not cfg.distill  # the teacher's term needs the old log-probs before training
         )
 
     def step(self, rollout: Rollout, *, on_policy: bool = False, version: int | None = None) -> StepResult:
@@ -355,18 +357,35 @@ class PolicyTrainer:
             else None
         )
         old_values = self.critic.values(rollout, packed=self.packed) if self.critic is not None else None  # (N, T)
+        distill = (
+            DistillTerm.of(
+                rollout,
+                full["teacher_logprobs"],
+                old_lp,
+                mask,
+                coef=cfg.algo.distill.coef,
+                in_reward=cfg.needs_critic,
+            )
+            if cfg.distill
+            else None
+        )
+        penalty, penalty_coef = (
+            distill.token_penalty(kl, kl_coef) if distill is not None and distill.in_reward else (kl, kl_coef)
+        )
         advantages, returns = compute_advantages(
             cfg.algo.advantage.estimator,
             rewards,
             mask,
             group_size=rollout.group_size,
             values=old_values,
-            kl=kl,  # None with `reuse`, which implies a zero coefficient: the KL term is 0 either way
-            kl_coef=kl_coef,
+            kl=penalty,  # None with `reuse`, which implies a zero coefficient: the KL term is 0 either way
+            kl_coef=penalty_coef,
             gamma=cfg.algo.advantage.gamma,
             lambd=cfg.algo.advantage.lambd,
             std_norm=not cfg.algo.advantage.no_std_norm,
         )
+        if distill is not None and not distill.in_reward:
+            advantages = distill.add_to(advantages)
         update_actor = self.actor_updates()
         # Full-vocabulary entropy: with grad when in the loss, else a no-grad metric on logged steps.
         entropy_in_loss = cfg.actor.entropy_coef != 0
@@ -475,6 +494,8 @@ class PolicyTrainer:
         self.kl_ctl.update(float(kl.sum(-1).mean()), n)  # the controller wants per-sequence KL
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out.update(logprob_diff_metrics(old_lp, full["rollout_logprobs"], mask, rollout, version))
+        if distill is not None:
+            out.update(distill.metrics(mask))
         out.update(
             {
                 "rollout/reward": float(rollout.rewards().mean()),

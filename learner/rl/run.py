@@ -155,6 +155,13 @@ def load_data(cfg: PPOConfig, proc: Process) -> Data:
     from learner.rl.prompts import load_prompt_items
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+    if cfg.distill:  # every rank: the same files, the same verdict, so none waits on one that left
+        from common.vocab import check_same_tokenizer
+
+        try:
+            check_same_tokenizer(cfg.actor.model_name_or_path, cfg.teacher.model_name_or_path)
+        except (ValueError, OSError) as e:
+            raise RunError(str(e)) from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_items, eval_items = [], []
     if proc.rank0:

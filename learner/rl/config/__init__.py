@@ -32,6 +32,7 @@ from learner.rl.config.sections import (
     RewardSection,
     RolloutSection,
     ServicesSection,
+    TeacherSection,
     TrainSection,
     VLLMSection,
 )
@@ -68,6 +69,7 @@ class PPOConfig:
         defaults={**_RL_OPTIM, "adam": lambda: AdamSection(lr=9e-6)},
     )
     ref: RefSection = section(RefSection, "the reference model (KL)")
+    teacher: TeacherSection = section(TeacherSection, "the teacher (on-policy distillation)")
     reward: RewardSection = section(RewardSection, "rewards and their shaping")
     rollout: RolloutSection = section(RolloutSection, "generation: batch sizes and sampling")
     train: TrainSection = section(TrainSection, "the training loop and its schedule")
@@ -101,6 +103,7 @@ class PPOConfig:
         self._check_async()
         self._check_colocate()
         self._check_algorithm()
+        self._check_distill()
         if self.reward.normalize_enable and not self.reward.model_name_or_path:
             # OpenRLHF scripts carry it with rule rewards too; it concerns a reward model's scores
             # and a critic's values (by the mean/std saved in their configs), nothing else.
@@ -140,7 +143,8 @@ class PPOConfig:
         self.agent_params()  # the file is read now: a missing one fails here, naming the flag
         # A reward model or function scores only the episodes that return reward None (docs/agents.md).
         scorer = self.reward.model_name_or_path or self.reward.remote_url
-        if not self.algo.kl.needed and not scorer and self.services.min_reward_services:
+        teacher = self.teacher.model_name_or_path
+        if not self.algo.kl.needed and not teacher and not scorer and self.services.min_reward_services:
             self.services.min_reward_services = 0
             self.notices.append(
                 "--agent_func_path without KL: the agent scores its episodes, no reward service is waited for "
@@ -269,7 +273,29 @@ class PPOConfig:
                 f"--advantage_estimator {adv.estimator} uses a group baseline: --gamma must be 1, got {adv.gamma}"
             )
 
+    def _check_distill(self) -> None:
+        d = self.algo.distill
+        if not self.teacher.model_name_or_path:
+            for name, given, default in (("distill_topk", d.topk, 0), ("distill_jsd_beta", d.jsd_beta, 1.0)):
+                if given != default:
+                    raise ValueError(f"--{name} is a setting of on-policy distillation: give --teacher_pretrain")
+            return
+        if d.topk:
+            raise ValueError(
+                f"--distill_topk {d.topk}: top-k distillation's divergence is written and tested "
+                "(learner.algorithms.distill.topk_divergence) but the teacher's top-k ids do not reach the learner "
+                "yet (docs/distillation.md): use the sampled-token mode, --distill_topk 0"
+            )
+        if d.coef == 0:
+            self.notices.append("--distill_coef 0: the teacher's reverse KL is measured and logged, not trained on")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def distill(self) -> bool:
+        """On-policy distillation: a teacher's log-probs on every sample (reward services with
+        --teacher_pretrain)."""
+        return bool(self.teacher.model_name_or_path)
+
     @property
     def needs_critic(self) -> bool:
         return ESTIMATORS[self.algo.advantage.estimator].needs_critic

@@ -134,6 +134,18 @@ class RefSection:
 
 
 @dataclass
+class TeacherSection:
+    """The teacher of on-policy distillation (docs/distillation.md), served by reward services."""
+
+    model_name_or_path: str = flag(
+        "",
+        "teacher for on-policy distillation: its log-probs on the student's own samples, served by reward_service "
+        "--teacher_pretrain (launch.local passes it on); it must share the policy's tokenizer (checked at start-up)",
+        flat="teacher_pretrain",
+    )
+
+
+@dataclass
 class RewardSection:
     """Rewards: a reward model or functions (served by reward services), and their shaping."""
 
@@ -392,11 +404,41 @@ class KLSection:
 
 
 @dataclass
+class DistillSection:
+    """On-policy distillation against --teacher_pretrain (learner.algorithms.distill)."""
+
+    coef: float = flag(
+        1.0,
+        "weight of the distillation term: coef * -(log pi - log teacher) added to each token's advantage (to its "
+        "reward under gae); with task rewards, their mix",
+        flat="distill_coef",
+    )
+    topk: int = flag(
+        0,
+        "0: the sampled-token reverse KL (the published recipe); K > 0: the teacher's top-K log-probs per position "
+        "against the student's over the same ids (GKD's JSD(beta), a loss term; not served yet: refused)",
+        flat="distill_topk",
+    )
+    jsd_beta: float = flag(
+        1.0, "--distill_topk's divergence: 1 reverse KL, 0 forward KL, else GKD's JSD(beta)", flat="distill_jsd_beta"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.coef >= 0:
+            raise ValueError(f"--distill_coef must be >= 0, got {self.coef}")
+        if self.topk < 0:
+            raise ValueError(f"--distill_topk must be >= 0 (0: the sampled token), got {self.topk}")
+        if not 0 <= self.jsd_beta <= 1:
+            raise ValueError(f"--distill_jsd_beta must be in [0, 1], got {self.jsd_beta}")
+
+
+@dataclass
 class AlgoSection:
     """Estimator, KL and dynamic filtering."""
 
     advantage: AdvantageSection = section(AdvantageSection, "the advantage estimator and importance correction")
     kl: KLSection = section(KLSection, "KL control")
+    distill: DistillSection = section(DistillSection, "on-policy distillation against --teacher_pretrain")
     dynamic_filtering_enable: bool = flag(
         False,
         "DAPO dynamic sampling: drop groups whose rewards are all equal and collect more prompts to refill the batch",

@@ -44,6 +44,12 @@ CASES = {
         kl_horizon=100,
     ),
     "gae": dict(advantage_estimator="gae", gamma=1.0, lambd=0.95, critic_learning_rate=1e-3, value_clip=0.5),
+    # on-policy distillation (the teacher's log-probs are stamped like the reference's): added to
+    # GRPO's advantages, in GAE's token rewards
+    "distill_group_norm": dict(advantage_estimator="group_norm", teacher_pretrain="teacher", distill_coef=0.5),
+    "distill_gae": dict(
+        advantage_estimator="gae", lambd=0.95, critic_learning_rate=1e-3, teacher_pretrain="teacher", init_kl_coef=0.01
+    ),
 }
 
 
@@ -112,6 +118,7 @@ def worker(model_dir: str) -> None:
             t = len(s.response)
             s.rollout_logprobs = lp[i, :t].float().cpu() + 0.05 * torch.randn(t, generator=gen)
             s.ref_logprobs = lp[i, :t].float().cpu() + 0.1 * torch.randn(t, generator=gen)
+            s.teacher_logprobs = lp[i, :t].float().cpu() + 0.3 * torch.randn(t, generator=gen)
 
     rollout = Rollout(samples, group_size=2)
 
@@ -143,6 +150,8 @@ def worker(model_dir: str) -> None:
             "value_loss": metrics.get("critic/value_loss"),
             "is_weight_mean": metrics.get("policy/is_weight_mean"),
             "kl_loss": metrics.get("policy/kl_loss"),
+            "reverse_kl": metrics.get("distill/reverse_kl"),
+            "old_logprobs_reused": metrics.get("policy/old_logprobs_reused"),
         }
     results["_coalesced"] = {"policy": trainer.coalesce, "critic": critic.coalesce}
     # Whole-batch equivalence across ranks: the weights after all the steps, summarised.
@@ -193,6 +202,12 @@ def test_every_estimator_and_loss_option_steps_a_deepspeed_engine(tiny_model_dir
     icepop = results["icepop_klloss_entropy_cliphigher_dualclip"]
     assert 0.9 < icepop["is_weight_mean"] <= 1.1 and 0 < icepop["kl_loss"] < 0.01
     assert results["rloo"]["policy_loss"] != 0
+    # the teacher's term: measured (noise of 0.3 nats around the learner's own log-probs, so a
+    # nonzero mean of log pi - log mu), and the old log-probs computed before training to build it
+    for name in ("distill_group_norm", "distill_gae"):
+        assert results[name]["reverse_kl"] is not None and results[name]["reverse_kl"] != 0, name
+        assert results[name]["old_logprobs_reused"] == 0.0, name
+    assert results["group_norm"]["reverse_kl"] is None  # no teacher, no term
 
 
 @pytest.mark.slow

@@ -1,0 +1,141 @@
+"""On-policy distillation's part of a step (learner.rl.distill_term): the teacher's term in the
+advantages (group estimators) or the token rewards (gae), by hand; the flags; the broadcast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import build
+from learner.algorithms.advantages import compute_advantages
+from learner.controller.types import Rollout, ScoredSample
+from learner.rl.config import PPOConfig
+from learner.rl.distill_term import DistillTerm
+from learner.rl.experience import _pack, _unpack, collate
+
+BASE = dict(
+    pretrain="m",
+    prompt_data="p",
+    rollout_batch_size=1,
+    train_batch_size=2,
+    micro_train_batch_size=1,
+    n_samples_per_prompt=2,
+)
+
+
+def rollout(teacher=True, action_mask=None):
+    # two samples of one prompt, responses of 2 and 3 tokens; the teacher's log-probs by hand
+    samples = [
+        ScoredSample(0, 0, [1], torch.tensor([4, 5], dtype=torch.int32), torch.zeros(2), None, 0.0),
+        ScoredSample(0, 1, [1], torch.tensor([6, 7, 8], dtype=torch.int32), torch.zeros(3), None, 0.0),
+    ]
+    if teacher:
+        samples[0].teacher_logprobs = torch.tensor([-1.0, -2.0])
+        samples[1].teacher_logprobs = torch.tensor([-0.5, -0.5, -3.0])
+    if action_mask is not None:
+        samples[1].action_mask, samples[1].turns = action_mask, 2
+    return Rollout(samples, group_size=2)
+
+
+OLD_LP = torch.tensor([[-1.5, -1.0, 0.0], [-0.5, -1.5, -2.0]])  # (N, T); the learner's, row 0 padded at t = 2
+# d_t = -(old - teacher): row 0: -(-1.5 + 1) = 0.5, -(-1 + 2) = -1, pad 0; row 1: 0, 1, -1
+D = torch.tensor([[0.5, -1.0, 0.0], [0.0, 1.0, -1.0]])
+
+
+def test_pure_distillation_with_a_group_estimator_is_coef_times_d():
+    r = rollout()
+    full = collate(r.samples, 0)
+    mask = full["action_mask"]
+    term = DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, mask, coef=0.5, in_reward=False)
+    torch.testing.assert_close(term.advantage, D)
+    # no reward source: rewards 0, GRPO's group advantage 0, so A = 0.5 d
+    adv, _ = compute_advantages("group_norm", torch.zeros(2), mask, group_size=2)
+    torch.testing.assert_close(term.add_to(adv), 0.5 * D)
+    m = term.metrics(mask)
+    # reverse KL = -d: tokens -0.5, 1, 0, -1, 1 -> mean 0.5 / 5 = 0.1; per sample 0.5 and 0 -> 0.25
+    assert m["distill/reverse_kl"] == pytest.approx(0.1)
+    assert m["distill/reverse_kl_seq"] == pytest.approx(0.25)
+    assert m["distill/advantage_abs"] == pytest.approx(0.5 * 3.5 / 5)
+
+
+def test_with_task_rewards_the_term_is_added_after_the_group_normalisation():
+    r = rollout()
+    full = collate(r.samples, 0)
+    mask = full["action_mask"]
+    term = DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, mask, coef=2.0, in_reward=False)
+    # rewards (1, 0): GRPO r' = (r - 0.5) / std, std (unbiased) = 0.7071 -> +-0.7071 on every token
+    adv, _ = compute_advantages("group_norm", torch.tensor([1.0, 0.0]), mask, group_size=2)
+    want = torch.tensor([[0.7071, 0.7071, 0.0], [-0.7071, -0.7071, -0.7071]]) + 2.0 * D
+    torch.testing.assert_close(term.add_to(adv), want, atol=1e-4, rtol=0)
+
+
+def test_under_gae_the_term_is_a_token_reward():
+    r = rollout()
+    full = collate(r.samples, 0)
+    mask = full["action_mask"]
+    term = DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, mask, coef=1.0, in_reward=True)
+    kl = torch.tensor([[0.1, 0.2, 0.0], [0.0, 0.0, 0.4]])
+    penalty, one = term.token_penalty(kl, kl_coef=0.5)
+    assert one == 1.0
+    # penalty = 0.5 kl - d; the token reward -penalty = -0.5 kl + d
+    torch.testing.assert_close(penalty, 0.5 * kl - D)
+    # values 0, gamma = lambda = 1: GAE_t = sum of the rewards from t on; rewards (1, 0) at the last token
+    # row 0: R = (-0.05 + 0.5, -0.1 - 1 + 1) = (0.45, -0.1): returns (0.35, -0.1)
+    # row 1: R = (0, 1, -0.2 - 1 + 0) = (0, 1, -1.2): returns (-0.2, -0.2, -1.2)
+    _, returns = compute_advantages(
+        "gae", torch.tensor([1.0, 0.0]), mask, values=torch.zeros(2, 3), kl=penalty, kl_coef=one, gamma=1.0, lambd=1.0
+    )
+    torch.testing.assert_close(returns, torch.tensor([[0.35, -0.1, 0.0], [-0.2, -0.2, -1.2]]))
+
+
+def test_action_mask_keeps_environment_tokens_out():
+    am = torch.tensor([True, False, True])  # the middle token is the environment's
+    r = rollout(action_mask=am)
+    full = collate(r.samples, 0)
+    mask = full["action_mask"]
+    term = DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, mask, coef=1.0, in_reward=False)
+    torch.testing.assert_close(term.advantage, torch.tensor([[0.5, -1.0, 0.0], [0.0, 0.0, -1.0]]))
+
+
+def test_a_sample_without_teacher_log_probs_is_named():
+    r = rollout(teacher=False)
+    full = collate(r.samples, 0)
+    with pytest.raises(RuntimeError, match="every reward service started with --teacher_pretrain"):
+        DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, full["action_mask"], coef=1.0, in_reward=False)
+
+
+def test_teacher_log_probs_cross_the_broadcast():
+    r = rollout()
+    back = _unpack([t.clone() for t in _pack(r)], 2)
+    for a, b in zip(r.samples, back.samples, strict=True):
+        torch.testing.assert_close(a.teacher_logprobs, b.teacher_logprobs)
+    plain = _unpack([t.clone() for t in _pack(rollout(teacher=False))], 2)
+    assert all(s.teacher_logprobs is None for s in plain.samples)
+
+
+def test_flags_dotted_and_flat():
+    cfg = build(PPOConfig, **BASE, advantage_estimator="group_norm", teacher_pretrain="t", distill_coef=0.3)
+    assert cfg.distill and cfg.teacher.model_name_or_path == "t" and cfg.algo.distill.coef == 0.3
+    assert not build(PPOConfig, **BASE).distill
+    with pytest.raises(ValueError, match="--distill_topk is a setting of on-policy distillation"):
+        build(PPOConfig, **BASE, distill_topk=4)
+    with pytest.raises(ValueError, match="top-k distillation's divergence is written and tested"):
+        build(PPOConfig, **BASE, teacher_pretrain="t", distill_topk=4)
+    with pytest.raises(ValueError, match="--distill_coef must be >= 0"):
+        build(PPOConfig, **BASE, teacher_pretrain="t", distill_coef=-1.0)
+    with pytest.raises(ValueError, match="--distill_jsd_beta must be in"):
+        build(PPOConfig, **BASE, teacher_pretrain="t", distill_jsd_beta=2.0)
+
+
+def test_dotted_spelling_on_the_command_line():
+    from common.config import parse
+
+    cfg = parse(
+        PPOConfig,
+        [
+            "--actor.model_name_or_path", "m", "--data.prompt_dataset", "p", "--rollout.batch_size", "1",
+            "--train.batch_size", "2", "--train.micro_batch_size", "1", "--rollout.n_samples_per_prompt", "2",
+            "--algo.advantage.estimator", "rloo", "--teacher.model_name_or_path", "t", "--algo.distill.coef", "0.5",
+        ],
+    )  # fmt: skip
+    assert cfg.teacher.model_name_or_path == "t" and cfg.algo.distill.coef == 0.5
