@@ -380,6 +380,13 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
             "--temperature",
             str(learner.rollout.temperature),
         ]
+    if learner.teacher.model_name_or_path:
+        # on-policy distillation: the teacher's log-probs at the sampling temperature, its
+        # tokenizer checked against the policy's at the service's start-up too
+        out += ["--teacher_pretrain", learner.teacher.model_name_or_path]
+        out += ["--tokenizer", learner.actor.model_name_or_path]
+        if "--temperature" not in out:
+            out += ["--temperature", str(learner.rollout.temperature)]
     if learner.reward.model_name_or_path:  # a reward model's flags
         if learner.reward.normalize_enable:
             out.append("--normalize_reward")
@@ -388,7 +395,7 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
             # then score, then value_head) finds what the learner's default would, and more.
             out += ["--value_head_prefix", learner.ds.value_head_prefix]
     if out and learner.train.dynamic_batch_enable:
-        # the reference and reward-model forwards by the learner's no-grad token budget, as OpenRLHF's
+        # the reference, teacher and reward-model forwards by the learner's no-grad token budget, as OpenRLHF's
         out += ["--max_tokens_per_gpu", str(learner.rollout.max_tokens_per_gpu)]
     return out
 

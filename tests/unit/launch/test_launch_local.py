@@ -193,6 +193,18 @@ def test_learner_reward_flags_reach_the_reward_services(tmp_path):
     assert "--value_head_prefix" not in _reward_cmd(tmp_path, f"{DATA} --value_head_prefix value_head")  # no RM
 
 
+def test_a_teacher_reaches_the_reward_services_with_the_policys_tokenizer(tmp_path):
+    """On-policy distillation (docs/distillation.md): the services serve the teacher beside the
+    reference, at the sampling temperature, and check its tokenizer against the policy's."""
+    cmd = _reward_cmd(tmp_path, f"{DATA} --teacher_pretrain /t --temperature 0.7 --advantage_estimator rloo "
+                      "--n_samples_per_prompt 2 --init_kl_coef 0")  # fmt: skip
+    assert cmd[cmd.index("--teacher_pretrain") + 1] == "/t" and cmd[cmd.index("--tokenizer") + 1] == "/m"
+    assert cmd[cmd.index("--temperature") + 1] == "0.7" and "--ref_pretrain" not in cmd
+    both = _reward_cmd(tmp_path, f"{DATA} --teacher.model_name_or_path /t")  # KL on by default: a reference too
+    assert both[both.index("--ref_pretrain") + 1] == "/m" and both[both.index("--teacher_pretrain") + 1] == "/t"
+    assert both.count("--temperature") == 1
+
+
 def _reward_cmd(tmp_path, learner_args: str) -> list[str]:
     cfg = LocalConfig(run_dir=str(tmp_path), pretrain="/m", learner_args=learner_args)
     return {r.name: r for r in build_roles(cfg)}["reward-0"].cmd
