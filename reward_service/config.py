@@ -139,7 +139,8 @@ class RewardConfig:
     # -- rule / function rewards and remote rewards
     reward_func: str | None = flag(
         None,
-        "path to a .py defining reward_func(queries, prompts, labels, **kw) (OpenRLHF contract)",
+        "path to a .py defining reward_func(queries, prompts, labels, **kw) (OpenRLHF contract), or a built-in: "
+        "math (the answer checked against the label by math-verify; docs/environments.md)",
         group="functions and remote rewards",
     )
     remote_rm_url: str | None = flag(
@@ -164,6 +165,12 @@ class RewardConfig:
     )
     func_workers: int = flag(
         1, "worker processes running reward_func; a batch is split across them", group="functions and remote rewards"
+    )
+    sandbox_workers: int = flag(
+        4,
+        "warm workers of the code sandbox a reward function uses (common.sandbox, e.g. examples/rewards/code_tests.py): "
+        "its calls at once, per function worker; passed to them as RAYLESS_SANDBOX_WORKERS",
+        group="functions and remote rewards",
     )
 
     # -- models
@@ -221,6 +228,12 @@ class RewardConfig:
         for u in self.urls():
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"--remote_rm_url entry {u!r} is neither an http(s) URL nor a .py file")
+        if self.reward_func and not self.reward_func.endswith(".py") and self.reward_func not in BUILTIN_REWARDS:
+            raise ValueError(
+                f"--reward_func {self.reward_func!r} is neither a .py file nor a built-in ({', '.join(BUILTIN_REWARDS)})"
+            )
+        if not 1 <= self.sandbox_workers <= 100:
+            raise ValueError(f"--sandbox_workers must be in 1..100, got {self.sandbox_workers}")
         for name in ("micro_batch_size", "func_workers", "max_pending", "capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -272,7 +285,7 @@ class RewardConfig:
     # ------------------------------------------------------------------ derived
     def func_files(self) -> list[str]:
         """Reward-function files: --reward_func plus .py entries of --remote_rm_url."""
-        files = [self.reward_func] if self.reward_func else []
+        files = [BUILTIN_REWARDS.get(self.reward_func, self.reward_func)] if self.reward_func else []
         return files + [u for u in _split(self.remote_rm_url) if u.endswith(".py")]
 
     def urls(self) -> list[str]:
@@ -280,6 +293,10 @@ class RewardConfig:
 
     def tokenizer_path(self) -> str | None:
         return self.tokenizer or self.ref_pretrain or self.teacher_pretrain or self.reward_pretrain
+
+
+# --reward_func NAME: reward files shipped with the service (run like any reward file)
+BUILTIN_REWARDS = {"math": os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin_rewards", "math_check.py")}
 
 
 def _split(csv: str | None) -> list[str]:
@@ -298,6 +315,6 @@ def parse_config(argv: Sequence[str] | None = None) -> RewardConfig:
     # Resolved here, so the config logged at start-up says what actually runs. Spelled out as
     # common.transport.default_name does: importing zmq here would slow --help down.
     cfg.name = cfg.name or f"reward-{socket.gethostname()}-{os.getpid()}"
-    if cfg.reward_func:
+    if cfg.reward_func and cfg.reward_func not in BUILTIN_REWARDS:
         cfg.reward_func = os.path.abspath(cfg.reward_func)
     return cfg

@@ -52,9 +52,10 @@ class CallFailed(RuntimeError):
 class FuncWorker:
     """One child process running ``reward_func`` from ``path``. Not thread-safe: one caller."""
 
-    def __init__(self, path: str, *, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: str, *, start_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         self.path = os.path.abspath(path)
         self.start_timeout_s = start_timeout_s
+        self.env = {**os.environ, **env} if env else None  # None: the service's own
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.restarts = -1  # the first start is not a restart
@@ -70,6 +71,7 @@ class FuncWorker:
                 [sys.executable, func_worker.__file__, "--fd", str(theirs.fileno()), self.path],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
+                env=self.env,
             )
         finally:
             theirs.close()
@@ -148,7 +150,13 @@ class FunctionReward:
     needs_text = True
 
     def __init__(
-        self, path: str, *, timeout_s: float = 30.0, workers: int = 1, start_timeout_s: float | None = None
+        self,
+        path: str,
+        *,
+        timeout_s: float = 30.0,
+        workers: int = 1,
+        start_timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if not os.path.isfile(path):
             raise FuncLoadError(f"reward function file {path} does not exist")
@@ -156,7 +164,7 @@ class FunctionReward:
         self.name = f"func:{os.path.basename(path)}"
         self.timeout_s = timeout_s
         start_timeout_s = start_timeout_s if start_timeout_s is not None else max(60.0, timeout_s)
-        self.workers = [FuncWorker(path, start_timeout_s=start_timeout_s) for _ in range(workers)]
+        self.workers = [FuncWorker(path, start_timeout_s=start_timeout_s, env=env) for _ in range(workers)]
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward-func")
         self._lock = threading.Lock()  # one batch at a time owns the workers
         try:

@@ -149,7 +149,8 @@ def _func_sources(cfg: RewardConfig) -> list[RewardSource]:
     out: list[RewardSource] = []
     try:
         for path in cfg.func_files():
-            out.append(TextSource(FunctionReward(path, timeout_s=cfg.timeout_s, workers=cfg.func_workers)))
+            env = {"RAYLESS_SANDBOX_WORKERS": str(cfg.sandbox_workers)}  # common.sandbox.Sandbox.from_env
+            out.append(TextSource(FunctionReward(path, timeout_s=cfg.timeout_s, workers=cfg.func_workers, env=env)))
     except BaseException:
         for s in out:
             s.close()

@@ -46,6 +46,7 @@ def test_every_flag_keeps_its_default():
         "retries": 3,
         "retry_backoff_s": 0.5,
         "func_workers": 1,
+        "sandbox_workers": 4,  # common.sandbox in reward functions (docs/environments.md)
         "tokenizer": None,
         "micro_batch_size": 8,
         "max_tokens_per_gpu": 0,
