@@ -135,16 +135,17 @@ class Sandbox:
 
     def run_many_sync(
         self,
-        calls: Sequence[tuple[str, str | bytes]],
+        calls: Sequence[tuple[str, str | bytes] | tuple[str, str | bytes, SandboxLimits]],
         *,
         timeout_s: float | None = None,
         limits: SandboxLimits | None = None,
     ) -> list[SandboxResult]:
-        """``(code, stdin)`` pairs run concurrently (``workers`` at a time); results in order."""
-        lim = self._limits(limits, timeout_s)
+        """``(code, stdin)`` or ``(code, stdin, limits)`` calls run concurrently (``workers`` at a
+        time); results in order."""
+        default = self._limits(limits, timeout_s)
 
         async def all_calls() -> list[SandboxResult]:
-            return list(await asyncio.gather(*(self._run(c, s, lim) for c, s in calls)))
+            return list(await asyncio.gather(*(self._run(c[0], c[1], c[2] if len(c) > 2 else default) for c in calls)))
 
         return self._submit(all_calls()).result()
 

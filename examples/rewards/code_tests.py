@@ -124,14 +124,8 @@ def reward_func(queries, prompts, labels, responses=None, **kw):
     results = []
     if jobs:
         sb = sandbox()
-        by_timeout: dict[float, list[int]] = {}
-        for k, job in enumerate(jobs):
-            by_timeout.setdefault(job[4], []).append(k)
-        results = [None] * len(jobs)
-        for timeout, ks in by_timeout.items():
-            limits = sb.limits.replace(wall_s=timeout, cpu_s=timeout)
-            for k, r in zip(ks, sb.run_many_sync([(jobs[k][1], jobs[k][2]) for k in ks], limits=limits), strict=True):
-                results[k] = r
+        limits = {t: sb.limits.replace(wall_s=t, cpu_s=t) for t in {job[4] for job in jobs}}
+        results = sb.run_many_sync([(code, stdin, limits[t]) for _, code, stdin, _, t in jobs])
     passed = [0] * len(responses)
     timeouts = [0] * len(responses)
     for (i, _, _, want, _), r in zip(jobs, results, strict=True):
