@@ -634,8 +634,9 @@ class RolloutCore:
         shapes: list[list[int]],
         aliases: dict[str, str] | None = None,
         lora: P.LoraAdapter | None = None,
+        encoding: str = "",
     ) -> float:
-        return await self.weights.update(names, dtype_names, shapes, aliases, lora)
+        return await self.weights.update(names, dtype_names, shapes, aliases, lora, encoding)
 
     async def finish_weight_update(self, version: int) -> bool:
         return await self.weights.finish(version)

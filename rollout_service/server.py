@@ -411,7 +411,7 @@ class RolloutServer:
         return P.Ack()
 
     async def _on_update(self, m: P.WeightUpdate) -> P.Message:
-        seconds = await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases, m.lora)
+        seconds = await self.core.update_weights(m.names, m.dtype_names, m.shapes, m.aliases, m.lora, m.encoding)
         return P.Ack(info=P.WeightsLoaded(seconds=seconds))
 
     async def _on_update_finish(self, m: P.WeightUpdateFinish) -> P.Message:

@@ -202,6 +202,7 @@ class WeightSession:
         shapes: list[list[int]],
         aliases: dict[str, str] | None = None,
         lora: P.LoraAdapter | None = None,
+        encoding: str = "",
     ) -> float:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -213,7 +214,7 @@ class WeightSession:
             if not self._open:
                 raise BadRequest("WeightUpdate without WeightUpdateStart")
             info: dict = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
-            if aliases:
+            if aliases and not encoding:
                 if self.backend not in RECEIVERS:  # vLLM's own receivers take no aliases
                     await self._fail()
                     raise BadRequest(f"WeightUpdate.aliases: the {self.backend} receiver cannot load them")
@@ -225,9 +226,16 @@ class WeightSession:
                 if lora is not None:  # the adapter's tensors, written as a folder (the base first if whole)
                     return await self._adapters.receive(info, lora, whole=not self._adapter_only)
                 t0 = time.perf_counter()
-                await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+                if encoding:  # --weight_sync delta: through the workers' base, digests checked
+                    if aliases:
+                        info["aliases"] = aliases  # the base loads them; the engine never sees them
+                    await self.engine.collective_rpc("rayless_receive_encoded", args=(info, encoding))
+                else:
+                    await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
                 return time.perf_counter() - t0
-            except BaseException:
+            except BaseException as e:
+                if encoding:
+                    log.error("%s weight push failed (serving nothing until a full push lands): %s", encoding, e)
                 await self._fail()
                 raise
 

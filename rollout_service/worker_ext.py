@@ -11,13 +11,19 @@ its message queues. Three things happen on the way:
 * ``common.vllm_quiet.quiet_rotary_reload_warning``: the workers load the pushed weights, and
   vLLM warns there, for every push, that rotary embeddings (which have no weights) got none.
 
+``rayless_receive_encoded`` takes a push of ``--weight_sync delta`` (``common.weights.delta``):
+whole tensors kept as this worker's base, or the changes to it, checked by their digests before
+anything is loaded.
+
 ``rayless_receive_adapter`` takes a LoRA adapter pushed over the weight group (``--lora_sync
 adapter``) and writes it as the PEFT folder vLLM's ``add_lora`` loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +31,8 @@ from typing import Any
 from common.vllm_quiet import quiet_rotary_reload_warning
 from common.vllm_spin import idle_spin_from_env, idle_spin_in_force
 from rollout_service.weight_receiver import register
+
+log = logging.getLogger("vllm.rayless.worker_ext")
 
 register()
 idle_spin_from_env()
@@ -57,6 +65,46 @@ class RolloutWorkerExtension:
         if engine is not None:
             engine.reset_weight_update_target()
         return True
+
+    def rayless_receive_encoded(self, update_info: dict[str, Any], encoding: str) -> int:
+        """Receives a ``full`` or ``delta`` push (``WeightUpdate.encoding``) through this worker's
+        weight-transfer engine (any backend: its receive hands each bucket to
+        ``model.load_weights``, pointed for the call at the base's sink), checks every tensor's
+        digest against the learner's, then loads the whole base (tied names too) into the model,
+        inside the update session vLLM opened. Any failure, a digest mismatch included, drops
+        the base: only a full push is taken after it. Returns the tensor count loaded."""
+        from common.weights.delta import DeltaBase
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("no weight-transfer engine in this worker")
+        base: DeltaBase | None = getattr(self, "_rayless_delta_base", None)
+        if base is None:
+            base = self._rayless_delta_base = DeltaBase(getattr(engine, "device", None) or "cpu")
+        model = engine.model
+        try:
+            base.begin(encoding, update_info.get("aliases"))
+            # The engine passes the wire tensors straight on (vLLM's own engines take no aliases).
+            info = {k: v for k, v in update_info.items() if k != "aliases"}
+            engine.model = base.sink()
+            try:
+                self.update_weights(info)  # type: ignore[attr-defined]  # vLLM's Worker method
+            finally:
+                engine.model = model
+            pairs = base.end()
+        except BaseException as e:
+            base.drop()
+            log.error("weight push (%s) failed, base dropped: %s", encoding, e)
+            raise
+        vllm_config = getattr(self, "vllm_config", None)
+        ctx = contextlib.nullcontext()
+        if vllm_config is not None:
+            from vllm.config import set_current_vllm_config
+
+            ctx = set_current_vllm_config(vllm_config)
+        with ctx:
+            model.load_weights(pairs)
+        return len(pairs)
 
     def rayless_receive_adapter(
         self, update_info: dict[str, Any], folder: str, lora: dict[str, Any], whole: bool

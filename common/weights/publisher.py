@@ -27,6 +27,12 @@ LoRA (``lora_sync="adapter"``, a peft model): a push sends the adapter alone
 this learner's base weights yet (a joiner; any server at the first push; one reconnected after
 a failure) sends the base weights and the adapter in one pass, to every target of that push.
 
+Delta pushes (``sync="delta"``, ``common.weights.delta``): a push sends, per tensor, only the
+values that changed in the served dtype since the last push, and ends with a digest per tensor
+that every server checks. A push to a server that does not hold the learner's last pushed copy
+(``_Link.base_gen``: a joiner, a reconnect, a server left out of a push that changed it) is full,
+to every target of that push, as with the LoRA adapter's base.
+
 ``fanout="per_server"`` keeps every server on its own group (one copy of the bytes per server,
 fanned out from one pass): the old design, kept for comparison (``bench/weight_fanout.py``).
 
@@ -63,6 +69,7 @@ from common import protocol as P
 from common.dtypes import dtype_name, to_dtype
 from common.transport import RemoteError, TransportError
 from common.weights.base import Rendezvous, SendGroup, resolve_backend, sender_class
+from common.weights.delta import SYNCS, EncodedWeights, PushStats
 from common.weights.source import AdapterWeights, ModelWeights, checked
 from common.weights.wire import DEFAULT_BUCKET_BYTES, Buffers
 
@@ -105,6 +112,7 @@ class _Link:
     workers: int
     group: SendGroup | None  # its own group; None while it is in the fleet group (or has none)
     based: bool = False  # holds this learner's base weights (lora_sync="adapter": pushes may send only the adapter)
+    base_gen: int = -1  # sync="delta": the EncodedWeights.generation it holds (-1: none)
 
 
 class _WithAdapter:
@@ -143,6 +151,7 @@ class PushReport:
     seconds: dict[str, float] = field(default_factory=dict)
     fleet: list[str] = field(default_factory=list)  # updated by the one fleet-wide transfer
     retried: list[str] = field(default_factory=list)  # failed in the fleet, then pushed on their own
+    sync: PushStats | None = None  # sync="delta": the encoding, values changed, tensors sparse/whole
 
 
 # --------------------------------------------------------------------------- publisher
@@ -164,11 +173,16 @@ class WeightPublisher:
         host: str = "127.0.0.1",
         fanout: str = "fleet",
         lora_sync: str = "merged",
+        sync: str = "full",
     ) -> None:
         if fanout not in FANOUTS:
             raise ValueError(f"unknown fanout {fanout!r} (known: {', '.join(FANOUTS)})")
         if lora_sync not in ("merged", "adapter"):
             raise ValueError(f"unknown lora_sync {lora_sync!r} (merged, adapter)")
+        if sync not in SYNCS:
+            raise ValueError(f"unknown weight_sync {sync!r} (known: {', '.join(SYNCS)})")
+        if sync == "delta" and lora_sync == "adapter":
+            raise ValueError("weight_sync delta sends merged weights: it does not combine with lora_sync adapter")
         self.control, self.rank, self.backend = control, rank, resolve_backend(backend)
         self.timeout_s, self.fanout = timeout_s, fanout
         self.sender = sender_class(self.backend)(host=host, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
@@ -178,6 +192,8 @@ class WeightPublisher:
         )
         # lora_sync="adapter": what most pushes send (the base weights go once per server).
         self.adapter = AdapterWeights(model, self.source.dtype, keep=rank == 0) if adapter else None
+        # sync="delta": the copy of the last push (host memory, rank 0) and the encoder.
+        self.encoded = EncodedWeights(self.source, keep=rank == 0) if sync == "delta" else None
         self.links: dict[str, _Link] = {}
         self.fleet: _Fleet | None = None
         self.fleet_builds = 0  # how many times a fleet group was formed (rebuilds included)
@@ -402,7 +418,18 @@ class WeightPublisher:
         whole = self.adapter is None or any(not self.links[s].based for s in ok)
         if self.adapter is not None:
             whole = self._rank0_says(whole)  # ZeRO-3: the other ranks learn what rank 0 sends
-        src = self._source(whole)
+        if self.encoded is not None:
+            # Full unless every target holds the copy the delta is taken against.
+            full = self._rank0_says(any(self.links[s].base_gen != self.encoded.generation for s in ok))
+            self.encoded.prepare(full)  # a delta is encoded here (ZeRO-3: the gathers, every rank)
+        try:
+            return self._push(version, targets, ok, whole)
+        finally:
+            if self.encoded is not None:
+                self.encoded.end()
+
+    def _push(self, version: int, targets: list[str], ok: list[str], whole: bool) -> PushReport:
+        src = self.encoded if self.encoded is not None else self._source(whole)
         report = PushReport(version=version, bytes_per_server=src.nbytes())
         if self.rank != 0:
             while True:
@@ -432,19 +459,24 @@ class WeightPublisher:
         report.failed = failures
         for s in report.updated:
             self.links[s].based = True  # every push sends the base weights until they have them
+            if self.encoded is not None:
+                self.links[s].base_gen = self.encoded.generation
+        if self.encoded is not None:
+            report.sync = self.encoded.stats
         for s in failures:
             if s in self.links:
                 # A group that failed mid-transfer is out of step for good: drop it.
                 self.disconnect(s, notify=False)
         parts = ", ".join(f"{k} {v:.2f}" for k, v in report.seconds.items() if k != "total")
         log.info(
-            "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s%s)%s",
+            "pushed v%d to %d server(s) in %.2f s (%s; %.1f MB each%s%s%s)%s",
             version,
             len(report.updated),
             report.seconds["total"],
             parts,
             report.bytes_per_server / 1e6,
             "" if self.adapter is None else ", the base weights and the adapter" if whole else ", the adapter",
+            "" if report.sync is None else _describe(report.sync),
             f"; {len(report.fleet)} through the fleet group" if report.fleet else "",
             f"; failed: {failures}" if failures else "",
         )
@@ -576,6 +608,7 @@ class WeightPublisher:
             shapes=[list(m.shape) for m in meta],
             aliases=dict(src.aliases),
             lora=src.lora,
+            encoding=getattr(src, "encoding", ""),
         )
 
     @staticmethod
@@ -608,3 +641,12 @@ class WeightPublisher:
 
     def _step(self, servers: list[str], make, step: str, failures: dict[str, str]) -> list[str]:
         return self._collect(self._send_all(servers, make, step, failures), step, failures)
+
+
+def _describe(stats: PushStats) -> str:
+    if stats.encoding == "full":
+        return ", full (a target lacked the base)"
+    return (
+        f", delta: {stats.changed_fraction:.2%} of values changed, {stats.sparse} tensors sparse, "
+        f"{stats.whole} whole, {stats.unchanged} unchanged"
+    )

@@ -73,7 +73,12 @@ class FakeServer:
         self.version = 0
         self.starts: list[bool] = []  # WeightUpdateStart.adapter_only of each push
         self.adapters: list[Path] = []  # the PEFT folder each adapter was written to
+        self._worker = _Worker(self.engine)
         self._lora_root = Path(tempfile.mkdtemp(prefix=f"fake-{name}-lora-"))
+
+    def engine_worker_base(self):
+        """The worker's ``DeltaBase`` (--weight_sync delta), None before its first such push."""
+        return getattr(self._worker, "_rayless_delta_base", None)
 
     def handle(self, msg: P.Message) -> Future:
         fut: Future = Future()
@@ -107,6 +112,8 @@ class FakeServer:
                     info, str(folder), msgspec.to_builtins(msg.lora), whole=not self.starts[-1]
                 )
                 self.adapters.append(folder)
+            elif msg.encoding:  # as WeightSession: through the worker's base, digests checked
+                self._worker.rayless_receive_encoded(info, msg.encoding)
             else:
                 self.engine.update_weights(info)
             return P.Ack()
