@@ -66,6 +66,7 @@ def make_publisher(cfg: PPOConfig, engine: Any, *, rank: int, control: Any = Non
         host=_sync_host(cfg.services),
         timeout_s=cfg.services.weight_sync_timeout_s,
         lora_sync=cfg.services.lora_sync if cfg.ds.lora.rank else "merged",
+        sync=cfg.services.weight_sync,
     )
 
 

@@ -759,6 +759,15 @@ class ServicesSection:
         choices=("merged", "adapter"),
         flat="lora_sync",
     )
+    weight_sync: str = flag(
+        "full",
+        "what a weight push sends. full: every tensor. delta: per tensor only the values changed in the served "
+        "dtype since the last push (indices and values, or the tensor whole when denser), checked by a digest "
+        "per tensor on every server; a server without the last push gets a full one first. The learner keeps a "
+        "host copy of the served weights (docs/scale.md, Delta pushes)",
+        choices=("full", "delta"),
+        flat="weight_sync",
+    )
     sync_host: str = flag(
         "",
         "address rollout servers reach this rank at for weight sync; its stores listen there when it is an IP "

@@ -160,3 +160,36 @@ def test_a_server_without_enable_lora_refuses_an_adapter_and_names_the_flag():
     with pytest.raises(BadRequest, match="without --enable_lora"):
         run(s.update(["a"], ["float32"], [[1]], lora=lora))
     assert s.incomplete
+
+
+def test_an_encoded_push_goes_through_the_workers_base_and_a_digest_mismatch_serves_nothing(caplog):
+    """--weight_sync delta: the update is the worker extension's rayless_receive_encoded (tied
+    names passed to it, never to the engine); a digest mismatch there fails the update like a
+    broken receive (gate kept closed, incomplete) and is logged as such."""
+    import logging
+
+    from common.weights.delta import DigestMismatch
+
+    s, llm, gate, _ = session()
+    rpcs: list[tuple] = []
+    plain = llm.collective_rpc
+
+    async def collective_rpc(method, args=()):
+        if method != "rayless_receive_encoded":
+            return await plain(method, args)
+        rpcs.append((method, *args))
+        if args[1] == "delta":
+            llm.session = False
+            raise DigestMismatch("delta push: 1 of 5 tensors differ from what the learner sent after applying it (w)")
+        return [1]
+
+    llm.collective_rpc = collective_rpc
+    run(s.start(1))
+    run(s.update(["w", "#digest"], ["float32", "int64"], [[1], [1]], {"t": "w"}, None, "full"))
+    run(s.finish(1))
+    assert rpcs[0][2] == "full" and rpcs[0][1]["aliases"] == {"t": "w"} and "update" not in llm.calls
+    run(s.start(2))
+    with caplog.at_level(logging.ERROR), pytest.raises(DigestMismatch):
+        run(s.update(["w#idx", "w#val", "#digest"], ["int32", "float32", "int64"], [[1], [1], [1]], {}, None, "delta"))
+    assert "delta weight push failed (serving nothing until a full push lands)" in caplog.text
+    assert s.incomplete and gate.holds == {"update_failed"} and llm.calls[-1] == "abandon"
