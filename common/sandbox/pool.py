@@ -98,6 +98,7 @@ class Sandbox:
         self.language = language
         self.ro_paths = list(ro_paths) if ro_paths is not None else default_ro_paths()
         self.start_timeout_s = start_timeout_s
+        self.site_paths = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
         self.isolation = isolation  # resolved by the first worker when "auto"
         n = next(_instances)
         self._uids = [UID_BASE + ((os.getpid() % 4000) * 16 + n % 16) * 256 + i for i in range(2 * workers + 2)]
@@ -220,13 +221,13 @@ class Sandbox:
         # process mode's work dir; the namespace modes make a tmpfs of their own
         workdir = tempfile.mkdtemp(prefix="rayless-sandbox-") if self.isolation in ("auto", "process") else ""
         cfg = {"mode": self.isolation, "uid": uid, "ro_paths": self.ro_paths, "workdir": workdir}
-        cfg["disk_mb"] = self.limits.disk_mb
+        cfg |= {"disk_mb": self.limits.disk_mb, "site_paths": self.site_paths}
         ours, theirs = socket.socketpair()
         w: _Worker | None = None
         try:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", RUNNER, "--ctl", str(theirs.fileno()), json.dumps(cfg),
+                    sys.executable, "-I", "-S", RUNNER, "--ctl", str(theirs.fileno()), json.dumps(cfg),
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     pass_fds=(theirs.fileno(),), start_new_session=True,  # its own process group: killed whole
                 )  # fmt: skip

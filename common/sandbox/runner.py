@@ -1,7 +1,8 @@
 """The sandbox's child: a warm Python interpreter that isolates itself, then runs one piece of code.
 
-Started by ``common/sandbox/pool.py`` as ``python -I runner.py --ctl FD CONFIG_JSON``, by path
-(standard library only, so it starts fast and needs no package on ``sys.path``). It does the
+Started by ``common/sandbox/pool.py`` as ``python -I -S runner.py --ctl FD CONFIG_JSON``, by path
+(standard library only, so it starts fast and needs no package on ``sys.path``; ``-S``: the
+interpreter's site-packages are put on ``sys.path`` from CONFIG without running their ``.pth`` files). It does the
 costly part before any code exists -- interpreter start-up, namespaces, the new root, dropping
 privileges -- then waits on its control socket; a call costs one message. One process runs one
 call and exits: nothing a call leaves behind (files, processes, modules, globals) reaches the next.
@@ -34,10 +35,8 @@ parent -> D ``{"code": ..., "cpu_s": ..., "memory_mb": ..., "max_procs": ..., "f
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import os
-import platform
 import resource
 import signal
 import socket
@@ -58,7 +57,8 @@ PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 # syscalls the libc has no wrapper for (or Python does not expose): pivot_root, capset
 SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126}, "aarch64": {"pivot_root": 41, "capset": 91}}
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# the libc already loaded into this interpreter (ctypes.util.find_library would run ldconfig: 10 ms)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _ok(ret: int, what: str) -> None:
@@ -73,9 +73,10 @@ def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: s
 
 
 def _syscall(name: str, *args) -> int:
-    nr = SYSCALLS.get(platform.machine(), {}).get(name)
+    machine = os.uname().machine
+    nr = SYSCALLS.get(machine, {}).get(name)
     if nr is None:
-        raise OSError(f"{name}: syscall number unknown on {platform.machine()}")
+        raise OSError(f"{name}: syscall number unknown on {machine}")
     return _libc.syscall(nr, *args)
 
 
@@ -322,6 +323,11 @@ def _user_tasks(uid: int) -> int:
 # ---------------------------------------------------------------- D: one call
 
 
+def _print_traceback(e: BaseException) -> None:
+    tb = e.__traceback__.tb_next if e.__traceback__ else None  # from the code's frame on, not this file's
+    traceback.print_exception(type(e), e, tb)
+
+
 def run_call(req: dict, mode: str) -> None:
     mb = 1 << 20
     cpu = max(1, int(-(-req["cpu_s"] // 1)))  # whole seconds, rounded up
@@ -340,6 +346,9 @@ def run_call(req: dict, mode: str) -> None:
         resource.setrlimit(what, (soft, hard))
     code = req["code"]
     sys.argv = ["<sandbox>"]
+    import linecache  # loaded with traceback already; the code's lines in its tracebacks
+
+    linecache.cache["<sandbox>"] = (len(code), None, code.splitlines(True), "<sandbox>")
     rc = 0
     try:
         exec(compile(code, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
@@ -351,11 +360,11 @@ def run_call(req: dict, mode: str) -> None:
         rc = RC_MEMORY
         print("MemoryError: the sandbox's memory limit was reached", file=sys.stderr)
     except (BlockingIOError, RuntimeError) as e:  # os.fork: EAGAIN; threading: "can't start new thread"
-        traceback.print_exc()
+        _print_traceback(e)
         procs = getattr(e, "errno", None) == 11 or "can't start new thread" in str(e)
         rc = RC_PROCS if procs else 1
-    except BaseException:  # noqa: BLE001 - the code's own failure: its traceback, exit 1, as python would
-        traceback.print_exc()
+    except BaseException as e:  # noqa: BLE001 - the code's own failure: its traceback, exit 1, as python would
+        _print_traceback(e)
         rc = 1
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -403,6 +412,7 @@ def child(sock: socket.socket, cfg: dict, mode: str) -> None:
 def main() -> None:
     fd = int(sys.argv[sys.argv.index("--ctl") + 1])
     cfg = json.loads(sys.argv[-1])
+    sys.path.extend(cfg.get("site_paths", []))  # run with -S: packages importable, no .pth processing
     sock = socket.socket(fileno=fd)
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the service died: so do we
