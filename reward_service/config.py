@@ -173,6 +173,28 @@ class RewardConfig:
         group="functions and remote rewards",
     )
 
+    # -- a judge model (generative reward; reward_service/judge.py)
+    judge_url: str | None = flag(
+        None,
+        "base URL of an OpenAI-compatible server (http://HOST:8000/v1) whose model scores each sample",
+        group="judge",
+    )
+    judge_model: str = flag(
+        "judge", "the model name sent to --judge_url (vLLM: the served model's name)", group="judge"
+    )
+    judge_prompt: str | None = flag(
+        None,
+        "file: the judge's prompt template; {prompt}, {response}, {label} are replaced by the sample's text",
+        group="judge",
+    )
+    judge_parser: str = flag(
+        "score", "reply text -> number: score ('Score: 7', else the last number), yes_no, or re:PATTERN", group="judge"
+    )
+    judge_score_scale: float = flag(1.0, "the parsed number is divided by this (10 for a 0-10 scale)", group="judge")
+    judge_max_tokens: int = flag(512, "max_tokens of each judge request", group="judge")
+    judge_temperature: float = flag(0.0, "temperature of each judge request", group="judge")
+    judge_concurrency: int = flag(16, "judge requests in flight at once", group="judge")
+
     # -- models
     tokenizer: str | None = flag(
         None,
@@ -216,11 +238,13 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         """Raises ValueError naming the flag at fault (``parse`` turns it into a usage error)."""
-        if not (self.ref_pretrain or self.teacher_pretrain or self.reward_pretrain or self.func_files() or self.urls()):
+        sources = (self.ref_pretrain, self.teacher_pretrain, self.reward_pretrain, self.func_files(), self.urls())
+        if not any(sources) and not self.judge_url:
             raise ValueError(
-                "nothing to score with: give --ref_pretrain, --teacher_pretrain, --reward_pretrain, --reward_func "
-                "or --remote_rm_url"
+                "nothing to score with: give --ref_pretrain, --teacher_pretrain, --reward_pretrain, --reward_func, "
+                "--remote_rm_url or --judge_url"
             )
+        self._check_judge()
         if self.normalize_reward and not self.reward_pretrain:
             raise ValueError("--normalize_reward applies to a reward model: give --reward_pretrain")
         if self.rm_from_text and not (self.tokenizer or self.ref_pretrain):
@@ -281,6 +305,22 @@ class RewardConfig:
             )
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("--retries and --retry_backoff_s must be >= 0")
+
+    def _check_judge(self) -> None:
+        if not self.judge_url:
+            if self.judge_prompt:
+                raise ValueError("--judge_prompt is the template of --judge_url's requests: give --judge_url")
+            return
+        if not self.judge_url.startswith(("http://", "https://")):
+            raise ValueError(f"--judge_url {self.judge_url!r} is not an http(s) URL")
+        if not self.judge_prompt:
+            raise ValueError("--judge_url needs --judge_prompt FILE (the template the judge is asked with)")
+        from reward_service.judge import load_template, make_parser  # standard library only
+
+        load_template(self.judge_prompt)
+        make_parser(self.judge_parser)
+        if self.judge_score_scale <= 0 or self.judge_max_tokens < 1 or self.judge_concurrency < 1:
+            raise ValueError("--judge_score_scale must be > 0, --judge_max_tokens and --judge_concurrency >= 1")
 
     # ------------------------------------------------------------------ derived
     def func_files(self) -> list[str]:

@@ -169,6 +169,28 @@ def _remote_sources(cfg: RewardConfig) -> list[RewardSource]:
     )
 
 
+def _judge_sources(cfg: RewardConfig) -> list[RewardSource]:
+    if not cfg.judge_url:
+        return []
+    from reward_service.judge import JudgeReward, load_template
+
+    assert cfg.judge_prompt  # RewardConfig checks it
+    judge = JudgeReward(
+        cfg.judge_url,
+        model=cfg.judge_model,
+        template=load_template(cfg.judge_prompt),
+        parser=cfg.judge_parser,
+        scale=cfg.judge_score_scale,
+        max_tokens=cfg.judge_max_tokens,
+        temperature=cfg.judge_temperature,
+        concurrency=cfg.judge_concurrency,
+        timeout_s=cfg.timeout_s,
+        retries=cfg.retries,
+        backoff_s=cfg.retry_backoff_s,
+    )
+    return [TextSource(judge)]
+
+
 LogprobModel = Union[ReferenceScorer, "VLLMReferenceScorer"]
 
 
@@ -224,6 +246,7 @@ def check_teacher_vocabulary(cfg: RewardConfig, teacher: LogprobModel) -> None:
 SOURCES: dict[str, Callable[[RewardConfig], list[RewardSource]]] = {
     "func": _func_sources,
     "remote": _remote_sources,
+    "judge": _judge_sources,
     "rm": _rm_sources,
 }
 

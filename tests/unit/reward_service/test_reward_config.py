@@ -47,6 +47,14 @@ def test_every_flag_keeps_its_default():
         "retry_backoff_s": 0.5,
         "func_workers": 1,
         "sandbox_workers": 4,  # common.sandbox in reward functions (docs/environments.md)
+        "judge_url": None,  # a judge model (reward_service/judge.py)
+        "judge_model": "judge",
+        "judge_prompt": None,
+        "judge_parser": "score",
+        "judge_score_scale": 1.0,
+        "judge_max_tokens": 512,
+        "judge_temperature": 0.0,
+        "judge_concurrency": 16,
         "tokenizer": None,
         "micro_batch_size": 8,
         "max_tokens_per_gpu": 0,
