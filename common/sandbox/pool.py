@@ -27,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -65,11 +66,20 @@ def default_ro_paths() -> list[str]:
 
 
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process, reader, writer, uid: int | None, workdir: str) -> None:
-        self.proc, self.reader, self.writer = proc, reader, writer
+    """One forked worker W: its pid and pidfd, and the parent's ends of its four sockets."""
+
+    def __init__(self, pid: int, pidfd: int, streams: dict, uid: int | None, workdir: str) -> None:
+        self.pid, self.pidfd = pid, pidfd
+        self.ctl_r, self.ctl_w = streams["ctl"]
+        self.stdin = streams["stdin"][1]
+        self.stdout, self.stderr = streams["stdout"][0], streams["stderr"][0]
+        self.writers = [w for _, w in streams.values()]
         self.uid, self.workdir = uid, workdir
         self.child_fd: int | None = None  # pidfd of C: a kill that cannot hit a reused pid
         self.mode = ""
+
+    def exited(self) -> bool:
+        return bool(select.select([self.pidfd], [], [], 0)[0])  # a pidfd reads ready once its process is gone
 
 
 class Sandbox:
@@ -101,7 +111,8 @@ class Sandbox:
         self.site_paths = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
         self.isolation = isolation  # resolved by the first worker when "auto"
         n = next(_instances)
-        self._uids = [UID_BASE + ((os.getpid() % 4000) * 16 + n % 16) * 256 + i for i in range(2 * workers + 2)]
+        # warm + running + being reaped: at most 2 x workers + a few; 1024 per Sandbox instance
+        self._uids = [UID_BASE + ((os.getpid() % 4000) * 16 + n % 16) * 1024 + i for i in range(4 * workers + 8)]
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-loop", daemon=True)
@@ -183,7 +194,11 @@ class Sandbox:
         self._warm: asyncio.Queue[_Worker] = asyncio.Queue()
         self._slots = asyncio.Semaphore(self.workers)
         self._spawning = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # workers starting
+        self._reaping: set[asyncio.Task] = set()  # workers done with, being killed and reaped
+        self._server: socket.socket | None = None
+        self._server_proc: asyncio.subprocess.Process | None = None
+        self._server_lock = asyncio.Lock()  # one request / answer at a time on the fork server's socket
         first = await self._spawn()  # resolves "auto": every later worker uses the same mode
         if isinstance(first, str):
             raise SandboxError(f"no sandbox worker could start: {first}")
@@ -213,6 +228,55 @@ class Sandbox:
         else:
             self._warm.put_nowait(w)
 
+    async def _fork_server(self) -> socket.socket:
+        """The fork server's socket, (re)starting it when it is not running."""
+        if self._server is not None and self._server_proc is not None and self._server_proc.returncode is None:
+            return self._server
+        if self._server is not None:
+            self._server.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        base = {"mode": self.isolation, "ro_paths": self.ro_paths, "disk_mb": self.limits.disk_mb}
+        base["site_paths"] = self.site_paths
+        try:
+            self._server_proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", RUNNER, "--ctl", str(theirs.fileno()), json.dumps(base),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._server = ours
+        loop = asyncio.get_running_loop()
+        hello = await asyncio.wait_for(loop.sock_recv(ours, 1 << 16), self.start_timeout_s)
+        if b"zygote" not in hello:
+            raise SandboxError(f"the sandbox's fork server did not start (said {hello[:200]!r})")
+        return ours
+
+    async def _fork(self, cfg: dict, fds: list[int]) -> int:
+        """Asks the fork server for a worker on ``fds`` (stdin, stdout, stderr, control); its pid."""
+        async with self._server_lock:
+            for attempt in (1, 2):  # a fork server that died (killed from outside) is restarted once
+                server = await self._fork_server()
+                try:
+                    socket.send_fds(server, [json.dumps(cfg).encode()], fds)
+                    answer = await asyncio.wait_for(
+                        asyncio.get_running_loop().sock_recv(server, 1 << 16), self.start_timeout_s
+                    )
+                except (BrokenPipeError, ConnectionResetError):
+                    answer = b""
+                if answer:
+                    msg = json.loads(answer)
+                    if "pid" not in msg:
+                        raise SandboxError(f"the sandbox's fork server refused: {msg.get('error')}")
+                    return msg["pid"]
+                if self._server_proc is not None and self._server_proc.returncode is None:
+                    self._server_proc.kill()
+                    await self._server_proc.wait()
+                if attempt == 2:
+                    raise SandboxError("the sandbox's fork server exited (see the log above)")
+        raise AssertionError("unreachable")
+
     async def _spawn(self) -> _Worker | str:
         """A started, isolated, waiting worker, or why none could start."""
         if not self._uids:
@@ -220,25 +284,24 @@ class Sandbox:
         uid = self._uids.pop()
         # process mode's work dir; the namespace modes make a tmpfs of their own
         workdir = tempfile.mkdtemp(prefix="rayless-sandbox-") if self.isolation in ("auto", "process") else ""
-        cfg = {"mode": self.isolation, "uid": uid, "ro_paths": self.ro_paths, "workdir": workdir}
-        cfg |= {"disk_mb": self.limits.disk_mb, "site_paths": self.site_paths}
-        ours, theirs = socket.socketpair()
+        pairs = {name: socket.socketpair() for name in ("stdin", "stdout", "stderr", "ctl")}
+        theirs = [pairs[name][1] for name in ("stdin", "stdout", "stderr", "ctl")]
         w: _Worker | None = None
         try:
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", "-S", RUNNER, "--ctl", str(theirs.fileno()), json.dumps(cfg),
-                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    pass_fds=(theirs.fileno(),), start_new_session=True,  # its own process group: killed whole
-                )  # fmt: skip
+                pid = await self._fork(
+                    {"uid": uid, "workdir": workdir, "mode": self.isolation}, [t.fileno() for t in theirs]
+                )
+                pidfd = os.pidfd_open(pid)  # W waits for its code: alive
             finally:
-                theirs.close()
-            reader, writer = await asyncio.open_unix_connection(sock=ours)
-            w = _Worker(proc, reader, writer, uid, workdir)
+                for t in theirs:
+                    t.close()
+            streams = {name: await asyncio.open_unix_connection(sock=pairs[name][0]) for name in pairs}
+            w = _Worker(pid, pidfd, streams, uid, workdir)
             while not w.mode:
-                line = await asyncio.wait_for(reader.readline(), self.start_timeout_s)
+                line = await asyncio.wait_for(w.ctl_r.readline(), self.start_timeout_s)
                 if not line:
-                    raise EOFError
+                    raise EOFError("its control socket closed")
                 msg = json.loads(line)
                 if "child" in msg:
                     w.child_fd = os.pidfd_open(msg["child"])  # C is alive: it waits for its request
@@ -247,19 +310,25 @@ class Sandbox:
                 elif "error" in msg:
                     raise SandboxError(msg["error"])
         except (TimeoutError, EOFError, OSError, ValueError, SandboxError) as e:
+            why = str(e) if isinstance(e, SandboxError) else f"{type(e).__name__}: {e}"
             if w is None:
-                ours.close()
+                for ours, _ in pairs.values():
+                    ours.close()
                 self._release(uid, workdir)
-                return f"{type(e).__name__}: {e}"
+                return why
+            err = ""
+            try:
+                err = (await asyncio.wait_for(w.stderr.read(4096), 0.5)).decode(errors="replace").strip()
+            except (TimeoutError, OSError):
+                pass
             await self._discard(w)
-            err = (await w.proc.stderr.read()).decode(errors="replace").strip() if w.proc.stderr else ""
-            why = str(e) if isinstance(e, SandboxError) else f"{type(e).__name__} {e}".strip()
-            return f"{why} (worker exit code {w.proc.returncode}){': ' + err[-500:] if err else ''}"
+            return f"{why}{': ' + err[-500:] if err else ''}"
         except BaseException:  # cancelled (the sandbox is closing): leave nothing behind
             if w is not None:
                 await asyncio.shield(self._discard(w))
             else:
-                ours.close()
+                for ours, _ in pairs.values():
+                    ours.close()
                 self._release(uid, workdir)
             raise
         if w.mode != "process" and workdir:
@@ -276,7 +345,7 @@ class Sandbox:
             except TimeoutError:
                 return f"no warm sandbox worker within {self.start_timeout_s:g} s"
             self._refill()  # its replacement starts now, while this call runs
-            if w.proc.returncode is None:
+            if not w.exited():
                 return w
             await self._discard(w)  # died while waiting (killed from outside): take another
 
@@ -290,8 +359,10 @@ class Sandbox:
                 return SandboxResult("", "", None, "sandbox_error", w, time.monotonic() - t0)
             try:
                 return await self._call(w, code, stdin.encode() if isinstance(stdin, str) else stdin, lim)
-            finally:
-                await self._discard(w)
+            finally:  # in the background: the result need not wait for the reaping
+                task = asyncio.ensure_future(self._discard(w))
+                self._reaping.add(task)
+                task.add_done_callback(self._reaping.discard)
 
     async def _call(self, w: _Worker, code: str, stdin: bytes, lim: SandboxLimits) -> SandboxResult:
         req = {"code": code, "cpu_s": lim.cpu_s, "memory_mb": lim.memory_mb, "max_procs": lim.max_procs}
@@ -301,13 +372,12 @@ class Sandbox:
         t0 = time.monotonic()
 
         async def feed() -> None:
-            assert w.proc.stdin is not None
             try:
                 if stdin:
-                    w.proc.stdin.write(stdin)
-                    await w.proc.stdin.drain()
-                w.proc.stdin.close()
-            except (BrokenPipeError, ConnectionResetError):
+                    w.stdin.write(stdin)
+                    await w.stdin.drain()
+                w.stdin.write_eof()  # its stdin ends here
+            except (BrokenPipeError, ConnectionResetError, OSError):
                 pass  # the code exited without reading all of it
 
         async def drain(name: str, stream) -> None:
@@ -319,15 +389,15 @@ class Sandbox:
                     return
 
         async def status() -> dict:
-            while line := await w.reader.readline():
+            while line := await w.ctl_r.readline():
                 msg = json.loads(line)
                 if "exit" in msg or "signal" in msg:
                     return msg
             return {}
 
-        w.writer.write((json.dumps(req) + "\n").encode())
+        w.ctl_w.write((json.dumps(req) + "\n").encode())
         feeding = asyncio.ensure_future(feed())
-        readers = [asyncio.ensure_future(drain(n, getattr(w.proc, n))) for n in ("stdout", "stderr")]
+        readers = [asyncio.ensure_future(drain(n, getattr(w, n))) for n in ("stdout", "stderr")]
         ended = asyncio.ensure_future(status())
         overflow = asyncio.ensure_future(over.wait())
         done, _ = await asyncio.wait({ended, overflow}, timeout=lim.wall_s, return_when=asyncio.FIRST_COMPLETED)
@@ -363,22 +433,36 @@ class Sandbox:
                 signal.pidfd_send_signal(w.child_fd, signal.SIGKILL)
             except OSError:
                 pass  # already gone
-        try:
-            os.killpg(w.proc.pid, signal.SIGKILL)  # W and, in process mode, what stayed in the group
-        except OSError:
-            pass
+        if not w.exited():  # while W lives its group id cannot be another's
+            try:
+                os.killpg(w.pid, signal.SIGKILL)  # W and, in process mode, what stayed in its group
+            except OSError:
+                pass
 
     async def _discard(self, w: _Worker) -> None:
-        """Kills and reaps the worker; frees its uid and work dir."""
+        """Kills the worker and waits for it to be gone (the fork server reaps it); frees its uid and dir."""
         self._kill(w)
-        w.writer.close()
+        for writer in w.writers:
+            writer.close()
         if w.child_fd is not None:
             os.close(w.child_fd)
             w.child_fd = None
-        try:
-            await asyncio.wait_for(w.proc.wait(), 5)
-        except TimeoutError:
-            log.warning("sandbox worker %d did not exit after SIGKILL", w.proc.pid)
+        if not w.exited():
+            loop = asyncio.get_running_loop()
+            gone = loop.create_future()
+
+            def on_exit() -> None:
+                if not gone.done():
+                    gone.set_result(None)
+
+            loop.add_reader(w.pidfd, on_exit)
+            try:
+                await asyncio.wait_for(gone, 5)
+            except TimeoutError:
+                log.warning("sandbox worker %d did not exit after SIGKILL", w.pid)
+            finally:
+                loop.remove_reader(w.pidfd)
+        os.close(w.pidfd)
         self._release(w.uid, w.workdir)
         w.uid, w.workdir = None, ""
 
@@ -391,9 +475,17 @@ class Sandbox:
     async def _stop(self) -> None:
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._reaping, return_exceptions=True)
         while not self._warm.empty():
             await self._discard(self._warm.get_nowait())
+        if self._server is not None:
+            self._server.close()  # the fork server exits when its socket closes
+        if self._server_proc is not None:
+            try:
+                await asyncio.wait_for(self._server_proc.wait(), 5)
+            except TimeoutError:
+                self._server_proc.kill()
+                await self._server_proc.wait()
 
 
 def _verdict(killed: str | bool, end: dict, lim: SandboxLimits, wall: float) -> tuple[str, str]:

@@ -1,14 +1,17 @@
 """The sandbox's child: a warm Python interpreter that isolates itself, then runs one piece of code.
 
-Started by ``common/sandbox/pool.py`` as ``python -I -S runner.py --ctl FD CONFIG_JSON``, by path
-(standard library only, so it starts fast and needs no package on ``sys.path``; ``-S``: the
-interpreter's site-packages are put on ``sys.path`` from CONFIG without running their ``.pth`` files). It does the
-costly part before any code exists -- interpreter start-up, namespaces, the new root, dropping
-privileges -- then waits on its control socket; a call costs one message. One process runs one
-call and exits: nothing a call leaves behind (files, processes, modules, globals) reaches the next.
+Started once per ``Sandbox`` by ``common/sandbox/pool.py`` as a **fork server**: ``python -I -S
+runner.py --ctl FD CONFIG_JSON``, by path (standard library only; ``-S``: the interpreter's
+site-packages are put on ``sys.path`` from CONFIG without running their ``.pth`` files). It loads
+this file once, then forks one worker per request (``serve``), so a worker costs a fork, not an
+interpreter start. A worker does the costly part before any code exists -- namespaces, the new
+root, dropping privileges -- then waits on its control socket; a call costs one message. One
+worker runs one call and exits: nothing a call leaves behind (files, processes, modules, globals)
+reaches the next.
 
 Three processes, as container runtimes have:
-- **W** (this script's process) unshares the namespaces, forks C, says C's pid and waits for it;
+- **W** (forked by the fork server, its own session) unshares the namespaces, forks C, says C's
+  pid and waits for it;
 - **C** is PID 1 of a new PID namespace: it builds and enters the new root, drops privileges, forks
   D, and reports how D ended (exit code or signal, CPU seconds, peak memory) on the control socket.
   Killing C kills every process the code started (the kernel empties a PID namespace whose init
@@ -26,7 +29,9 @@ Isolation modes (``CONFIG["mode"]``; ``auto`` tries them in this order):
   that refuses sockets, subprocesses, ctypes and file access outside the work dir and the
   interpreter's own files. Audit hooks are not a security boundary (docs/environments.md).
 
-Control socket protocol (one JSON object per line):
+Fork-server socket (SOCK_SEQPACKET, one JSON message each): pool -> server ``{"uid", "workdir"}``
+with four fds (the worker's stdin, stdout, stderr and control socket); server -> pool ``{"pid": W}``.
+Worker control socket protocol (one JSON object per line):
 W -> parent ``{"child": PID of C}``; D -> parent ``{"ready": MODE}`` (or C: ``{"error": "why"}``);
 parent -> D ``{"code": ..., "cpu_s": ..., "memory_mb": ..., "max_procs": ..., "file_mb": ...,
 "open_files": ...}``; C -> parent ``{"exit": N}`` or ``{"signal": N}`` with ``"cpu_s"`` and ``"rss_mb"``.
@@ -409,34 +414,89 @@ def child(sock: socket.socket, cfg: dict, mode: str) -> None:
     run_call(req, mode)
 
 
+def start(sock: socket.socket, cfg: dict) -> None:
+    """W: isolate (unshare), fork C, watch it. Never returns."""
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the fork server (and so the service) died: so do we
+        modes = ["namespaces-root" if os.geteuid() == 0 else "namespaces-user", "process"]
+        if cfg["mode"] != "auto":
+            modes = [cfg["mode"]]
+        errors = []
+        for mode in modes:
+            if mode == "process":
+                break
+            try:
+                unshare(mode)
+                break
+            except OSError as e:
+                errors.append(f"{mode}: {e}")
+        else:
+            _send(sock, error="no isolation available: " + "; ".join(errors))
+            os._exit(RC_SETUP)
+        pid = os.fork()
+        if pid:
+            watch(sock, pid)
+        child(sock, cfg, mode)
+    except BaseException as e:  # noqa: BLE001 - a forked worker must never return into the fork server's loop
+        try:
+            _send(sock, error=f"sandbox worker failed: {type(e).__name__}: {e}")
+        finally:
+            os._exit(RC_SETUP)
+    os._exit(RC_SETUP)
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve(server: socket.socket, base: dict) -> None:
+    """The fork server: each message (JSON + 4 fds: stdin, stdout, stderr, control) forks a worker W
+    that starts from this interpreter, already loaded; answers ``{"pid": W}``. Its parent's end
+    closing ends it. Forked workers are reaped here (they are this process's children)."""
+    _send(server, zygote=os.getpid())
+    while True:
+        _reap()
+        try:
+            msg, fds, _, _ = socket.recv_fds(server, 1 << 16, 4)
+        except InterruptedError:
+            continue
+        if not msg:
+            os._exit(0)  # the pool closed its end
+        cfg = base | json.loads(msg)
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            server.sendall(json.dumps({"error": f"expected 4 fds, got {len(fds)}"}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            server.close()
+            os.setsid()  # its own process group: killed whole
+            for target, fd in zip((0, 1, 2), fds[:3], strict=True):
+                os.dup2(fd, target)
+                os.close(fd)
+            start(socket.socket(fileno=fds[3]), cfg)
+        for fd in fds:
+            os.close(fd)
+        server.sendall(json.dumps({"pid": pid}).encode())
+
+
 def main() -> None:
     fd = int(sys.argv[sys.argv.index("--ctl") + 1])
-    cfg = json.loads(sys.argv[-1])
-    sys.path.extend(cfg.get("site_paths", []))  # run with -S: packages importable, no .pth processing
-    sock = socket.socket(fileno=fd)
+    base = json.loads(sys.argv[-1])
+    sys.path.extend(base.get("site_paths", []))  # run with -S: packages importable, no .pth processing
+    server = socket.socket(fileno=fd)
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the service died: so do we
     except OSError:
         pass
-    modes = ["namespaces-root" if os.geteuid() == 0 else "namespaces-user", "process"]
-    if cfg["mode"] != "auto":
-        modes = [cfg["mode"]]
-    errors = []
-    for mode in modes:
-        if mode == "process":
-            break
-        try:
-            unshare(mode)
-            break
-        except OSError as e:
-            errors.append(f"{mode}: {e}")
-    else:
-        _send(sock, error="no isolation available: " + "; ".join(errors))
-        sys.exit(RC_SETUP)
-    pid = os.fork()
-    if pid:
-        watch(sock, pid)
-    child(sock, cfg, mode)
+    serve(server, base)
 
 
 if __name__ == "__main__":
