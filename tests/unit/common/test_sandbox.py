@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -162,3 +163,57 @@ def test_bad_arguments_name_the_field():
         Sandbox(isolation="docker")
     with pytest.raises(SandboxError, match="workers"):
         Sandbox(workers=0)
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_fork_server_is_restarted():
+    with Sandbox(workers=1, limits=LIMITS) as sb:
+        assert sb.run_sync("print(1)").ok
+        old = sb._server_proc
+        old.kill()
+        time.sleep(0.2)
+        results = [sb.run_sync("print(2)") for _ in range(3)]  # the warm worker, then fresh ones
+        assert [r.stdout for r in results] == ["2\n"] * 3, results
+        assert sb._server_proc is not old
+
+
+def test_the_services_death_takes_every_sandbox_process_with_it():
+    """SIGKILL the process that owns a Sandbox: its fork server and warm workers die too (parent-death signals)."""
+    import subprocess
+
+    script = (
+        "import sys, time\nsys.path.insert(0, sys.argv[1])\nfrom common.sandbox import Sandbox\n"
+        "sb = Sandbox(workers=2)\nprint(sb._server_proc.pid, flush=True)\ntime.sleep(60)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    owner = subprocess.Popen([sys.executable, "-c", script, root], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(owner.stdout.readline())
+        deadline = time.monotonic() + 10
+        while len(_children(server)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _children(server)
+        family = {server} | workers | {c for w in workers for c in _children(w)}
+        assert len(workers) == 2, workers
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in family if _alive(p)], "sandbox processes outlived the service"
