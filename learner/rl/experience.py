@@ -31,6 +31,7 @@ import torch.distributed as dist
 from learner.algorithms.packing import packed_row, response_logit_index
 from learner.controller.types import Rollout, ScoredSample
 from learner.rl.micro_batches import plan_micro_batches
+from learner.runtime import sequence_parallel
 
 log = logging.getLogger("learner")
 
@@ -137,6 +138,9 @@ def score_all_ranks(
     too), a rank short of samples repeating one of its own.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    group = None  # --ds.ring_attn_size: a sequence-parallel group scores one slice; gathered across groups
+    if sequence_parallel.split_of(engine) is not None:
+        rank, world, group = sequence_parallel.data_parallel()
     n = len(rollout)
     T = max(1, max(len(s.response) for s in rollout.samples))
     mine = list(range(rank, n, world))
@@ -165,7 +169,7 @@ def score_all_ranks(
     padded = torch.zeros((rows, T), dtype=torch.float32, device=device)
     padded[: len(mine)] = out
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     full = torch.zeros((n, T), dtype=torch.float32)
     for r in range(world):
         idx = list(range(r, n, world))

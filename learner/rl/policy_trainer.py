@@ -78,6 +78,7 @@ from learner.rl.critic import Critic, token_mean_spec
 from learner.rl.distill_term import DistillTerm
 from learner.rl.experience import collate, score_all_ranks
 from learner.rl.micro_batches import plan_micro_batches
+from learner.runtime import sequence_parallel
 from learner.runtime.accumulation import OptimizerStep, engine_coalesces
 from learner.runtime.ema import EMA
 from learner.runtime.lora import base_hf_model
@@ -119,6 +120,8 @@ def response_logprobs(
     final hidden states of the ``action_mask`` positions go through the head that many at a time
     (``_tiled``), and positions outside ``action_mask`` get 0, as packed rows always had.
     """
+    if sequence_parallel.split_of(model) is not None:  # --ds.ring_attn_size: this rank's columns only
+        return sequence_parallel.response_logprobs(model, batch, temperature, with_entropy, entropy_grad, tile_tokens)
     T = batch["response"].shape[1]
     hf = base_hf_model(unwrap(model))
     hf_class: type = type(hf)  # `type`: mypy's `type[Any]` is not Hashable for the cache
@@ -241,6 +244,14 @@ class PolicyTrainer:
         self.dynamic = cfg.train.dynamic_batch_enable
         self.train_tokens = cfg.train.max_tokens_per_gpu if self.dynamic else 0
         self.score_tokens = (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if self.dynamic else 0
+        # --ds.ring_attn_size: the train batch is sliced by sequence-parallel group, not by rank
+        if cfg.ds.ring_attn_size > 1:
+            sequence_parallel.register(engine, sequence_parallel.init_groups(cfg.ds.ring_attn_size))
+        self.sp = sequence_parallel.split_of(engine)
+        if self.sp is not None and critic is not None:
+            raise ValueError(
+                f"{sequence_parallel.FLAG}: the critic's sequences are not split yet (use a GRPO-style estimator)"
+            )
         if self.packed:
             check_packable(engine, "policy")
             if critic is not None:
@@ -406,7 +417,8 @@ class PolicyTrainer:
                     [mask[global_idx]], cfg.actor.loss_agg_mode, max_len=cfg.rollout.max_new_tokens
                 )
                 value_agg = token_mean_spec(mask[global_idx]) if self.critic is not None else None
-                local = global_idx[rank::world]
+                dp_rank, dp_size = (self.sp.dp_rank, self.sp.dp_size) if self.sp else (rank, world)
+                local = global_idx[dp_rank::dp_size]  # every rank of a sequence-parallel group: the same
                 # As many on every rank (with a token budget: an all-reduce of the count; an empty
                 # group is a stand-in micro-batch of weight 0, so ZeRO's collectives meet)
                 plan = plan_micro_batches(
@@ -417,7 +429,8 @@ class PolicyTrainer:
                     packed=self.packed,
                     device=self.device,
                 )
-                planned = len(plan) if self.dynamic else None  # None: DeepSpeed's fixed accumulation steps
+                # None: DeepSpeed's fixed accumulation steps (counted for ranks, not sequence-parallel groups)
+                planned = len(plan) if self.dynamic or self.sp else None
                 if self.dynamic:
                     metrics["policy/micro_batches"].append(float(len(plan)))
                 with contextlib.ExitStack() as windows:  # one optimizer step of each trained engine
@@ -449,7 +462,7 @@ class PolicyTrainer:
                             entropy_grad=entropy_in_loss,
                             tile_tokens=cfg.ds.logits_tile_tokens,
                         )
-                        if reuse and weight:
+                        if reuse and weight and (self.sp is None or self.sp.rank == 0):
                             old_lp[idx, :T] = lp.detach().float().cpu()
                         loss, pm = policy_loss(
                             lp,

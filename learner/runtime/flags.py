@@ -227,9 +227,17 @@ class DSSection:
         1, "DeepSpeed AutoTP size", inert="training tensor parallelism is not built in rayless (ZeRO-3 shards instead)"
     )
     ring_attn_size: int = flag(
-        1, "sequence parallel size", inert="sequence parallelism is issue 41 (long reasoning traces), not built yet"
+        1,
+        "sequence parallelism: each sequence split across this many learner ranks (groups of consecutive ranks, data "
+        "parallel across groups). The algorithm is Ulysses (DeepSpeed's UlyssesSPAttentionHF: an all-to-all over the "
+        "attention heads, each rank 1/N of the columns elsewhere), not ring attention; N must divide the learner "
+        "ranks and the model's attention and KV heads. The policy in train_ppo only (docs/long-context.md)",
+        flat="ring_attn_size",
+        aliases=("--ds.sequence_parallel_size", "--sequence_parallel_size"),
     )
-    ring_attn_head_stride: int = flag(1, "ring attention head stride", inert="sequence parallelism is issue 41")
+    ring_attn_head_stride: int = flag(
+        1, "ring attention head stride", inert="the sequence split is Ulysses (all-to-all over heads), not a ring"
+    )
 
     def __post_init__(self) -> None:
         if self.logits_tile_tokens < 0:
@@ -239,6 +247,10 @@ class DSSection:
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
             raise ValueError(
                 f"--ds.attn_implementation {self.attn_implementation}: one of sdpa, eager, flash_attention_2"
+            )
+        if self.ring_attn_size < 1:
+            raise ValueError(
+                f"--ds.ring_attn_size (--ds.sequence_parallel_size) must be >= 1, got {self.ring_attn_size}"
             )
         if self.load_in_4bit and self.lora.rank == 0:
             # A 4-bit weight has no gradient to train: QLoRA trains LoRA adapters on the frozen 4-bit base.

@@ -216,6 +216,11 @@ class TrainerConfig(OptimizerFields):
                 f"--ds.value_head_prefix {self.ds.value_head_prefix}: accepted, but it names a reward model's head "
                 "and this trainer trains none"
             )
+        if self.ds.ring_attn_size > 1:
+            self.notices.append(
+                f"--ds.ring_attn_size {self.ds.ring_attn_size}: accepted, but the supervised trainers do not split "
+                "sequences yet (the policy in train_ppo does): every rank holds whole sequences"
+            )
         if self.ds.packing_samples and not self.packing:
             # Padded rows give the same losses: packing would only save the padding's compute.
             self.notices.append(f"--ds.packing_samples: accepted, but packing pairs is {NOT_YET}: rows are padded")
