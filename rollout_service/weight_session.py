@@ -88,6 +88,9 @@ class WeightSession:
         self._epoch = 0  # bumped by abort: older weight calls are refused
         self.incomplete = False  # an update failed: the weights may be half-loaded until a whole one lands
         self.counters = {"updates": 0, "failed_updates": 0}
+        # Where the last push's time went on this server, in ms (logged at finish): what a push
+        # costs beyond its bytes is mostly here (docs/scale.md, Delta pushes: the fixed cost).
+        self.timings: dict[str, float] = {}
 
     @property
     def engine(self) -> AsyncLLM:
@@ -181,6 +184,7 @@ class WeightSession:
             self._adapter_only = False
             t1 = time.monotonic()
             await self._gate.hold("update")
+            t2 = time.monotonic()
             if time.monotonic() - t0 > 1.0:  # the learner's push waits for this: say where it went
                 log.warning(
                     "weight update to v%d: %.2f s waiting for the previous weight step, %.2f s pausing generation",
@@ -194,6 +198,11 @@ class WeightSession:
                 await self._fail()
                 raise
             self._open = True
+            self.timings = {
+                "wait": (t1 - t0) * 1e3,
+                "pause": (t2 - t1) * 1e3,
+                "start_rpc": (time.monotonic() - t2) * 1e3,
+            }
 
     async def update(
         self,
@@ -232,6 +241,7 @@ class WeightSession:
                     await self.engine.collective_rpc("rayless_receive_encoded", args=(info, encoding))
                 else:
                     await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+                self.timings["update_rpc"] = (time.perf_counter() - t0) * 1e3
                 return time.perf_counter() - t0
             except BaseException as e:
                 if encoding:
@@ -247,9 +257,11 @@ class WeightSession:
             self._check_epoch(epoch, "WeightUpdateFinish")
             if not self._open:
                 raise BadRequest("WeightUpdateFinish without WeightUpdateStart")
+            t0 = time.monotonic()
             try:
                 if not self._adapter_only:
                     await self.engine.finish_weight_update(weight_version=str(version))
+                t1 = time.monotonic()
                 lora = await self._adapters.load_pending(version) if self._adapters.has_pending else None
             except BaseException:
                 await self._fail()
@@ -257,7 +269,9 @@ class WeightSession:
             self._open = False
             # An adapter-only update leaves the KV of the weights alone; vLLM keys cached blocks
             # by adapter, and the version salt keeps versions apart anyway.
+            t2 = time.monotonic()
             reset = False if self._adapter_only else await self.engine.reset_prefix_cache()
+            t3 = time.monotonic()
             if lora is not None or not self._adapter_only:
                 self._adapters.serve(lora)  # whole weights without an adapter: served alone
             self.incomplete = False
@@ -265,7 +279,19 @@ class WeightSession:
             await self._gate.serve_version(version)
             await self._adapters.retire()
             served = f"adapter {lora.lora_name}" if lora is not None else "no adapter"
-            log.info("weights now at policy version %d (%s; prefix cache reset: %s)", version, served, reset)
+            self.timings.update(
+                finish_rpc=(t1 - t0) * 1e3,
+                adapter=(t2 - t1) * 1e3,
+                reset_prefix_cache=(t3 - t2) * 1e3,
+                resume=(time.monotonic() - t3) * 1e3,
+            )
+            log.info(
+                "weights now at policy version %d (%s; prefix cache reset: %s; ms: %s)",
+                version,
+                served,
+                reset,
+                ", ".join(f"{k} {v:.1f}" for k, v in self.timings.items()),
+            )
             return reset
 
     async def _fail(self) -> None:

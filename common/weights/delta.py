@@ -43,40 +43,63 @@ log = logging.getLogger(__name__)
 
 SYNCS = ("full", "delta")  # --weight_sync
 IDX, VAL, DIGEST = "#idx", "#val", "#digest"
-# Positional weights of the digest repeat every this many values (one cached weight vector per
-# device: 8 MiB of int64).
-_DIGEST_CHUNK = 1 << 20
-_DIGEST_MOD = 65521  # the largest prime below 2**16: weights 1..65521
-_weights: dict[torch.device, torch.Tensor] = {}
+# The digest sums the tensor's bytes as int64 words in blocks of this many words (512 bytes):
+# one pass at memory speed, no int64 copy of the values.
+DIGEST_BLOCK_WORDS = 64
+_BLOCK_BYTES = DIGEST_BLOCK_WORDS * 8
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened and reinterpreted as signed integers of its item size (bool, uint8 and
-    int8 as uint8): comparing or summing these compares the exact bits of the served values."""
+    int8 as uint8): comparing these compares the exact bits of the served values."""
     flat = t.contiguous().view(-1)
     if t.dtype == torch.bool:
         return flat.view(torch.uint8)
     return flat.view(_INT_VIEW[t.element_size()])
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    b = t.contiguous().view(-1).view(torch.uint8)
+    return b if b.storage_offset() % 8 == 0 else b.clone()  # int64 words need 8-byte alignment
+
+
 def digest(t: torch.Tensor) -> torch.Tensor:
-    """An int64 of ``t``'s bits, computed where ``t`` is (no host sync): sum over i of
-    ``v_i * w_i`` with ``v`` the int view and ``w_i = (i mod 2**20) mod 65521 + 1``, wrapping
-    mod 2**64 (integer sums are exact in any order, so the learner's GPU, a server's GPU and
-    a CPU agree). One changed value always changes it (``|dv * w| < 2**48``, never 0 mod
-    2**64); two values swapped change it unless their weights are equal. Example: bf16
-    ``[1.0, -2.0]`` has int views ``[16256, -16384]`` and digest ``16256*1 - 16384*2 = -16512``."""
-    v = int_view(t)
-    w = _weights.get(v.device)
-    if w is None:
-        w = _weights[v.device] = torch.arange(_DIGEST_CHUNK, device=v.device) % _DIGEST_MOD + 1
-    total = torch.zeros((), dtype=torch.int64, device=v.device)
-    for o in range(0, v.numel(), _DIGEST_CHUNK):
-        part = v[o : o + _DIGEST_CHUNK]
-        total += (part.to(torch.int64) * w[: part.numel()]).sum()
-    return total
+    """An int64 of ``t``'s bits, computed where ``t`` is (no host sync). ``t``'s bytes (little
+    endian, zero-padded to whole 512-byte blocks) are read as int64 words; block ``k`` (words
+    ``64k .. 64k+63``) sums its words, and the digest is ``sum_k (k + 1) * blocksum_k``, all mod
+    2**64 (wrapping integer sums are exact in any order, so a learner's GPU, a server's GPU and a
+    CPU agree). One changed value always changes it (its bits move one word by ``d * 2**shift``
+    with ``0 < |d| < 2**(8 * itemsize)``, never 0 mod 2**64); values swapped between blocks or
+    between positions within a word change it too. Example: bf16 ``[1.0, -2.0]`` is the bytes
+    ``80 3F 00 C0``, one word ``0xC0003F80`` = 3221241728, in block 0: the digest is 3221241728."""
+    b = _bytes(t)
+    full = b.numel() // _BLOCK_BYTES
+    sums = b[: full * _BLOCK_BYTES].view(torch.int64).view(full, DIGEST_BLOCK_WORDS).sum(1)
+    if b.numel() > full * _BLOCK_BYTES:  # the last, partial block, zero-padded
+        last = torch.zeros(_BLOCK_BYTES, dtype=torch.uint8, device=b.device)
+        last[: b.numel() - full * _BLOCK_BYTES] = b[full * _BLOCK_BYTES :]
+        sums = torch.cat([sums, last.view(torch.int64).sum().view(1)])
+    return (sums * torch.arange(1, sums.numel() + 1, device=b.device)).sum()
+
+
+def digest_change(idx: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """How ``digest`` moves when the values at flat positions ``idx`` go from ``old`` to ``new``
+    (1-D, one dtype): ``sum_i (u(new_i) - u(old_i)) * 2**(8 * (p_i mod 8)) * (p_i // 512 + 1)``
+    mod 2**64, with ``p_i = idx_i * itemsize`` the value's byte offset and ``u`` its bits as an
+    unsigned integer. O(k) for k changed values: the learner's digest of a delta push without
+    reading the unchanged values again. Example: bf16 0.0 -> 1.0 at position 1: u goes 0 ->
+    0x3F80 = 16256, byte 2 of word 0, block 0: ``16256 * 2**16 = 1065353216``."""
+    size = new.element_size()
+    p = idx.to(torch.int64) * size
+    if size == 8:
+        d = int_view(new).to(torch.int64) - int_view(old).to(torch.int64)
+    else:
+        mask = (1 << (8 * size)) - 1
+        d = (int_view(new).to(torch.int64) & mask) - (int_view(old).to(torch.int64) & mask)
+    shifted = d * torch.bitwise_left_shift(torch.ones_like(p), (p % 8) * 8)
+    return (shifted * (p // _BLOCK_BYTES + 1)).sum()
 
 
 def _stack(digests: list[torch.Tensor]) -> torch.Tensor:
@@ -94,6 +117,7 @@ class Encoded:
 
     parts: list[tuple[str, torch.Tensor]]
     changed: int
+    idx: torch.Tensor | None = None  # the changed flat positions (int64), if any
 
 
 def encode(name: str, new: torch.Tensor, old: torch.Tensor) -> Encoded:
@@ -110,8 +134,8 @@ def encode(name: str, new: torch.Tensor, old: torch.Tensor) -> Encoded:
         return Encoded([], 0)
     ix = index_dtype(n)
     if k * (ix.itemsize + size) < n * size:
-        return Encoded([(name + IDX, idx.to(ix)), (name + VAL, new.contiguous().view(-1)[idx])], k)
-    return Encoded([(name, new)], k)
+        return Encoded([(name + IDX, idx.to(ix)), (name + VAL, new.contiguous().view(-1)[idx])], k, idx)
+    return Encoded([(name, new)], k, idx)
 
 
 @dataclass
@@ -149,6 +173,7 @@ class EncodedWeights:
         self.source, self.keep = source, keep
         self.module, self.zero3 = source.module, source.zero3
         self.copy: dict[str, torch.Tensor] = {}  # name -> host tensor, the last pushed values
+        self.digests: dict[str, torch.Tensor] = {}  # name -> digest of copy[name] (on the weights' device)
         self.generation = 0
         self.stats = PushStats()
         self._whole = True
@@ -184,13 +209,21 @@ class EncodedWeights:
             for name, t in self.source:  # ZeRO-3: a gather per layer, on every rank
                 if not self.keep:
                     continue
-                enc = encode(name, t, self.copy[name].to(t.device, non_blocking=True))
-                digests.append(digest(t))
+                old = self.copy[name].to(t.device, non_blocking=True)
+                enc = encode(name, t, old)
                 self._pairs += enc.parts
                 self._count(t, enc.changed, len(enc.parts))
                 if enc.changed:
                     modified = True
+                    if len(enc.parts) == 2:  # sparse: the digest moves by the changed values alone
+                        assert enc.idx is not None
+                        values = enc.parts[1][1]
+                        change = digest_change(enc.idx, values, old.view(-1)[enc.idx])
+                        self.digests[name] = self.digests[name] + change
+                    else:
+                        self.digests[name] = digest(t)
                     self.copy[name].copy_(t)
+                digests.append(self.digests[name])
         finally:
             # A copy modified, even by a push that broke half-way, is no server's base any more.
             self.generation += modified
@@ -224,6 +257,7 @@ class EncodedWeights:
                     yield name, t
                     continue
                 digests.append(digest(t))
+                self.digests[name] = digests[-1]
                 host = t.to("cpu")
                 old = self.copy.get(name)
                 if old is None or old.shape != host.shape or old.dtype != host.dtype:

@@ -147,7 +147,8 @@ class PushReport:
     bytes_per_server: int = 0
     # start, transfer (bytes out and every server's update reply, vLLM's load included), send
     # (the learner's own part of transfer: its bytes on the wire), finish, total; a push with a
-    # retry adds the retry's time to each.
+    # retry adds the retry's time to each. sync="delta" adds encode (reading and diffing the
+    # weights before the metadata goes out), which total includes.
     seconds: dict[str, float] = field(default_factory=dict)
     fleet: list[str] = field(default_factory=list)  # updated by the one fleet-wide transfer
     retried: list[str] = field(default_factory=list)  # failed in the fleet, then pushed on their own
@@ -418,19 +419,22 @@ class WeightPublisher:
         whole = self.adapter is None or any(not self.links[s].based for s in ok)
         if self.adapter is not None:
             whole = self._rank0_says(whole)  # ZeRO-3: the other ranks learn what rank 0 sends
+        t0 = time.monotonic()
         if self.encoded is not None:
             # Full unless every target holds the copy the delta is taken against.
             full = self._rank0_says(any(self.links[s].base_gen != self.encoded.generation for s in ok))
             self.encoded.prepare(full)  # a delta is encoded here (ZeRO-3: the gathers, every rank)
         try:
-            return self._push(version, targets, ok, whole)
+            return self._push(version, targets, ok, whole, t0)
         finally:
             if self.encoded is not None:
                 self.encoded.end()
 
-    def _push(self, version: int, targets: list[str], ok: list[str], whole: bool) -> PushReport:
+    def _push(self, version: int, targets: list[str], ok: list[str], whole: bool, t0: float) -> PushReport:
         src = self.encoded if self.encoded is not None else self._source(whole)
         report = PushReport(version=version, bytes_per_server=src.nbytes())
+        if self.encoded is not None:
+            self._add_seconds(report, "encode", t0)  # the delta's own pass over the weights (full: none)
         if self.rank != 0:
             while True:
                 for _ in src:  # the ZeRO-3 gathers are collectives: every rank iterates
@@ -438,7 +442,6 @@ class WeightPublisher:
                 if not self._rank0_says(False):
                     return report
         meta = src.metadata()
-        t0 = time.monotonic()
         failures = {s: "not connected (connect it first)" for s in targets if s not in self.links}
         own: list[str] = []
         if self.fanout == "fleet" and len(ok) > 1 and self._ensure_fleet(ok):

@@ -122,12 +122,18 @@ class Controller:
         weight_timeout_s: float = 60.0,
         bucket_bytes: int = 1 << 20,
         backend: str = "gloo",
+        sync: str = "full",
     ) -> None:
         self.ep = Endpoint.bind("tcp://127.0.0.1:0")
         self.pool = ServicePool(self.ep, peer_timeout_s=peer_timeout_s)
         self.client = RolloutClient(self.ep, self.pool, call_timeout_s=weight_timeout_s)
         self.publisher = WeightPublisher(
-            model, control=self.client, backend=backend, timeout_s=weight_timeout_s, bucket_bytes=bucket_bytes
+            model,
+            control=self.client,
+            backend=backend,
+            timeout_s=weight_timeout_s,
+            bucket_bytes=bucket_bytes,
+            sync=sync,
         )
         self.fleet = FleetWeights(self.pool, self.publisher)
         self.model = model

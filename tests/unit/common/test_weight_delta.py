@@ -16,6 +16,7 @@ from common.weights.delta import (
     DigestMismatch,
     EncodedWeights,
     digest,
+    digest_change,
     encode,
     int_view,
 )
@@ -28,18 +29,36 @@ from helpers.rollout_fakes import FakeControl, FakeServer, TinyLM
 
 
 def test_digest_by_hand():
-    # bf16 1.0 is 0x3F80 = 16256, -2.0 is 0xC000 = -16384 as int16; weights 1, 2:
-    # 16256 * 1 + (-16384) * 2 = -16512.
+    # bf16 1.0 is 0x3F80, -2.0 is 0xC000: bytes 80 3F 00 C0, one int64 word 0xC0003F80 in block 0.
     t = torch.tensor([1.0, -2.0], dtype=torch.bfloat16)
     assert int_view(t).tolist() == [16256, -16384]
-    assert digest(t).item() == -16512
-    # fp32 1.0 is 0x3F800000 = 1065353216; [0.0, 1.0, 0.0]: 1065353216 * 2.
-    assert digest(torch.tensor([0.0, 1.0, 0.0])).item() == 2130706432
-    # Position matters: [1.0, 0.0] -> 1065353216 * 1, [0.0, 1.0] -> * 2.
-    assert digest(torch.tensor([1.0, 0.0])).item() != digest(torch.tensor([0.0, 1.0])).item()
-    # -0.0 and 0.0 differ in bits (0x80000000 = -2147483648 as int32): not the same digest.
-    assert digest(torch.tensor([-0.0])).item() == -2147483648
+    assert digest(t).item() == 0xC0003F80 == 3221241728
+    # fp32 [0.0, 1.0, 0.0]: 1.0 = 0x3F800000 fills the high half of word 0: 0x3F800000 << 32.
+    assert digest(torch.tensor([0.0, 1.0, 0.0])).item() == 0x3F800000 << 32 == 4575657221408423936
+    # fp32 -0.0 is 0x80000000 (not 0.0's bits): 2147483648.
+    assert digest(torch.tensor([-0.0])).item() == 2147483648
+    # Blocks of 512 bytes weigh 1, 2, ...: bf16 1.0 at position 256 (byte 512) is in block 1.
+    t = torch.zeros(257, dtype=torch.bfloat16)
+    t[256] = 1.0
+    assert digest(t).item() == 2 * 16256
+    t[256], t[0] = 0.0, 1.0
+    assert digest(t).item() == 16256
     assert digest(torch.zeros(0)).item() == 0
+
+
+def test_digest_change_by_hand_and_against_the_whole_digest():
+    # bf16 0.0 -> 1.0 at position 1: 16256 at byte 2 of word 0 (shift 16), block 0.
+    idx = torch.tensor([1])
+    one, zero = torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([0.0], dtype=torch.bfloat16)
+    assert digest_change(idx, one, zero).item() == 16256 << 16 == 1065353216
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64, torch.uint8):
+        old = (torch.randn(3000, generator=gen) * 50).to(dtype)
+        new = old.clone()
+        idx = torch.randperm(3000, generator=gen)[:40].sort().values  # across many blocks
+        new[idx] = (torch.randn(40, generator=gen) * 50).to(dtype)
+        got = digest(old) + digest_change(idx, new[idx], old[idx])
+        assert got.item() == digest(new).item(), dtype
 
 
 def test_encode_sparse_whole_or_nothing_by_bytes():
