@@ -47,6 +47,7 @@ import signal
 import socket
 import sys
 import traceback
+import types
 
 RC_PROCS = 248  # the code's fork / thread start failed with EAGAIN (RLIMIT_NPROC)
 RC_MEMORY = 249  # the code raised MemoryError (RLIMIT_AS); its traceback is on stderr
@@ -58,7 +59,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 1, 28, 38
+SECBIT_NOROOT, SECBIT_NOROOT_LOCKED = 1, 2
 # syscalls the libc has no wrapper for (or Python does not expose): pivot_root, capset
 SYSCALLS = {"x86_64": {"pivot_root": 155, "capset": 126}, "aarch64": {"pivot_root": 41, "capset": 91}}
 
@@ -243,6 +245,8 @@ def drop_privileges(uid: int | None) -> None:
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     elif os.geteuid() == 0:  # root inside a user namespace: keep the uid, lose the capabilities
+        # and never regain them: uid 0 gets no capabilities from an execve (SECBIT_NOROOT, locked)
+        _prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED)
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (x2): all empty
         if _syscall("capset", header, data) != 0:
@@ -261,6 +265,7 @@ def install_guard(workdir: str, read_ok: list[str], no_fork: bool) -> None:
     work = os.path.realpath(workdir)
     readable = [os.path.realpath(p) for p in read_ok] + [work, "/dev/null", "/dev/urandom", "/proc/self"]
     denied_prefixes: tuple[str, ...] = ("socket.", "subprocess.", "os.exec", "os.spawn", "os.posix_spawn", "ctypes.")
+    denied_prefixes += ("os.kill", "signal.pthread_kill")  # other processes of its uid: maybe the service's
     if no_fork:
         denied_prefixes += ("os.fork",)
     path_events = {"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link"}
@@ -354,9 +359,12 @@ def run_call(req: dict, mode: str) -> None:
     import linecache  # loaded with traceback already; the code's lines in its tracebacks
 
     linecache.cache["<sandbox>"] = (len(code), None, code.splitlines(True), "<sandbox>")
+    main = types.ModuleType("__main__")  # its own __main__, not this file (dataclasses, pickle look it up)
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
     rc = 0
     try:
-        exec(compile(code, "<sandbox>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        exec(compile(code, "<sandbox>", "exec"), main.__dict__)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:

@@ -46,6 +46,8 @@ def test_runs_code_with_stdin_and_reports_exit(sandbox):
     assert (r.reason, r.exit_code) == ("exit", 3)
     r = sandbox.run_sync("import os; print(os.getcwd() == os.environ['HOME'], sorted(os.environ))")
     assert r.stdout == "True ['HOME', 'LANG', 'PATH', 'TMPDIR']\n"  # the service's environment is not there
+    r = sandbox.run_sync("from dataclasses import dataclass\n@dataclass\nclass P:\n    x: 'int'\nprint(P(1))")
+    assert r.stdout == "P(x=1)\n", r  # its own __main__ module
 
 
 def test_infinite_loop_is_killed_at_the_wall_limit(sandbox):
