@@ -219,3 +219,49 @@ def test_the_services_death_takes_every_sandbox_process_with_it():
     while any(_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in family if _alive(p)], "sandbox processes outlived the service"
+
+
+NOBODY_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from common.sandbox import Sandbox, SandboxLimits
+codes = {
+    "ok": "print(2 + 2)",
+    "socket": "import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+    "fork_bomb": "import os\\nwhile True:\\n    os.fork()",
+    "write_out": "open('/var/tmp/nobody-escaped', 'w').write('x')",  # world-writable on the host
+    "caps": "import subprocess\\nprint(subprocess.run(['unshare', '-m', 'true']).returncode)",
+}
+with Sandbox(workers=1, limits=SandboxLimits(wall_s=5, max_procs=8)) as sb:
+    out = {k: (lambda r: [r.reason, r.stdout])(sb.run_sync(c)) for k, c in codes.items()}
+    print(json.dumps({"isolation": sb.isolation, "results": out}))
+"""
+
+
+def test_namespaces_as_an_unprivileged_user():
+    """The mode a non-root service gets (a user namespace), run here as uid 65534 with the system's
+    interpreter (the venv's may sit under a folder only root can read)."""
+    import json
+    import shutil
+    import subprocess
+
+    system_python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(system_python, os.X_OK):
+        pytest.skip("needs root (to become uid 65534), setpriv and /usr/bin/python3")
+    if subprocess.run([system_python, "-c", "import sys; assert sys.version_info >= (3, 11)"]).returncode:
+        pytest.skip("the system's Python is older than 3.11")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", system_python, "-c", NOBODY_PROBE, root]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if done.returncode and "no sandbox worker could start" in done.stderr:
+        pytest.skip(f"this host gives an unprivileged user no namespaces: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["isolation"] in ("namespaces-user", "process")
+    res = out["results"]
+    assert res["ok"] == ["ok", "4\n"]
+    assert res["socket"][0] == "exit" and res["write_out"][0] == "exit"
+    assert not os.path.exists("/var/tmp/nobody-escaped")
+    if out["isolation"] == "namespaces-user":
+        assert res["fork_bomb"][0] == "processes"
+        assert res["caps"] == ["ok", "1\n"]  # no capability to make a mount namespace
