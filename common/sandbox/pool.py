@@ -128,7 +128,12 @@ class Sandbox:
     def from_env(cls, **kw) -> Sandbox:
         """A sandbox sized by the environment the reward service sets for its function workers
         (``RAYLESS_SANDBOX_WORKERS``, from ``--sandbox_workers``); keyword arguments override."""
-        kw.setdefault("workers", int(os.environ.get("RAYLESS_SANDBOX_WORKERS", "4")))
+        if "workers" not in kw:
+            raw = os.environ.get("RAYLESS_SANDBOX_WORKERS", "4")
+            try:
+                kw["workers"] = int(raw)
+            except ValueError:
+                raise SandboxError(f"RAYLESS_SANDBOX_WORKERS must be an integer, got {raw!r}") from None
         return cls(**kw)
 
     # ------------------------------------------------------------------ public API
