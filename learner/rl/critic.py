@@ -35,6 +35,7 @@ from learner.algorithms.losses import AggSpec, value_loss
 from learner.algorithms.packing import unpack_to_padded
 from learner.controller.types import Rollout
 from learner.rl.experience import score_all_ranks
+from learner.runtime import sequence_parallel
 from learner.runtime.accumulation import OptimizerStep
 from learner.runtime.models import ScalarHeadModel, load_reward_model
 
@@ -101,6 +102,8 @@ def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     Padded batch (``collate``): column P - 1 + t. Packed batch: the columns of
     ``logit_index``, laid back into (N, T).
     """
+    if sequence_parallel.split_of(model) is not None:  # --ds.ring_attn_size: this rank's columns only
+        return sequence_parallel.response_values(model, batch)
     if "logit_index" in batch:  # one packed row; no attention mask, so samples stay apart
         v = model(batch["input_ids"], None, batch["position_ids"])  # (1, L)
         return unpack_to_padded(v[0, batch["logit_index"]], batch["action_mask"])

@@ -246,12 +246,11 @@ class PolicyTrainer:
         self.score_tokens = (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) if self.dynamic else 0
         # --ds.ring_attn_size: the train batch is sliced by sequence-parallel group, not by rank
         if cfg.ds.ring_attn_size > 1:
-            sequence_parallel.register(engine, sequence_parallel.init_groups(cfg.ds.ring_attn_size))
+            groups = sequence_parallel.init_groups(cfg.ds.ring_attn_size)
+            for trained in (engine, critic.engine if critic is not None else None):
+                if trained is not None:
+                    sequence_parallel.register(trained, groups)
         self.sp = sequence_parallel.split_of(engine)
-        if self.sp is not None and critic is not None:
-            raise ValueError(
-                f"{sequence_parallel.FLAG}: the critic's sequences are not split yet (use a GRPO-style estimator)"
-            )
         if self.packed:
             check_packable(engine, "policy")
             if critic is not None:

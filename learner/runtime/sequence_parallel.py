@@ -71,6 +71,7 @@ __all__ = [
     "segment_causal_mask",
     "split_layout",
     "response_logprobs",
+    "response_values",
 ]
 
 log = logging.getLogger(__name__)
@@ -348,21 +349,10 @@ def response_logprobs(
     allows it, else the shard's own logits (1/N of the sequence's)."""
     from learner.runtime.models import tileable
 
-    sp = _GROUPS
-    assert sp is not None and sp.size > 1, "response_logprobs of sequence_parallel needs init_groups(N > 1)"
-    layout = split_layout(batch, sp.size)
-    B, L = layout.input_ids.shape
-    S = L // sp.size  # the shard's columns
-    lo = sp.rank * S
-    shard_ids = layout.input_ids[:, lo : lo + S]
-    shard_pos = layout.position_ids[:, lo : lo + S]
-    col = layout.cols % L
-    owner = col // S  # (K,) the rank whose shard holds each predicting column
-    owned = [(owner == r).nonzero(as_tuple=True)[0] for r in range(sp.size)]
-    mine = owned[sp.rank]
-    local_rows = (layout.cols[mine] // L) * S + (col[mine] - lo)  # into the shard's (B * S) rows
+    sp, shard = _shard(batch)
+    B, S, shard_ids, shard_pos, local_rows = shard.rows, shard.width, shard.input_ids, shard.position_ids, shard.local
     mask = batch["action_mask"].bool()
-    labels = batch["response"][mask][mine]
+    labels = batch["response"][mask][shard.owned[sp.rank]]
     hf = base_hf_model(unwrap(model))
     entropy = "none" if not with_entropy else "grad" if entropy_grad else "metric"
     if tile_tokens > 0 and tileable(hf):
@@ -384,12 +374,52 @@ def response_logprobs(
             with torch.no_grad():
                 ent = entropy_from_logits(rows.detach()[None], temperature=temperature)[0].float()
         anchor = logits
-    lp = _GatherTokens.apply(lp, anchor, owned, sp.group)
+    lp = _GatherTokens.apply(lp, anchor, shard.owned, sp.group)
     if ent is not None:
-        ent = _GatherTokens.apply(ent, anchor, owned, sp.group) if ent.requires_grad else _gather_values(ent, owned, sp)
+        if ent.requires_grad:
+            ent = _GatherTokens.apply(ent, anchor, shard.owned, sp.group)
+        else:
+            with torch.no_grad():
+                ent = _GatherTokens.apply(ent.detach(), ent.new_zeros(0), shard.owned, sp.group)
     return unpack_to_padded(lp, mask), (unpack_to_padded(ent, mask) if ent is not None else None)
 
 
-@torch.no_grad()
-def _gather_values(values: torch.Tensor, owned: list[torch.Tensor], sp: SPGroups) -> torch.Tensor:
-    return _GatherTokens.apply(values.detach(), values.new_zeros(0), owned, sp.group)
+def response_values(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """``learner.rl.critic.response_values`` with the sequence split: (N, T) values of the states
+    before each ``action_mask`` token (0 elsewhere), equal on every rank of the group. ``model``:
+    the critic (``forward(input_ids, attention_mask, position_ids) -> (B, L)``)."""
+    sp, shard = _shard(batch)
+    v = model(shard.input_ids, None, shard.position_ids)  # (B, S) of this rank's columns
+    mine = v.reshape(-1)[shard.local]
+    values = _GatherTokens.apply(mine, v, shard.owned, sp.group)
+    return unpack_to_padded(values, batch["action_mask"].bool())
+
+
+@dataclass
+class _Shard:
+    """This rank's columns of a ``Layout``: (rows, width) ids and positions; ``owned[r]``: the counted
+    tokens (indices into K) rank r's columns predict; ``local``: this rank's, as flat indices into
+    its (rows * width) outputs."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    rows: int
+    width: int
+    owned: list[torch.Tensor]
+    local: torch.Tensor
+
+
+def _shard(batch: dict[str, Any]) -> tuple[SPGroups, _Shard]:
+    sp = _GROUPS
+    assert sp is not None and sp.size > 1, "a split forward needs sequence_parallel.init_groups(N > 1)"
+    layout = split_layout(batch, sp.size)
+    B, L = layout.input_ids.shape
+    S = L // sp.size  # the shard's columns
+    lo = sp.rank * S
+    col = layout.cols % L
+    owner = col // S  # (K,) the rank whose shard holds each predicting column
+    owned = [(owner == r).nonzero(as_tuple=True)[0] for r in range(sp.size)]
+    mine = owned[sp.rank]
+    local = (layout.cols[mine] // L) * S + (col[mine] - lo)  # into the shard's (B * S) rows
+    ids, pos = layout.input_ids[:, lo : lo + S], layout.position_ids[:, lo : lo + S]
+    return sp, _Shard(ids, pos, B, S, owned, local)

@@ -190,32 +190,63 @@ def _logprob_cases(model_dir: str, results: dict) -> None:
             "grads": max(float((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp(min=1e-12)) for n in g0),
             "largest_grad": max(float(g.abs().max()) for g in g0.values()),
         }
+    _critic_cases(model_dir, groups, results)
+
+
+def _critic_cases(model_dir: str, groups, results: dict) -> None:
+    """The critic's values (``learner.rl.critic.response_values``) and their gradients."""
+    import torch.distributed as dist
+
+    from learner.rl.critic import load_critic, response_values
+    from learner.rl.experience import collate
+
+    whole, split = load_critic(model_dir), load_critic(model_dir)  # the same fresh head (seeded)
+    sp.register(split, groups)
+    for packed in (False, True):
+        batch = collate(_samples(agent=True), 0, packed=packed)
+        mask = batch["action_mask"].float()
+        weights = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape) * mask
+        out = {}
+        for key, model in (("whole", whole), ("split", split)):
+            model.zero_grad()
+            v = response_values(model, batch)
+            (v * weights).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if key == "split":
+                for g in grads.values():
+                    dist.all_reduce(g, group=groups.group)
+            out[key] = (v.detach(), grads)
+        (v0, g0), (v1, g1) = out["whole"], out["split"]
+        results[f"critic_{'packed' if packed else 'padded'}"] = {
+            "values": float(((v1 - v0) * mask).abs().max()),
+            "grads": max(float((g1[n] - g0[n]).abs().max() / g0[n].abs().max().clamp(min=1e-12)) for n in g0),
+            "largest_grad": max(float(g.abs().max()) for g in g0.values()),
+        }
 
 
 def _step_cases(model_dir: str, results: dict) -> None:
-    from deepspeed.utils import safe_get_full_grad
-
     from common.config import build
     from learner.controller.types import Rollout
     from learner.rl.config import PPOConfig
+    from learner.rl.critic import Critic, load_critic
     from learner.rl.experience import collate
     from learner.rl.policy_trainer import PolicyTrainer
     from learner.runtime import engine as E
 
     rollout = Rollout(_samples(agent=True), group_size=2)
     # (ZeRO stage, packed, gradient checkpointing, on_policy: the old log-probs taken from the training forward)
-    for stage, packed, checkpointing, on_policy in (
-        (2, False, False, False),
-        (2, True, False, True),
-        (3, False, True, False),
-    ):
+    # estimator gae: a critic beside the policy, its values and value loss split too. ZeRO-3 last: while a
+    # ZeRO-3 model lives, transformers builds every model it loads inside zero.Init (HfDeepSpeedConfig).
+    cases = ((2, False, False, False, "group_norm"), (2, True, False, True, "group_norm"))
+    cases += ((2, True, False, False, "gae"), (3, False, True, False, "group_norm"))
+    for stage, packed, checkpointing, on_policy, estimator in cases:
         got = {}
         for size in (1, 2):
             cfg = build(
                 PPOConfig,
                 pretrain=model_dir,
                 prompt_data="p",
-                advantage_estimator="group_norm",
+                advantage_estimator=estimator,
                 n_samples_per_prompt=2,
                 rollout_batch_size=4,
                 train_batch_size=8,
@@ -244,30 +275,54 @@ def _step_cases(model_dir: str, results: dict) -> None:
                 lr_warmup_ratio=0.0,
             )
             seen: dict[str, torch.Tensor] = {}
-            step = engine.step
-
-            def read_then_step(step=step, engine=engine, seen=seen) -> None:
-                # Unsplit, the trainer calls step() after every micro-batch (DeepSpeed's own accumulation
-                # counter); the gradient is whole only at the boundary (ZeRO-3 shows partial sums before).
-                if engine.is_gradient_accumulation_boundary():
-                    for name, p in engine.module.named_parameters():
-                        g = safe_get_full_grad(p)
-                        seen[name] = seen.get(name, 0) + (g.detach().clone() if g is not None else 0)
-                step()
-
-            engine.step = read_then_step
-            res = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu")).step(rollout, on_policy=on_policy)
+            critic = None
+            if estimator == "gae":
+                critic_engine = E.make_engine(
+                    load_critic(model_dir, zero_stage=stage),
+                    zero_stage=stage,
+                    bf16=False,
+                    train_batch_size=8,
+                    micro_train_batch_size=2,
+                    learning_rate=1e-3,
+                    num_training_steps=10,
+                    lr_scheduler="constant_with_warmup",
+                    lr_warmup_ratio=0.0,
+                )
+                _read_grads(critic_engine, seen, "critic.")
+                cpu = torch.device("cpu")
+                critic = Critic(critic_engine, pad_id=0, device=cpu, micro_rollout_batch_size=2, value_clip=0.2)
+            _read_grads(engine, seen, "")
+            trainer = PolicyTrainer(engine, cfg, pad_id=0, device=torch.device("cpu"), critic=critic)
+            res = trainer.step(rollout, on_policy=on_policy)
             got[size] = (seen, res.old_logprobs)
         (g0, old0), (g1, old1) = got[1], got[2]
         assert g0.keys() == g1.keys() and g0
         counted = collate(rollout.samples, 0)["action_mask"]
-        name = f"step_zero{stage}{'_packed' if packed else ''}{'_checkpointing' if checkpointing else ''}"
+        name = f"step_{estimator}_zero{stage}{'_packed' if packed else ''}{'_checkpointing' if checkpointing else ''}"
         results[name + ("_on_policy" if on_policy else "")] = {
             "grads": max(float((g1[k] - g0[k]).abs().max()) / max(1e-12, float(g0[k].abs().max())) for k in g0),
             "largest_grad": max(float(g.abs().max()) for g in g0.values()),
             "old_logprobs": float(((old1 - old0) * counted).abs().max()),
             "old_logprobs_reused": float(res.metrics["policy/old_logprobs_reused"]),
         }
+
+
+def _read_grads(engine, seen: dict, prefix: str) -> None:
+    """Record ``engine``'s gradients as DeepSpeed holds them before each optimizer step, in ``seen``."""
+    from deepspeed.utils import safe_get_full_grad
+
+    step = engine.step
+
+    def read_then_step() -> None:
+        # Unsplit, the trainer calls step() after every micro-batch (DeepSpeed's own accumulation
+        # counter); the gradient is whole only at the boundary (ZeRO-3 shows partial sums before).
+        if engine.is_gradient_accumulation_boundary():
+            for name, p in engine.module.named_parameters():
+                g = safe_get_full_grad(p)
+                seen[prefix + name] = seen.get(prefix + name, 0) + (g.detach().clone() if g is not None else 0)
+        step()
+
+    engine.step = read_then_step
 
 
 def worker(model_dir: str) -> None:
@@ -296,14 +351,14 @@ def test_the_split_over_two_gloo_ranks_gives_the_unsplit_loss_and_gradients(tiny
     assert proc.returncode == 0 and len(lines) == 2, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     for line in lines:
         results = json.loads(line)
-        assert len(results) == 10, results
+        assert len(results) == 13, results
         for name, r in results.items():
             assert r["largest_grad"] > 0, (name, r)
             assert r["grads"] < 1e-5, (name, r)
-            for key in ("logprobs", "entropy", "loss", "old_logprobs"):
+            for key in ("logprobs", "entropy", "loss", "old_logprobs", "values"):
                 if key in r:
                     assert r[key] < 1e-5, (name, key, r)
-        assert results["step_zero2_packed_on_policy"]["old_logprobs_reused"] == 1.0, results
+        assert results["step_group_norm_zero2_packed_on_policy"]["old_logprobs_reused"] == 1.0, results
 
 
 if __name__ == "__main__":
