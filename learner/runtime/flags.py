@@ -231,7 +231,7 @@ class DSSection:
         "sequence parallelism: each sequence split across this many learner ranks (groups of consecutive ranks, data "
         "parallel across groups). The algorithm is Ulysses (DeepSpeed's UlyssesSPAttentionHF: an all-to-all over the "
         "attention heads, each rank 1/N of the columns elsewhere), not ring attention; N must divide the learner "
-        "ranks and the model's attention and KV heads. The policy in train_ppo only (docs/long-context.md)",
+        "ranks and the model's attention and KV heads. train_ppo's policy and critic only (docs/long-context.md)",
         flat="ring_attn_size",
         aliases=("--ds.sequence_parallel_size", "--sequence_parallel_size"),
     )
