@@ -3,7 +3,9 @@
 The reward services with ``--teacher_pretrain`` send the teacher's log-probs of every response
 token (``ScoredSample.teacher_logprobs``); with the learner's old log-probs of the same tokens
 (its weights before this step: the policy the PPO ratio is taken against) the sampled-token
-term ``d_t = -(log pi_old(y_t) - log mu(y_t))`` (``learner.algorithms.distill``) enters:
+term ``d_t = -(log pi_old(y_t) - log mu(y_t))`` (``learner.algorithms.distill``), less its mean
+over the batch's trained tokens (``--distill_center``, on by default: a constant baseline),
+enters:
 
 * with a group or REINFORCE-style estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++ and its
   baseline): ``A_t <- A_t + coef * d_t``, after the estimator's own normalisation, so the task
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.algorithms.distill import sampled_reverse_kl, sampled_token_advantage
+from learner.algorithms.distill import centered, sampled_reverse_kl, sampled_token_advantage
 from learner.algorithms.losses import masked_mean
 from learner.controller.types import Rollout
 
@@ -44,6 +46,7 @@ class DistillTerm:
         *,
         coef: float,
         in_reward: bool,
+        center: bool = False,
     ) -> DistillTerm:
         """``teacher_lp``, ``old_lp``, ``mask``: (N, T). Raises RuntimeError when a sample came
         without the teacher's log-probs (a reward service without --teacher_pretrain scored it)."""
@@ -54,8 +57,9 @@ class DistillTerm:
                 f"{missing[0].prompt_id}): on-policy distillation needs every reward service started with "
                 "--teacher_pretrain"
             )
+        d = sampled_token_advantage(old_lp, teacher_lp, mask)  # (N, T)
         return cls(
-            advantage=sampled_token_advantage(old_lp, teacher_lp, mask),
+            advantage=centered(d, mask) if center else d,
             reverse_kl=sampled_reverse_kl(old_lp, teacher_lp, mask),
             coef=coef,
             in_reward=in_reward,

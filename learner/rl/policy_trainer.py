@@ -375,6 +375,7 @@ class PolicyTrainer:
                 mask,
                 coef=cfg.algo.distill.coef,
                 in_reward=cfg.needs_critic,
+                center=cfg.algo.distill.center,
             )
             if cfg.distill
             else None

@@ -413,6 +413,12 @@ class DistillSection:
         "reward under gae); with task rewards, their mix",
         flat="distill_coef",
     )
+    center: bool = flag(
+        True,
+        "subtract the batch's mean of the term over its trained tokens (a constant baseline: the same expected "
+        "gradient, less noise); --no-distill_center: the published recipe's raw term",
+        flat="distill_center",
+    )
     topk: int = flag(
         0,
         "0: the sampled-token reverse KL (the published recipe); K > 0: the teacher's top-K log-probs per position "

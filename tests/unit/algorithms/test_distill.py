@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from learner.algorithms.distill import (
+    centered,
     generalized_jsd,
     renormalized_topk,
     sampled_reverse_kl,
@@ -38,6 +39,29 @@ def test_sampled_reverse_kl_and_advantage_by_hand():
     adv = sampled_token_advantage(lp.requires_grad_(), tlp, mask)
     torch.testing.assert_close(adv, -want)
     assert not adv.requires_grad  # an advantage: no gradient flows through it
+
+
+def test_centered_subtracts_the_mean_over_trained_tokens():
+    d = torch.tensor([[0.5, -1.0, 0.0], [0.0, 1.0, -1.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # mean over the 5 trained tokens: (0.5 - 1 + 0 + 1 - 1.5) / 5 = -0.2
+    want = torch.tensor([[0.7, -0.8, 0.0], [0.2, 1.2, -1.3]])
+    torch.testing.assert_close(centered(d, mask), want)
+    empty = torch.zeros(1, 2)
+    torch.testing.assert_close(centered(empty, torch.zeros(1, 2)), empty)  # no token: nothing to centre
+
+
+def test_a_constant_baseline_keeps_the_expected_gradient():
+    # sum_y pi(y) (d(y) - c) grad log pi(y) = sum_y pi(y) d(y) grad log pi(y) for any constant c
+    logits = torch.tensor([0.3, -0.2, 1.0], requires_grad=True)
+    mu = torch.tensor([0.2, 0.5, 0.3])
+    logp = logits.log_softmax(-1)
+    d = sampled_token_advantage(logp[None], mu.log()[None])[0]
+    grads = []
+    for c in (0.0, 0.7):
+        (g,) = torch.autograd.grad((logp.exp().detach() * (d - c) * logp).sum(), logits, retain_graph=True)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_sampled_estimator_is_the_exact_reverse_kl_in_expectation():

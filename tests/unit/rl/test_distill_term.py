@@ -88,6 +88,18 @@ def test_under_gae_the_term_is_a_token_reward():
     torch.testing.assert_close(returns, torch.tensor([[0.35, -0.1, 0.0], [-0.2, -0.2, -1.2]]))
 
 
+def test_centred_by_default_in_a_step_and_raw_when_asked():
+    r = rollout()
+    full = collate(r.samples, 0)
+    mask = full["action_mask"]
+    term = DistillTerm.of(r, full["teacher_logprobs"], OLD_LP, mask, coef=1.0, in_reward=False, center=True)
+    # D's trained tokens: 0.5, -1, 0, 1, -1 -> mean -0.1
+    torch.testing.assert_close(term.advantage, torch.tensor([[0.6, -0.9, 0.0], [0.1, 1.1, -0.9]]))
+    assert term.metrics(mask)["distill/reverse_kl"] == pytest.approx(0.1)  # the KL itself is not centred
+    assert build(PPOConfig, **BASE, teacher_pretrain="t").algo.distill.center
+    assert not build(PPOConfig, **BASE, teacher_pretrain="t", distill_center=False).algo.distill.center
+
+
 def test_action_mask_keeps_environment_tokens_out():
     am = torch.tensor([True, False, True])  # the middle token is the environment's
     r = rollout(action_mask=am)
