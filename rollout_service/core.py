@@ -213,6 +213,20 @@ class EngineInfo:
     memory_share: float | None
 
 
+async def _pause_keep(engine: Any) -> None:
+    """``engine.pause_generation(mode="keep", clear_cache=False)`` without its closing 20 ms
+    sleep, which vLLM 0.32 says is "not required for correctness, just more intuitive ordering"
+    (it lets outputs of requests that finished while pausing reach their callers first; in keep
+    mode they are frozen, not finished). It was a third of a tiny model's push on a real server
+    (docs/scale.md, Delta weight pushes: the fixed cost). An engine without that internal call
+    (another vLLM, a stand-in) pauses the documented way."""
+    pause = getattr(getattr(engine, "engine_core", None), "pause_scheduler_async", None)
+    if pause is None:
+        await engine.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await pause(mode="keep", clear_cache=False)
+
+
 class RolloutCore:
     def __init__(
         self,
@@ -553,7 +567,7 @@ class RolloutCore:
             first = not self._holds
             self._holds.add(reason)
             if first:
-                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                await _pause_keep(self.engine)
 
     async def release(self, reason: str) -> None:
         """Drops hold ``reason``; the last one resumes the engine and wakes the waiting prompts."""

@@ -215,14 +215,15 @@ class EncodedWeights:
                 self._count(t, enc.changed, len(enc.parts))
                 if enc.changed:
                     modified = True
-                    if len(enc.parts) == 2:  # sparse: the digest moves by the changed values alone
+                    if len(enc.parts) == 2:  # sparse: the digest and the copy move by the changed values alone
                         assert enc.idx is not None
                         values = enc.parts[1][1]
                         change = digest_change(enc.idx, values, old.view(-1)[enc.idx])
                         self.digests[name] = self.digests[name] + change
+                        self.copy[name].view(-1)[enc.idx.to(self.copy[name].device)] = values.to(self.copy[name].device)
                     else:
                         self.digests[name] = digest(t)
-                    self.copy[name].copy_(t)
+                        self.copy[name].copy_(t)
                 digests.append(self.digests[name])
         finally:
             # A copy modified, even by a push that broke half-way, is no server's base any more.

@@ -224,3 +224,26 @@ def test_a_value_corrupted_in_transit_fails_that_push_and_only_a_full_push_is_ta
 def test_delta_refuses_adapter_sync_and_unknown_names():
     with pytest.raises(ValueError, match="unknown weight_sync 'sparse'"):
         WeightPublisher(TinyLM(), sync="sparse")
+
+
+def test_a_lora_model_pushes_its_merged_weights_as_deltas(tiny_model_dir):
+    """--lora_sync merged with --weight_sync delta: the merge W + (alpha/r) B A is what is
+    compared, so a change of one adapter weight reaches the servers as the changed values of its
+    merged weight alone; the servers end with the merged weights, bit for bit."""
+    from common.weights.source import ModelWeights
+    from helpers.lora_models import lora_model
+
+    peft_model = lora_model(tiny_model_dir)
+    server = FakeServer("s")
+    pub = _publisher(peft_model, [server])
+    full = pub.push(1)
+    layer = peft_model.get_base_model().model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight[0, 0] += 0.5  # row 0 of q_proj's merged weight changes
+    r = pub.push(2)
+    assert r.sync.encoding == "delta" and r.sync.sparse + r.sync.whole == 1, r.sync
+    assert 0 < r.sync.changed <= layer.base_layer.weight.shape[1]  # at most row 0
+    assert r.bytes_per_server < full.bytes_per_server / 10
+    want = dict(ModelWeights(peft_model, torch.float32))
+    assert all(torch.equal(server.model.loaded[n], t) for n, t in want.items())
+    pub.close()
