@@ -151,3 +151,36 @@ def test_dotted_spelling_on_the_command_line():
         ],
     )  # fmt: skip
     assert cfg.teacher.model_name_or_path == "t" and cfg.algo.distill.coef == 0.5
+
+
+def test_the_learner_refuses_a_teacher_of_another_tokenizer_at_start_up(tiny_model_dir, tmp_path):
+    """``load_data`` (every rank, before any model loads) names both paths; a teacher of the same
+    tokenizer passes."""
+    import json
+
+    from helpers.teacher_models import build_foreign_tokenizer_teacher
+    from learner.rl.build import RunError
+    from learner.rl.run import Process, load_data
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q{i}"}) + "\n" for i in range(4)))
+    proc = Process(0, 1, torch.device("cpu"))
+    base = dict(BASE, pretrain=str(tiny_model_dir), prompt_data=str(data))
+    foreign = build_foreign_tokenizer_teacher(tiny_model_dir, tmp_path / "foreign")
+    with pytest.raises(RunError, match=rf"teacher --teacher_pretrain {foreign} does not share .*--pretrain"):
+        load_data(build(PPOConfig, **base, teacher_pretrain=str(foreign)), proc)
+    assert load_data(build(PPOConfig, **base, teacher_pretrain=str(tiny_model_dir)), proc).n_prompts == 4
+
+
+def test_the_learner_needs_a_reward_service_that_serves_the_teacher():
+    from types import SimpleNamespace
+
+    from common.protocol import RewardCapabilities
+    from learner.rl.build import RunError, check_reward_sources
+
+    cfg = build(PPOConfig, **BASE, teacher_pretrain="t", init_kl_coef=0.0)
+    plain = SimpleNamespace(name="reward-0", capabilities=RewardCapabilities(sources=["func:f.py"]))
+    with pytest.raises(RunError, match="start a reward service with --teacher_pretrain t"):
+        check_reward_sources(cfg, [plain])
+    served = SimpleNamespace(name="reward-1", capabilities=RewardCapabilities(sources=["teacher"]))
+    check_reward_sources(cfg, [plain, served])
