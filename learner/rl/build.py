@@ -188,7 +188,9 @@ def train_engine(cfg: PPOConfig, model: Any, optim: OptimizerFields, optimizer_s
     return E.make_engine(
         lora,
         **engine_options(cfg.ds, optim),
-        train_batch_size=cfg.train.batch_size,
+        # DeepSpeed counts every rank as data parallel: with the sequence split (--ds.ring_attn_size N) its
+        # batch is N x the train batch, so that its accumulation steps are a rank's micro-batches per step
+        train_batch_size=cfg.train.batch_size * cfg.ds.ring_attn_size,
         micro_train_batch_size=cfg.train.micro_batch_size,
         num_training_steps=max(1, optimizer_steps),
     )

@@ -307,15 +307,20 @@ class PPOConfig:
     def check_world_size(self, world: int) -> None:
         """Run-time checks that need the number of learner ranks (called by learner.rl.run)."""
         t = self.train
-        if t.batch_size % (t.micro_batch_size * world):
+        split = self.ds.ring_attn_size
+        if world % split:
+            raise ValueError(f"--ds.ring_attn_size {split} must divide the {world} learner ranks")
+        # With the sequence split, each group of ring_attn_size ranks is one data-parallel rank (OpenRLHF's meaning)
+        dp = world // split
+        ranks = f"{dp} data-parallel ranks ({world} learner ranks / --ds.ring_attn_size {split})" if split > 1 else ""
+        ranks = ranks or f"{world} learner ranks"
+        if t.batch_size % (t.micro_batch_size * dp):
             raise ValueError(
-                f"--train_batch_size {t.batch_size} must be a multiple of "
-                f"--micro_train_batch_size {t.micro_batch_size} x {world} learner ranks"
+                f"--train_batch_size {t.batch_size} must be a multiple of --micro_train_batch_size {t.micro_batch_size} "
+                f"x {ranks}"
             )
-        if self.rollout.batch_size % world:
-            raise ValueError(
-                f"--rollout_batch_size {self.rollout.batch_size} must be divisible by the {world} learner ranks"
-            )
+        if self.rollout.batch_size % dp:
+            raise ValueError(f"--rollout_batch_size {self.rollout.batch_size} must be divisible by the {ranks}")
 
     def agent_params(self) -> Any:
         """The ``AgentParams`` every prompt batch carries, or None without an agent."""

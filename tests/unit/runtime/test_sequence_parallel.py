@@ -110,6 +110,21 @@ def test_the_flag_and_its_alias():
     assert cfg.ds.ring_attn_size == 2 and not any("ring_attn_size" in n for n in cfg.notices)
 
 
+def test_batch_sizes_count_data_parallel_groups_not_ranks():
+    from common.config import build
+    from learner.rl.config import PPOConfig
+
+    def cfg(**kw):
+        return build(PPOConfig, pretrain="m", prompt_data="p", rollout_batch_size=6, n_samples_per_prompt=2, **kw)
+
+    # 2 ranks split 2 ways are one data-parallel rank: a micro-batch of the whole train batch is fine
+    cfg(train_batch_size=12, micro_train_batch_size=12, ring_attn_size=2).check_world_size(2)
+    with pytest.raises(ValueError, match=r"x 2 data-parallel ranks \(4 learner ranks / --ds.ring_attn_size 2\)"):
+        cfg(train_batch_size=12, micro_train_batch_size=12, ring_attn_size=2).check_world_size(4)
+    with pytest.raises(ValueError, match="--ds.ring_attn_size 2 must divide the 3 learner ranks"):
+        cfg(train_batch_size=12, micro_train_batch_size=2, ring_attn_size=2).check_world_size(3)
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 
@@ -267,7 +282,7 @@ def _step_cases(model_dir: str, results: dict) -> None:
                 model,
                 zero_stage=stage,
                 bf16=False,
-                train_batch_size=8,
+                train_batch_size=8 * size,  # as learner.rl.build gives it: DeepSpeed counts ranks, not groups
                 micro_train_batch_size=2,
                 learning_rate=1e-3,
                 num_training_steps=10,
@@ -281,7 +296,7 @@ def _step_cases(model_dir: str, results: dict) -> None:
                     load_critic(model_dir, zero_stage=stage),
                     zero_stage=stage,
                     bf16=False,
-                    train_batch_size=8,
+                    train_batch_size=8 * size,
                     micro_train_batch_size=2,
                     learning_rate=1e-3,
                     num_training_steps=10,

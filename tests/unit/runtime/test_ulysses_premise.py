@@ -1,5 +1,5 @@
-"""The premise of sequence parallelism in rayless (issue 41's second part, not built yet;
-docs/long-context.md): DeepSpeed's Ulysses attention for HF models runs on CPU over gloo, and a
+"""The premise of sequence parallelism in rayless (issue 41's second part, built on it in
+learner/runtime/sequence_parallel.py; docs/long-context.md): DeepSpeed's Ulysses attention for HF models runs on CPU over gloo, and a
 sequence split across 2 ranks gives the unsplit forward's logits and, summed over the ranks, its
 gradients. Checked on the tiny model with SDPA, one unpadded 24-token sequence split 12 + 12 with
 its position ids, so that a DeepSpeed, transformers or torch upgrade that breaks it is seen before
