@@ -327,7 +327,8 @@ class DeltaBase:
         if name == DIGEST:
             rx.digests = t.to(torch.int64).to(self.device, copy=True)
         elif name.endswith(IDX):
-            rx.pending[name[: -len(IDX)]] = t.to(self.device, torch.int64)
+            # A copy: the engine may reuse this buffer for the next bucket before #val arrives.
+            rx.pending[name[: -len(IDX)]] = t.to(self.device, torch.int64, copy=True)
         elif name.endswith(VAL):
             base_name = name[: -len(VAL)]
             idx = rx.pending.pop(base_name, None)

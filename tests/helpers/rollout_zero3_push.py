@@ -34,6 +34,8 @@ def main() -> None:
     # The publisher's timeout: a dead peer in the relay is found when it runs out.
     p.add_argument("--timeout_s", type=float, default=60.0)
     p.add_argument("--lora_rank", type=int, default=0)
+    # --weight_sync delta: push, change a weight on every rank, push again (a delta).
+    p.add_argument("--sync", default="full", choices=["full", "delta"])
     args = p.parse_args()
 
     import deepspeed
@@ -77,7 +79,7 @@ def main() -> None:
     )
     server = servers[0] if servers else None
 
-    def publisher(to: list[FakeServer], lora_sync: str = "merged") -> WeightPublisher:
+    def publisher(to: list[FakeServer], lora_sync: str = "merged", sync: str = "full") -> WeightPublisher:
         """A publisher of this engine (the servers ``to`` on rank 0), connected to them."""
         made = WeightPublisher(
             engine,
@@ -87,11 +89,15 @@ def main() -> None:
             bucket_bytes=256 * 1024,
             timeout_s=args.timeout_s,
             lora_sync=lora_sync,
+            sync=sync,
         )
         for s in to:
             made.connect(s.name, workers=1, dtype="float32")
         return made
 
+    if args.sync == "delta":
+        _delta(engine, publisher(servers, sync="delta"), servers, rank)
+        return
     pub = publisher(servers)
     partitioned = all(p.numel() == 0 for _, p in pub.source._params) and all(
         q.numel() == 0 for n, q in engine.module.named_parameters() if ".lora_" in n
@@ -174,6 +180,42 @@ def main() -> None:
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(0)
+
+
+def _delta(engine, pub, servers, rank: int) -> None:
+    """A full push, a change of three values of one weight (made on rank 0 inside a gather, as
+    an optimizer step would leave it on every rank's shard), then a delta push: every rank
+    gathers in the same order (the delta's encode pass), rank 0's servers end with the new
+    weights. Prints DELTA {json} on rank 0."""
+    import deepspeed
+    import torch
+
+    first = pub.push(1)
+    weight = engine.module.model.layers[0].mlp.up_proj.weight
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            weight[0, :3] += 1.0
+    second = pub.push(2)
+    want = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):  # a collective: every rank
+            want[name] = p.detach().clone()
+    if rank == 0:
+        same = all(torch.equal(s.model.loaded[n], t) for s in servers for n, t in want.items())
+        out = {
+            "encodings": [first.sync.encoding, second.sync.encoding],
+            "changed": second.sync.changed,
+            "updated": sorted(second.updated),
+            "fleet": second.fleet,
+            "equal": same,
+        }
+        print("DELTA " + json.dumps(out), flush=True)
+        pub.close()
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
     os._exit(0)
 
 

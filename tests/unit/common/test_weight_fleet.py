@@ -355,3 +355,40 @@ def test_nccl_fleet_push_is_one_broadcast_per_bucket_for_every_server(monkeypatc
     assert sum(broadcasts) == sum(sizes)  # every byte once, for all three servers
     assert len(broadcasts) == len(bucket_plan(sizes, 8192)) > 1  # one broadcast per bucket
     pub.close()
+
+
+@pytest.mark.slow
+def test_zero3_delta_push_keeps_every_rank_in_step(tiny_model_dir):
+    """--weight_sync delta under ZeRO-3: the delta's encode pass (before the metadata) gathers
+    on both ranks in step, rank 0 sends the three changed values through the fleet group, and
+    both servers end with the changed checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from common.transport import free_port
+    from helpers.paths import HELPERS
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    args = [sys.executable, str(HELPERS / "rollout_zero3_push.py"), str(tiny_model_dir), "--servers", "2"]
+    procs = [
+        subprocess.Popen(
+            args + ["--sync", "delta"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(o[-3000:] for o in outs)
+    (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("DELTA ")]
+    result = json.loads(line[len("DELTA ") :])
+    assert result["encodings"] == ["full", "delta"] and result["changed"] == 3
+    assert result["fleet"] == ["r0", "r1"] and result["equal"]
