@@ -100,6 +100,7 @@ class RewardCapabilities(Capabilities, tag="reward"):
     ref_idle_spin_s: float | None = None  # a vLLM reference engine's idle spin (--ref_backend vllm)
     ref_gpu_memory_utilization: float | None = None  # the share that engine was started with
     teacher_logprobs: bool = False  # it serves a teacher's log-probs (--teacher_pretrain; distillation)
+    teacher_topk: int = 0  # and its top-k ids and log-probs per position, K of them (--teacher_topk)
 
 
 ServiceCapabilities = RolloutCapabilities | RewardCapabilities
@@ -310,6 +311,10 @@ class ScoredBatch(Message):
     # (L,) float32, the teacher's log-probs of the response tokens (on-policy distillation), laid
     # out as ref_logprobs; None: the service has no teacher
     teacher_logprobs: Tensor | None = None
+    # (L, K): the teacher's K most likely ids at each response position (int32) and their
+    # log-probs (float32), most likely first (reward_service --teacher_topk K); None: not asked
+    teacher_topk_ids: Tensor | None = None
+    teacher_topk_logprobs: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -318,6 +323,10 @@ class ScoredBatch(Message):
         for name in ("ref_logprobs", "teacher_logprobs"):
             if getattr(self, name) is not None:
                 _check_tensor(name, getattr(self, name), "float", ndim=None)
+        if self.teacher_topk_logprobs is not None:
+            _check_tensor("teacher_topk_logprobs", self.teacher_topk_logprobs, "float", ndim=2)
+        if self.teacher_topk_ids is not None:
+            _check_tensor("teacher_topk_ids", self.teacher_topk_ids, "int", ndim=2)
         if self.scores is not None:
             _check_tensor("scores", self.scores, "float")
         if _numel(self.rewards) != n:

@@ -114,6 +114,12 @@ class RewardConfig:
         "--teacher_backend vllm: share of each GPU its engine may take (default as --ref_gpu_memory_utilization's)",
         group="teacher model",
     )
+    teacher_topk: int = flag(
+        0,
+        "also return the teacher's K most likely ids and their log-probs at every response position (top-k "
+        "distillation; --teacher_backend hf); 0: the sampled tokens' log-probs only",
+        group="teacher model",
+    )
     teacher_enforce_eager: bool = flag(
         False, "--teacher_backend vllm: no CUDA graphs / torch.compile", group="teacher model"
     )
@@ -283,6 +289,14 @@ class RewardConfig:
             share = self.ref_gpu_memory_utilization
             if share is not None and not 0 < share <= 1:
                 raise ValueError(f"--ref_gpu_memory_utilization must be in (0, 1], got {share}")
+        if self.teacher_topk < 0:
+            raise ValueError(f"--teacher_topk must be >= 0 (0: off), got {self.teacher_topk}")
+        if self.teacher_topk and not self.teacher_pretrain:
+            raise ValueError("--teacher_topk returns a teacher's top-k log-probs: give --teacher_pretrain")
+        if self.teacher_topk and self.teacher_backend != "hf":
+            raise ValueError(
+                "--teacher_topk is served by --teacher_backend hf only (vLLM's top-k prompt log-probs: not yet)"
+            )
         if self.teacher_backend == "vllm":
             if not self.teacher_pretrain:
                 raise ValueError("--teacher_backend vllm serves the teacher: give --teacher_pretrain")

@@ -140,6 +140,67 @@ class ReferenceScorer:
             res.append(lp.cpu())
         return res
 
+    @torch.no_grad()
+    def topk(
+        self, prompts: list[torch.Tensor], responses: list[torch.Tensor], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``logprobs``' ``(L,)`` and, at each response position, the ``k`` most likely ids and
+        their log-probs (at ``temperature``), most likely first: ``(L, k)`` int32 and float32.
+
+        For top-k distillation (``learner.algorithms.distill.topk_divergence``). The same forward
+        as ``logprobs``; with ``tile_tokens`` the rows go through the head a tile at a time, so
+        the (tokens x vocabulary) logits of a micro-batch never exist whole here either."""
+        if not 0 < k <= self.vocab_size:
+            raise ValueError(f"top-k of {k} ids: must be in [1, {self.vocab_size}] (the vocabulary)")
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"sample {i} has an empty prompt: its first response token has no context")
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(prompts)
+        seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses, strict=True)]
+        for chunk in chunks([len(s) for s in seqs], self.micro_batch_size, self.max_tokens):
+            rs = [responses[i] for i in chunk]
+            for i, res in zip(chunk, self._chunk_topk([seqs[i] for i in chunk], rs, k), strict=True):
+                out[i] = res
+        parts = [x for x in out if x is not None]
+        if not parts:
+            return torch.empty(0), torch.empty(0, k, dtype=torch.int32), torch.empty(0, k)
+        return (
+            torch.cat([p[0] for p in parts]),  # (L,)
+            torch.cat([p[1] for p in parts]),  # (L, k)
+            torch.cat([p[2] for p in parts]),  # (L, k)
+        )
+
+    def _chunk_topk(
+        self, seqs: list[torch.Tensor], responses: list[torch.Tensor], k: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        lengths = [len(r) for r in responses]
+        max_r = max(lengths)
+        if max_r == 0:
+            return [(torch.empty(0), torch.empty(0, k, dtype=torch.int32), torch.empty(0, k)) for _ in responses]
+        ids, mask, pos = pad(seqs, self.pad_id, "left", self.device)  # (B, T)
+        labels = torch.cat([r.long() for r in responses]).to(self.device)  # (L,)
+        kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=max_r + 1, use_cache=False)
+        # Row b's n response tokens are predicted by the n columns before the final one (as _chunk).
+        if self.tile_tokens > 0:
+            head = self.model.get_output_embeddings()
+            hidden = head_inputs(self.model, head, **kw)  # (B, max_r + 1, H)
+            rows = torch.cat([hidden[b, max_r - n : max_r] for b, n in enumerate(lengths)])  # (L, H)
+            tiles = [(head(rows[a : a + self.tile_tokens]), a) for a in range(0, len(rows), self.tile_tokens)]
+        else:
+            logits = self.model(**kw).logits  # (B, max_r + 1, V)
+            tiles = [(torch.cat([logits[b, max_r - n : max_r] for b, n in enumerate(lengths)]), 0)]  # (L, V)
+        lps, top_lp, top_ids = [], [], []
+        for z, a in tiles:
+            lsm = (z.float() / self.temperature).log_softmax(-1)  # (n, V), fp32 for bf16 models
+            lps.append(lsm.gather(-1, labels[a : a + len(z), None])[:, 0])
+            v, i = lsm.topk(k, dim=-1)  # (n, k), most likely first
+            top_lp.append(v)
+            top_ids.append(i)
+        lp, tv, ti = torch.cat(lps).cpu(), torch.cat(top_lp).cpu(), torch.cat(top_ids).int().cpu()
+        return list(zip(lp.split(lengths), ti.split(lengths), tv.split(lengths), strict=True))
+
     def _tiled(
         self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, responses: list[torch.Tensor], max_r: int
     ) -> list[torch.Tensor]:

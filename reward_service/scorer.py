@@ -260,12 +260,14 @@ class Scorer:
         *,
         ref: LogprobModel | None = None,
         teacher: LogprobModel | None = None,
+        teacher_topk: int = 0,
         sources: Sequence[RewardSource] = (),
         tokenizer=None,
         name: str = "reward",
     ) -> None:
         self.ref = ref
         self.teacher = teacher  # on-policy distillation: the same kind of model, another checkpoint
+        self.teacher_topk = teacher_topk  # > 0: also its top-k ids and log-probs per position
         self.sources = list(sources)
         self.tokenizer = tokenizer  # the policy's: decodes token ids for text sources
         self.name = name
@@ -284,6 +286,11 @@ class Scorer:
             teacher = load_logprob_model(cfg, "teacher") if cfg.teacher_pretrain else None
             if teacher is not None:
                 check_teacher_vocabulary(cfg, teacher)
+                if cfg.teacher_topk > teacher.vocab_size:
+                    raise ValueError(
+                        f"--teacher_topk {cfg.teacher_topk} is more ids than the teacher's vocabulary of "
+                        f"{teacher.vocab_size}"
+                    )
             tokenizer = None
             if cfg.tokenizer_path() and any(s.needs_text for s in sources):
                 from transformers import AutoTokenizer
@@ -296,7 +303,14 @@ class Scorer:
                 if m is not None and hasattr(m, "close"):
                     m.close()
             raise
-        return cls(ref=ref, teacher=teacher, sources=sources, tokenizer=tokenizer, name=cfg.name or "reward")
+        return cls(
+            ref=ref,
+            teacher=teacher,
+            teacher_topk=cfg.teacher_topk,
+            sources=sources,
+            tokenizer=tokenizer,
+            name=cfg.name or "reward",
+        )
 
     def capabilities(self) -> RewardCapabilities:
         """What the Hello announces: which sources this service computes (the server adds its
@@ -309,6 +323,7 @@ class Scorer:
             + [s.name for s in self.sources],
             ref_logprobs=self.ref is not None,
             teacher_logprobs=self.teacher is not None,
+            teacher_topk=self.teacher_topk if self.teacher is not None else 0,
             rewards=bool(self.sources),
         )
         if isinstance(self.ref, VLLMReferenceScorer):  # what its workers spin after scoring, the share it took
@@ -334,10 +349,18 @@ class Scorer:
             else {}
         )
         ref_logprobs = self.ref.logprobs(inp.prompt_tokens, inp.response_tokens) if self.ref else None
-        teacher_logprobs = self.teacher.logprobs(inp.prompt_tokens, inp.response_tokens) if self.teacher else None
+        teacher_logprobs = topk_ids = topk_lps = None
+        if self.teacher is not None and self.teacher_topk:
+            assert isinstance(self.teacher, ReferenceScorer)  # the config allows the hf backend only
+            teacher_logprobs, topk_ids, topk_lps = self.teacher.topk(
+                inp.prompt_tokens, inp.response_tokens, self.teacher_topk
+            )
+        elif self.teacher is not None:
+            teacher_logprobs = self.teacher.logprobs(inp.prompt_tokens, inp.response_tokens)
         results = [(s, s.score(inp)) for s in self.sources if not s.background]
         results += [(s, futs[id(s)].result()) for s in self.sources if s.background]
         scored = self._combine(inp, results, ref_logprobs, teacher_logprobs)
+        scored.teacher_topk_ids, scored.teacher_topk_logprobs = topk_ids, topk_lps
         self.last_batch_s = time.monotonic() - t0
         self.counters["requests"] += 1
         self.counters["samples"] += n

@@ -35,6 +35,7 @@ def test_every_flag_keeps_its_default():
         "teacher_tensor_parallel_size": 1,
         "teacher_max_model_len": 0,
         "teacher_gpu_memory_utilization": None,
+        "teacher_topk": 0,
         "teacher_enforce_eager": False,
         "reward_pretrain": None,
         "value_head_prefix": "auto",

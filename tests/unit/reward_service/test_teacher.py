@@ -110,6 +110,12 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tiny_model_dir,
             ["--teacher_pretrain", "x", "--teacher_backend", "vllm", "--teacher_gpu_memory_utilization", "1.5"],
             "--teacher_gpu_memory_utilization must be in",
         ),
+        (["--ref_pretrain", "x", "--teacher_topk", "4"], "--teacher_topk returns a teacher's top-k"),
+        (["--teacher_pretrain", "x", "--teacher_topk", "-1"], "--teacher_topk must be >= 0"),
+        (
+            ["--teacher_pretrain", "x", "--teacher_backend", "vllm", "--teacher_topk", "4"],
+            "--teacher_topk is served by --teacher_backend hf only",
+        ),
     ],
 )
 def test_teacher_flags_are_checked(argv, match, capsys):
@@ -117,3 +123,58 @@ def test_teacher_flags_are_checked(argv, match, capsys):
         parse_config(["--controller", "-", *argv])
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tile", [0, 4])
+def test_teacher_topk_equals_a_direct_forward(teacher_dir, tile):
+    """``--teacher_topk K``: the K most likely ids and their log-probs at every response position,
+    most likely first, whole logits or tiles of 4 rows; the sampled tokens' log-probs as without."""
+    from reward_service.ref_model import ReferenceScorer
+
+    seqs, _ = batch(2)
+    prompts, responses = [p for p, _ in seqs], [r for _, r in seqs]
+    scorer = ReferenceScorer.load(str(teacher_dir), micro_batch_size=2, tile_tokens=tile, temperature=0.8)
+    lp, ids, lps = scorer.topk(prompts, responses, 5)
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = []
+        for p, r in seqs:
+            lg = model(torch.cat([p, r])[None]).logits[0].float() / 0.8
+            rows.append(lg.log_softmax(-1)[len(p) - 1 : len(p) - 1 + len(r)])  # (n, V)
+        full = torch.cat(rows)  # (L, V)
+    labels = torch.cat(responses).long()
+    assert ids.dtype == torch.int32 and ids.shape == lps.shape == (len(labels), 5)
+    torch.testing.assert_close(lp, full.gather(-1, labels[:, None])[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp, scorer.logprobs(prompts, responses), atol=1e-6, rtol=0)
+    want_lps, want_ids = full.topk(5, dim=-1)
+    torch.testing.assert_close(lps, want_lps, atol=1e-5, rtol=0)
+    assert torch.equal(ids.long(), want_ids)
+    assert torch.all(lps[:, :-1] >= lps[:, 1:])  # most likely first
+    with pytest.raises(ValueError, match=r"must be in \[1, "):
+        scorer.topk(prompts, responses, 10**6)
+
+
+def test_a_service_with_teacher_topk(tiny_model_dir, teacher_dir):
+    cfg = parse_config(["--controller", "-", "--teacher_pretrain", str(teacher_dir), "--teacher_topk", "3"])
+    scorer = Scorer.from_config(cfg)
+    try:
+        assert scorer.capabilities().teacher_topk == 3
+        _, sb = batch(3)
+        out = scorer.score(ScoreRequest(samples=sb))
+    finally:
+        scorer.close()
+    L = sum(sb.response_lengths)
+    assert out.teacher_logprobs.shape == (L,) and out.teacher_topk_ids.shape == out.teacher_topk_logprobs.shape == (
+        L,
+        3,
+    )
+    # over the wire: the (L, K) tensors survive encoding
+    from common.protocol import Codec
+
+    codec = Codec()
+    back = codec.decode(codec.encode(out))
+    assert torch.equal(torch.as_tensor(back.teacher_topk_ids), out.teacher_topk_ids)
+    assert torch.equal(torch.as_tensor(back.teacher_topk_logprobs), out.teacher_topk_logprobs)
+    too_many = parse_config(["--controller", "-", "--teacher_pretrain", str(teacher_dir), "--teacher_topk", "100000"])
+    with pytest.raises(ValueError, match="--teacher_topk 100000 is more ids than the teacher's vocabulary"):
+        Scorer.from_config(too_many)
