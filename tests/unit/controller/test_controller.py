@@ -114,6 +114,7 @@ class FakeService(threading.Thread):
                         ref_logprobs=torch.as_tensor(s.response_ids).float() / 2,
                         failed=failed,
                         server=self.name,
+                        teacher_logprobs=-torch.as_tensor(s.response_ids).float(),  # the ids negated
                     ),
                 )
             elif isinstance(msg, P.Shutdown):
@@ -349,6 +350,7 @@ def test_agent_episodes_with_kl_go_to_the_reward_service_with_their_own_prompts(
         _check_episodes(res.rollout.samples, r)
         assert sorted(map(tuple, rw.score_prompts)) == sorted((100 + p, 7, 55) for p in range(3) for _ in range(2))
         assert res.rollout.samples[3].ref_logprobs.tolist() == [0.5, 450.0, 450.5, 0.5]
+        assert res.rollout.samples[3].teacher_logprobs.tolist() == [-1.0, -900.0, -901.0, -1.0]  # a teacher's too
     finally:
         r.die()
         rw.die()

@@ -186,13 +186,18 @@ def test_scored_samples_are_views_of_the_received_batch():
 def test_a_prompts_scores_are_a_view_when_its_rows_are_consecutive():
     ref = -torch.arange(12, dtype=torch.float32)
     s = P.ScoredBatch(
-        prompt_ids=[1, 1, 2, 3, 2], sample_indices=[0, 1, 0, 0, 1], rewards=torch.zeros(5), ref_logprobs=ref
+        prompt_ids=[1, 1, 2, 3, 2],
+        sample_indices=[0, 1, 0, 0, 1],
+        rewards=torch.zeros(5),
+        ref_logprobs=ref,
+        teacher_logprobs=2 * ref,
     )
     parts = split_scored_by_prompt(s, [2, 3, 1, 4, 2])
     assert parts[1].ref_logprobs.tolist() == [0.0, -1.0, -2.0, -3.0, -4.0]
     assert parts[1].ref_logprobs.data_ptr() == ref.data_ptr()  # rows 0-1: a view
     assert parts[2].ref_logprobs.tolist() == [-5.0, -10.0, -11.0]  # rows 2 and 4: joined, a copy
     assert parts[3].ref_logprobs.tolist() == [-6.0, -7.0, -8.0, -9.0]
+    assert parts[2].teacher_logprobs.tolist() == [-10.0, -20.0, -22.0]  # a teacher's: the same rows
 
 
 class FailsTheSecondSend(StubEndpoint):

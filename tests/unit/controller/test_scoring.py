@@ -76,3 +76,27 @@ def test_the_service_stands_only_where_an_episode_left_its_reward():
     assert merged.sample_indices == [1, 0]
     assert merged.rewards.tolist() == [11.0, 0.5] and merged.scores.tolist() == [21.0, 0.25]
     assert merged.ref_logprobs is not None and merged.server == "rw0"
+
+
+def test_a_teacher_sends_every_episode_to_the_service_and_its_log_probs_are_kept(tmp_path):
+    """On-policy distillation with an agent: the teacher's log-probs come from a reward service,
+    so episodes that scored themselves go there too (as for the reference), and the merge keeps
+    the service's teacher log-probs beside the episodes' own rewards."""
+    from common.config import build
+    from learner.rl.build import sample_scoring
+    from learner.rl.config import PPOConfig
+
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def agent_func(client, prompt, label):\n    return {'reward': 1.0}\n")
+    base = dict(pretrain="m", prompt_data="p", agent_func_path=str(agent), init_kl_coef=0.0)
+    with_teacher = build(PPOConfig, **base, teacher_pretrain="t")
+    scoring = sample_scoring(with_teacher)
+    assert isinstance(scoring, EpisodeScoring) and scoring.reference
+    assert with_teacher.services.min_reward_services == 1  # the teacher's services are waited for
+    assert not sample_scoring(build(PPOConfig, **base)).reference  # no KL, no teacher: scored here
+    assert scoring.route(episodes([0.5, 1.0])) is None
+    answer = service_answer([1, 0])
+    answer.teacher_logprobs = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    merged = scoring.merge(episodes([0.5, 1.0]), answer)
+    assert merged.rewards.tolist() == [1.0, 0.5]  # the episodes' own
+    assert torch.equal(merged.teacher_logprobs, answer.teacher_logprobs)
