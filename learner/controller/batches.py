@@ -131,7 +131,8 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
         rows[pid].append(i)
     ref = s.ref_logprobs.reshape(-1) if s.ref_logprobs is not None else None
     teacher = s.teacher_logprobs.reshape(-1) if s.teacher_logprobs is not None else None
-    offs = _offsets(response_lengths) if ref is not None or teacher is not None else None
+    topk_ids, topk_lps = s.teacher_topk_ids, s.teacher_topk_logprobs  # (L, K): rows as the flat ones
+    offs = _offsets(response_lengths) if ref is not None or teacher is not None or topk_ids is not None else None
     out = {}
     for pid, r in rows.items():
         out[pid] = ScoredBatch(
@@ -145,5 +146,7 @@ def split_scored_by_prompt(s: ScoredBatch, response_lengths: list[int]) -> dict[
             extra_logs={k: [v[i] for i in r] for k, v in s.extra_logs.items()},
             server=s.server,
             teacher_logprobs=_take_flat(teacher, response_lengths, r, offs),
+            teacher_topk_ids=_take_flat(topk_ids, response_lengths, r, offs),
+            teacher_topk_logprobs=_take_flat(topk_lps, response_lengths, r, offs),
         )
     return out

@@ -424,7 +424,7 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
         else {}
     )
     ref_offsets = None
-    if sc.ref_logprobs is not None or sc.teacher_logprobs is not None:  # flat, in the order of sc.sample_indices
+    if sc.ref_logprobs is not None or sc.teacher_logprobs is not None:  # flat, in sc.sample_indices' order
         length = dict(zip(sb.sample_indices, sb.response_lengths, strict=True))
         ref_offsets, acc = {}, 0
         for idx in sc.sample_indices:
@@ -438,13 +438,16 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
     out = []
     for i in order:
         idx = sb.sample_indices[i]
-        ref = teacher = None
+        ref = teacher = topk_ids = topk_lps = None
         if ref_offsets is not None:
             a, n = ref_offsets[idx]
             if sc.ref_logprobs is not None:
                 ref = sc.ref_logprobs.reshape(-1)[a : a + n].float()
             if sc.teacher_logprobs is not None:
                 teacher = sc.teacher_logprobs.reshape(-1)[a : a + n].float()
+            if sc.teacher_topk_ids is not None and sc.teacher_topk_logprobs is not None:  # (L, K), rows alike
+                topk_ids = torch.as_tensor(sc.teacher_topk_ids)[a : a + n].to(torch.int32)
+                topk_lps = torch.as_tensor(sc.teacher_topk_logprobs)[a : a + n].float()
         out.append(
             ScoredSample(
                 prompt_id=e.prompt_id,
@@ -462,6 +465,8 @@ def scored_samples(e: Entry) -> list[ScoredSample]:
                 reward_logs={k: float(v[score_row[idx]]) for k, v in reward_logs.items()},
                 agent_logs=dict(ep.logs[i]) if ep is not None and ep.logs else {},
                 teacher_logprobs=teacher,
+                teacher_topk_ids=topk_ids,
+                teacher_topk_logprobs=topk_lps,
             )
         )
     return out

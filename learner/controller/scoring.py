@@ -116,4 +116,6 @@ class EpisodeScoring(Scoring):
             extra_logs=scored.extra_logs,
             server=scored.server,
             teacher_logprobs=scored.teacher_logprobs,
+            teacher_topk_ids=scored.teacher_topk_ids,
+            teacher_topk_logprobs=scored.teacher_topk_logprobs,
         )

@@ -56,6 +56,10 @@ class ScoredSample:
     # (T_i,) float32, the teacher's log-probs of the response tokens (on-policy distillation,
     # --teacher_pretrain); None: no teacher scored it
     teacher_logprobs: torch.Tensor | None = None
+    # (T_i, K) int32 / float32: the teacher's K most likely ids at each response position and
+    # their log-probs (top-k distillation, --distill_topk K); None: not asked
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
 
     @property
     def action_len(self) -> int:

@@ -62,13 +62,23 @@ def _response_tensors(samples: list[ScoredSample], pad_id: int) -> dict[str, tor
             ref_lp[i, :t] = s.ref_logprobs[:t]
         if s.teacher_logprobs is not None:
             teacher_lp[i, :t] = s.teacher_logprobs[:t]
-    return dict(
+    out = dict(
         response=response,
         action_mask=action_mask,
         rollout_logprobs=rollout_lp,
         ref_logprobs=ref_lp,
         teacher_logprobs=teacher_lp,
     )
+    if samples and all(s.teacher_topk_ids is not None for s in samples):  # top-k distillation
+        K = samples[0].teacher_topk_ids.shape[-1]  # type: ignore[union-attr]
+        ids = torch.zeros((n, T, K), dtype=torch.long)  # (N, T, K); id 0 in padding, never read
+        lps = torch.zeros((n, T, K), dtype=torch.float32)  # (N, T, K)
+        for i, s in enumerate(samples):
+            t = len(s.response)
+            ids[i, :t] = s.teacher_topk_ids[:t]  # type: ignore[index]
+            lps[i, :t] = s.teacher_topk_logprobs[:t]  # type: ignore[index]
+        out.update(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    return out
 
 
 def collate(
@@ -205,15 +215,24 @@ def _pack(rollout: Rollout) -> list[torch.Tensor]:
     teachers = [x.teacher_logprobs for x in s if x.teacher_logprobs is not None]
     has_teacher = len(teachers) == len(s)
     teacher = torch.cat([r.float().reshape(-1) for r in teachers]) if s and has_teacher else torch.zeros(0)
+    # top-k distillation's (T_i, K) rows, flattened: K is their numel over the response tokens
+    top = [(x.teacher_topk_ids, x.teacher_topk_logprobs) for x in s]
+    pairs = [(i, v) for i, v in top if i is not None and v is not None]
+    has_topk = bool(s) and len(pairs) == len(s)
+    topk_ids = torch.cat([i.long().reshape(-1) for i, _ in pairs]) if has_topk else torch.zeros(0, dtype=torch.long)
+    topk_lps = torch.cat([v.float().reshape(-1) for _, v in pairs]) if has_topk else torch.zeros(0)
     rewards = torch.tensor([x.reward for x in s], dtype=torch.float32)
     # The agent samples' action masks (all ones for the others), one entry per response token.
     masks = [x.action_mask.float() if x.action_mask is not None else torch.ones(len(x.response)) for x in s]
     mask = torch.cat(masks) if s else torch.zeros(0)
-    return [meta, tokens, lp, ref, rewards, mask, teacher]
+    return [meta, tokens, lp, ref, rewards, mask, teacher, topk_ids, topk_lps]
 
 
 def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
-    meta, tokens, lp, ref, rewards, mask, teacher = tensors
+    meta, tokens, lp, ref, rewards, mask, teacher, topk_ids, topk_lps = tensors
+    n_tokens = int(meta[:, 1].sum()) if meta.numel() else 0
+    K = topk_ids.numel() // n_tokens if n_tokens and topk_ids.numel() else 0
+    topk_ids, topk_lps = topk_ids.reshape(-1, max(K, 1)), topk_lps.reshape(-1, max(K, 1))
     codes = {v: k for k, v in FINISH_CODES.items()}
     samples, tok_off, lp_off = [], 0, 0
     for i, (p, t, pid, idx, ver, fin, turns) in enumerate(meta.tolist()):
@@ -234,6 +253,8 @@ def _unpack(tensors: list[torch.Tensor], group_size: int) -> Rollout:
                 action_mask=mask[lp_off : lp_off + t].bool() if turns else None,
                 turns=turns,
                 teacher_logprobs=teacher[lp_off : lp_off + t].clone() if teacher.numel() else None,
+                teacher_topk_ids=topk_ids[lp_off : lp_off + t].to(torch.int32) if K else None,
+                teacher_topk_logprobs=topk_lps[lp_off : lp_off + t].clone() if K else None,
             )
         )
         lp_off += t
@@ -251,9 +272,9 @@ def broadcast_rollout(
     if is_src:
         assert rollout is not None, "rank src broadcasts its rollout"
     parts = _pack(rollout) if rollout is not None and is_src else []
-    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 7, dtype=torch.long, device=device)
+    sizes = torch.tensor([p.numel() for p in parts] if is_src else [0] * 9, dtype=torch.long, device=device)
     dist.broadcast(sizes, src)
-    dtypes = [torch.long, torch.long, torch.float32, torch.float32, torch.float32, torch.float32, torch.float32]
+    dtypes = [torch.long, torch.long, *[torch.float32] * 5, torch.long, torch.float32]
     out = []
     for i, (n, dt) in enumerate(zip(sizes.tolist(), dtypes, strict=True)):
         buf = parts[i].reshape(-1).to(device) if is_src else torch.empty(n, dtype=dt, device=device)

@@ -184,3 +184,19 @@ def test_the_learner_needs_a_reward_service_that_serves_the_teacher():
         check_reward_sources(cfg, [plain])
     served = SimpleNamespace(name="reward-1", capabilities=RewardCapabilities(sources=["teacher"]))
     check_reward_sources(cfg, [plain, served])
+
+
+def test_teacher_topk_crosses_the_broadcast_and_collates_to_n_t_k():
+    r = rollout()
+    for s in r.samples:
+        t = len(s.response)
+        s.teacher_topk_ids = torch.arange(t * 3, dtype=torch.int32).reshape(t, 3)
+        s.teacher_topk_logprobs = -torch.arange(t * 3, dtype=torch.float32).reshape(t, 3)
+    back = _unpack([t.clone() for t in _pack(r)], 2)
+    for a, b in zip(r.samples, back.samples, strict=True):
+        assert torch.equal(a.teacher_topk_ids, b.teacher_topk_ids) and b.teacher_topk_ids.dtype == torch.int32
+        torch.testing.assert_close(a.teacher_topk_logprobs, b.teacher_topk_logprobs)
+    full = collate(back.samples, 0)
+    assert full["teacher_topk_ids"].shape == full["teacher_topk_logprobs"].shape == (2, 3, 3)
+    assert full["teacher_topk_ids"][0, 1].tolist() == [3, 4, 5] and full["teacher_topk_ids"][0, 2].tolist() == [0, 0, 0]
+    assert "teacher_topk_ids" not in collate(rollout().samples, 0)  # none asked: no key
