@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.agent_file import agent_argument
 from common.config import ConfigError, flag, given, parse
 from common.service import describe_exit
 from common.transport import free_port
@@ -291,7 +292,7 @@ def _rollout_flags_from_learner(learner: PPOConfig) -> list[str]:
     if learner.train.colocate_all and learner.vllm.enable_sleep:
         out.append("--enable_sleep")
     if learner.train.agent_func_path:  # the episodes run in the rollout servers (docs/agents.md)
-        out += ["--agent_func_path", os.path.abspath(learner.train.agent_func_path)]
+        out += ["--agent_func_path", agent_argument(learner.train.agent_func_path)]  # a file's abspath; gem:ID as is
         a = learner.agent
         if a.env_workers:  # the environments in worker processes beside each server (rollout_service/env_pool.py)
             out += ["--agent_env_workers", str(a.env_workers), "--agent_episode_timeout_s", str(a.episode_timeout_s)]
@@ -385,6 +386,8 @@ def _reward_flags_from_learner(learner: PPOConfig) -> list[str]:
         # tokenizer checked against the policy's at the service's start-up too
         out += ["--teacher_pretrain", learner.teacher.model_name_or_path]
         out += ["--tokenizer", learner.actor.model_name_or_path]
+        if learner.algo.distill.topk:  # top-k distillation: the teacher's top-K per position too
+            out += ["--teacher_topk", str(learner.algo.distill.topk)]
         if "--temperature" not in out:
             out += ["--temperature", str(learner.rollout.temperature)]
     if learner.reward.model_name_or_path:  # a reward model's flags

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.agent_file import agent_identity
+from common.agent_file import agent_identity, hub_spec
 from rollout_service import agent_api
 from rollout_service.agent_api import EnvironmentError_, as_number, numeric_logs
 
@@ -61,7 +61,12 @@ def _alias_openrlhf() -> None:
 
 def load_agent(path: str) -> tuple[Any, str]:
     """The ``AgentExecutor()`` of an agent file and the file's identity. Raises ValueError naming
-    the file and what is wrong with it."""
+    the file and what is wrong with it. A hub environment (``gem:ENV_ID``) is adapted instead
+    (``hub_envs.py``)."""
+    if hub_spec(path) is not None:
+        from rollout_service.hub_envs import load_hub_agent
+
+        return load_hub_agent(path)
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--agent_func_path {path}: no such file")

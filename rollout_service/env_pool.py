@@ -68,6 +68,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from common.agent_file import agent_argument
 from common.child_process import stop as stop_process
 from rollout_service.agent import Episode, EpisodeError, TurnEngine, build_episode
 from rollout_service.env_worker import frame, read_frame, sampling_dict
@@ -166,7 +167,7 @@ class EnvPool:
     ) -> None:
         if workers < 1:
             raise ValueError(f"--agent_env_workers must be >= 1 for a worker pool, got {workers}")
-        self.agent_path = os.path.abspath(agent_path)
+        self.agent_path = agent_argument(agent_path)  # a file's absolute path; a hub spec (gem:ID) as it is
         self.size = workers
         self.memory_mb = memory_mb
         self.start_timeout_s, self.cancel_grace_s = start_timeout_s, cancel_grace_s

@@ -138,8 +138,9 @@ class PPOConfig:
             self.data.max_len = self.data.prompt_max_len + self.rollout.max_new_tokens
         if not self.train.agent_func_path:
             return
-        if not self.train.agent_func_path.endswith(".py"):
-            raise ValueError(f"--agent_func_path {self.train.agent_func_path}: an agent is a Python file (.py)")
+        from common.agent_file import check_agent_path
+
+        check_agent_path(self.train.agent_func_path)  # a .py file or a hub environment (gem:ENV_ID)
         self.agent_params()  # the file is read now: a missing one fails here, naming the flag
         # A reward model or function scores only the episodes that return reward None (docs/agents.md).
         scorer = self.reward.model_name_or_path or self.reward.remote_url
@@ -280,11 +281,10 @@ class PPOConfig:
                 if given != default:
                     raise ValueError(f"--{name} is a setting of on-policy distillation: give --teacher_pretrain")
             return
-        if d.topk:
+        if d.topk and self.ds.ring_attn_size > 1:
             raise ValueError(
-                f"--distill_topk {d.topk}: top-k distillation's divergence is written and tested "
-                "(learner.algorithms.distill.topk_divergence) but the teacher's top-k ids do not reach the learner "
-                "yet (docs/distillation.md): use the sampled-token mode, --distill_topk 0"
+                f"--distill_topk {d.topk} is not built for a sequence split over ranks (--ds.ring_attn_size "
+                f"{self.ds.ring_attn_size}): use the sampled-token mode, --distill_topk 0"
             )
         if d.coef == 0:
             self.notices.append("--distill_coef 0: the teacher's reverse KL is measured and logged, not trained on")
