@@ -11,7 +11,10 @@ the training forward and backward), for each ``L`` of ``--lengths`` in two varia
 
 * ``whole``: ``--ds.logits_tile_tokens 0``, the micro-batch's (tokens x V) logits at once (the
   head already projects only the response columns, ``logits_to_keep``);
-* ``tiled``: ``--ds.logits_tile_tokens --tile`` (``common.tiled_logits``).
+* ``tiled``: ``--ds.logits_tile_tokens --tile`` (``common.tiled_logits``);
+* ``split``: tiled, and each sequence split over ``--split`` ranks (``--ds.ring_attn_size``,
+  ``learner.runtime.sequence_parallel``), one sequence-parallel group started by torchrun; its peak
+  and time are the largest of its ranks' (what each rank needs under the same cap).
 
 Each (variant, L) runs in a fresh process: set-up, one warm-up step, ``--iters`` timed steps. Peak
 memory is the process's peak resident memory (``VmHWM``) over the steps minus its resident memory
@@ -29,6 +32,7 @@ Run::
     python bench/long_context.py                           # the default ladder (512-4096), cap 2048 MB
     python bench/long_context.py --lengths 512 1024 --iters 1 --cap_mb 1024   # quicker
     python bench/long_context.py --tile 256 --variants tiled --lengths 8192 16384   # tiled's limit
+    python bench/long_context.py --variants tiled split --lengths 1024 2048 4096 8192 --cap_mb 1024 --iters 1
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("whole", "tiled", "split")
 
 
 def model_dir(args) -> Path:
@@ -122,12 +127,15 @@ def child(args) -> None:
         actor_learning_rate=1e-6,
         zero_stage=0,
         logits_tile_tokens=args.variant_tile,
+        ring_attn_size=info.world_size,  # the split variant's ranks are one sequence-parallel group
     )
     engine = E.make_engine(
         E.load_causal_lm(str(path)),
         zero_stage=0,
         bf16=False,
-        train_batch_size=cfg.train.batch_size,
+        # as learner.rl.build gives it: DeepSpeed counts every rank as data parallel, so with the split its
+        # batch is the group's size x the train batch
+        train_batch_size=cfg.train.batch_size * info.world_size,
         micro_train_batch_size=cfg.train.micro_batch_size,
         learning_rate=cfg.actor.adam.lr,
         num_training_steps=1000,
@@ -157,14 +165,19 @@ def child(args) -> None:
     print("RESULT " + json.dumps(dict(s=statistics.median(times), peak=peak)))
 
 
-def run_case(args, tile: int, length: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", *sys.argv[1:], "--variant_tile", str(tile), "--length", str(length)]
+def run_case(args, tile: int, length: int, ranks: int = 1) -> dict:
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = [*launch, __file__, "--child", *sys.argv[1:], "--variant_tile", str(tile), "--length", str(length)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
+    lines = [json.loads(x[len("RESULT ") :]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or len(lines) != ranks:
         raise SystemExit(f"tile={tile} length={length} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    return {"s": max(r["s"] for r in lines), "peak": max(r["peak"] for r in lines)}
 
 
 def main() -> None:
@@ -181,8 +194,13 @@ def main() -> None:
     p.add_argument("--tile", type=int, default=256, help="--ds.logits_tile_tokens of the tiled variant (its default)")
     p.add_argument("--cap_mb", type=float, default=2048, help="the memory cap: peak MB above the set-up's")
     p.add_argument(
-        "--variants", nargs="+", default=["whole", "tiled"], choices=("whole", "tiled"), help="which variants to run"
+        "--variants",
+        nargs="+",
+        default=["whole", "tiled"],
+        choices=VARIANTS,
+        help="which variants to run (split: tiled with the sequence split over --split ranks)",
     )
+    p.add_argument("--split", type=int, default=2, help="ranks the split variant splits each sequence over")
     p.add_argument("--iters", type=int, default=2, help="timed steps per case (after one warm-up step)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--cache", default=str(ROOT / "runs" / "bench"), help="where models are built")
@@ -200,16 +218,22 @@ def main() -> None:
         f"threads={args.threads} timed steps={args.iters}",
         flush=True,
     )
-    print(f"{'response':>9}{'whole s':>9}{'whole MB':>10}{'tiled s':>9}{'tiled MB':>10}{'s ratio':>9}{'MB ratio':>10}")
-    print(f"{'(tokens)':>9}{'(cpu)':>9}{'(peak)':>10}{'(cpu)':>9}{'(peak)':>10}")
-    longest = {"whole": 0, "tiled": 0}
-    over = {name: name not in args.variants for name in ("whole", "tiled")}  # a variant not run: as if over
+    split = f"split{args.split}"
+    print(
+        f"{'response':>9}{'whole s':>9}{'whole MB':>10}{'tiled s':>9}{'tiled MB':>10}{'s ratio':>9}{'MB ratio':>10}"
+        f"{split + ' s':>10}{split + ' MB':>11}"
+    )
+    print(
+        f"{'(tokens)':>9}{'(cpu)':>9}{'(peak)':>10}{'(cpu)':>9}{'(peak)':>10}{'':>19}{'(cpu)':>10}{'(rank peak)':>11}"
+    )
+    longest = dict.fromkeys(VARIANTS, 0)
+    over = {name: name not in args.variants for name in VARIANTS}  # a variant not run: as if over
     for length in args.lengths:
         row = {}
-        for name, tile in (("whole", 0), ("tiled", args.tile)):
+        for name, tile, ranks in (("whole", 0, 1), ("tiled", args.tile, 1), ("split", args.tile, args.split)):
             if over[name]:
                 continue
-            r = row[name] = run_case(args, tile, length)
+            r = row[name] = run_case(args, tile, length, ranks)
             if r["peak"] / 2**20 <= args.cap_mb:
                 longest[name] = length
             else:
@@ -218,10 +242,14 @@ def main() -> None:
         for name in ("whole", "tiled"):
             r = row.get(name)
             cells += f"{r['s']:>9.2f}{r['peak'] / 2**20:>10.0f}" if r else f"{'-':>9}{'-':>10}"
-        if len(row) == 2:
+        if "whole" in row and "tiled" in row:
             cells += (
                 f"{row['tiled']['s'] / row['whole']['s']:>9.2f}{row['tiled']['peak'] / row['whole']['peak']:>10.2f}"
             )
+        else:
+            cells += f"{'':>19}"
+        r = row.get("split")
+        cells += f"{r['s']:>10.2f}{r['peak'] / 2**20:>11.0f}" if r else f"{'-':>10}{'-':>11}"
         print(f"{length:>9}{cells}", flush=True)
         if all(over.values()):
             break
@@ -230,8 +258,10 @@ def main() -> None:
         top = " (the ladder's top: --lengths longer to find its limit)" if not over[name] else ""
         said.append(f"{name} {longest[name]}{top}")
     line = f"longest response under {args.cap_mb:.0f} MB: " + ", ".join(said)
-    if len(args.variants) == 2 and longest["whole"]:
+    if "whole" in args.variants and "tiled" in args.variants and longest["whole"]:
         line += f"; tiled/whole {longest['tiled'] / longest['whole']:.1f}x"
+    if "split" in args.variants and "tiled" in args.variants and longest["tiled"]:
+        line += f"; {split}/tiled {longest['split'] / longest['tiled']:.1f}x"
     print(line)
 
 
