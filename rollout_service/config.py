@@ -73,7 +73,8 @@ class RolloutConfig:
         "an OpenRLHF-style agent file (AgentExecutor; docs/agents.md): prompts the learner sends as agent "
         "episodes run through it here, every turn on this engine; plain prompts are served as always. A file "
         "that defines 'async def agent_func(client, prompt, label)' instead is an OpenAI-API agent: each episode "
-        "gets an openai.AsyncOpenAI client on this server's loopback endpoint (rollout_service/openai_api.py)",
+        "gets an openai.AsyncOpenAI client on this server's loopback endpoint (rollout_service/openai_api.py). "
+        "'gem:ENV_ID[?key=value&...]' plays a GEM environment instead (docs/environments.md)",
         group="agents",
     )
     tool_call_parser: str = flag(
