@@ -237,6 +237,17 @@ def check_reward_sources(cfg: PPOConfig, peers: list) -> None:
     for source, why in want:
         if not any(source in s for s in sources.values()):
             raise RunError(f"{why} (connected reward services and their sources: {sources})")
+    k = cfg.algo.distill.topk if cfg.distill else 0
+    short = {
+        p.name: p.capabilities.teacher_topk
+        for p in peers
+        if isinstance(p.capabilities, RewardCapabilities) and p.capabilities.teacher_topk < k
+    }
+    if short:
+        raise RunError(
+            f"--distill_topk {k} needs the teacher's top-{k} from every reward service (reward_service "
+            f"--teacher_topk {k}); these serve fewer (their --teacher_topk): {short}"
+        )
 
 
 def rollout_admission(cfg: PPOConfig) -> Callable[[Hello], Error | None]:

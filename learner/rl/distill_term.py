@@ -16,6 +16,11 @@ enters:
 
 ``mask`` is the step's loss mask (an agent's action mask): the teacher's log-probs of
 environment tokens are never used.
+
+With ``--distill_topk K`` the term is instead a **loss term** (``topk_loss``): the student's
+logits at the teacher's K ids from the training forward, GKD's JSD(beta) against the teacher's
+renormalised top-k, ``coef * agg(D_t)``, differentiated through the student; the sampled-token
+term is then measured (``distill/reverse_kl``) but not added.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.algorithms.distill import centered, sampled_reverse_kl, sampled_token_advantage
-from learner.algorithms.losses import masked_mean
+from learner.algorithms.distill import centered, sampled_reverse_kl, sampled_token_advantage, topk_divergence
+from learner.algorithms.losses import AggSpec, masked_mean
 from learner.controller.types import Rollout
 
 
@@ -83,3 +88,27 @@ class DistillTerm:
             "distill/reverse_kl_seq": float(self.reverse_kl.sum(-1).mean()),
             "distill/advantage_abs": float(masked_mean((self.coef * self.advantage).abs(), mask)),
         }
+
+
+def topk_loss(
+    student_topk_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    agg: AggSpec,
+    *,
+    coef: float,
+    beta: float,
+    temperature: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Top-k distillation's loss term: ``coef * agg(topk_divergence(...))`` over the trained tokens.
+
+    Args:
+        student_topk_logits: (B, T, K) the student's raw logits at the teacher's ids (with grad).
+        teacher_topk_logprobs: (B, T, K) the teacher's log-probs there.
+        mask: (B, T) the loss mask; agg: the step's aggregation (global counts).
+    Returns:
+        loss, metrics: ``topk_divergence`` (local masked mean), ``topk_loss``.
+    """
+    div = topk_divergence(student_topk_logits, teacher_topk_logprobs, mask, beta=beta, temperature=temperature)
+    loss = coef * agg(div, mask)
+    return loss, {"topk_divergence": masked_mean(div.detach(), mask), "topk_loss": loss.detach()}

@@ -56,8 +56,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
-from common.tiled_logits import head_inputs, token_logprobs
+from common.tiled_logits import head_inputs, tile_bounds, token_logprobs
 from common.weights.source import unwrap
 from learner.algorithms.advantages import compute_advantages
 from learner.algorithms.kl import AdaptiveKLController, FixedKLController, compute_kl
@@ -75,7 +76,7 @@ from learner.algorithms.shaping import clip_rewards, overlong_penalty, stop_prop
 from learner.controller.types import Rollout
 from learner.rl.config import PPOConfig
 from learner.rl.critic import Critic, token_mean_spec
-from learner.rl.distill_term import DistillTerm
+from learner.rl.distill_term import DistillTerm, topk_loss
 from learner.rl.experience import collate, score_all_ranks
 from learner.rl.micro_batches import plan_micro_batches
 from learner.runtime import sequence_parallel
@@ -120,14 +121,45 @@ def response_logprobs(
     final hidden states of the ``action_mask`` positions go through the head that many at a time
     (``_tiled``), and positions outside ``action_mask`` get 0, as packed rows always had.
     """
+    lp, ent, _ = response_forward(
+        model,
+        batch,
+        temperature,
+        with_entropy=with_entropy,
+        response_only=response_only,
+        entropy_grad=entropy_grad,
+        tile_tokens=tile_tokens,
+    )
+    return lp, ent
+
+
+def response_forward(
+    model: Any,
+    batch: dict[str, Any],
+    temperature: float,
+    *,
+    with_entropy: bool = False,
+    response_only: bool = True,
+    entropy_grad: bool = True,
+    tile_tokens: int = 0,
+    topk_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``response_logprobs``' (lp, entropy) from one forward and, with ``topk_ids`` (N, T, K)
+    (top-k distillation: the teacher's ids at each response position), the raw logits at those
+    ids, (N, T, K) with grad, 0 outside ``action_mask`` (None without ``topk_ids``)."""
     if sequence_parallel.split_of(model) is not None:  # --ds.ring_attn_size: this rank's columns only
-        return sequence_parallel.response_logprobs(model, batch, temperature, with_entropy, entropy_grad, tile_tokens)
+        if topk_ids is not None:
+            raise ValueError("top-k distillation (--distill_topk) is not built for --ds.ring_attn_size > 1")
+        lp, ent = sequence_parallel.response_logprobs(
+            model, batch, temperature, with_entropy, entropy_grad, tile_tokens
+        )
+        return lp, ent, None
     T = batch["response"].shape[1]
     hf = base_hf_model(unwrap(model))
     hf_class: type = type(hf)  # `type`: mypy's `type[Any]` is not Hashable for the cache
     keep = response_only and _takes_logits_to_keep(hf_class)  # peft passes it on
     if keep and tile_tokens > 0 and tileable(hf):
-        return _tiled(model, hf, batch, temperature, with_entropy, entropy_grad, tile_tokens)
+        return _tiled(model, hf, batch, temperature, with_entropy, entropy_grad, tile_tokens, topk_ids)
     packed = "logit_index" in batch
     if packed:
         # No attention mask: transformers then finds the samples' boundaries in the position ids.
@@ -159,11 +191,40 @@ def response_logprobs(
     elif with_entropy:
         with torch.no_grad():
             ent = entropy_from_logits(logits.detach(), temperature=temperature)
+    top = None
+    if topk_ids is not None:
+        mask = batch["action_mask"]
+        # packed: (K_rows, V) logits in mask order; padded: (N, T, V)
+        top = logits.float().gather(-1, topk_ids[mask] if packed else topk_ids)
+        # 0 outside action_mask, as the tiled and packed paths leave it (padding, environment tokens)
+        top = _unpack_rows(top, mask) if packed else torch.where(mask[..., None], top, torch.zeros_like(top))
     if packed:
         mask = batch["action_mask"]
         lp = unpack_to_padded(lp, mask)
         ent = unpack_to_padded(ent, mask) if ent is not None else None
-    return lp, ent
+    return lp, ent, top
+
+
+def _unpack_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(K_rows, K) values of the ``mask`` positions, row-major, laid into (N, T, K) with 0 elsewhere."""
+    out = rows.new_zeros((*mask.shape, rows.shape[-1]))
+    return out.masked_scatter(mask[..., None].expand_as(out), rows)
+
+
+def _tiled_gather(head: Any, hidden: torch.Tensor, ids: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    """head(hidden)[r, ids[r]] for (R, H) rows and (R, K) ids, a tile of rows at a time, fp32;
+    under autograd each tile's logits are made again in backward (as ``token_logprobs``)."""
+
+    def tile(h: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return head(h).float().gather(-1, i)
+
+    parts = [
+        checkpoint(tile, hidden[a:b], ids[a:b], use_reentrant=False)
+        if torch.is_grad_enabled()
+        else tile(hidden[a:b], ids[a:b])
+        for a, b in tile_bounds(hidden.shape[0], tile_tokens)
+    ]
+    return torch.cat(parts) if parts else hidden.new_zeros((0, ids.shape[-1]), dtype=torch.float32)
 
 
 def _tiled(
@@ -174,9 +235,11 @@ def _tiled(
     with_entropy: bool,
     entropy_grad: bool,
     tile_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``response_logprobs`` through ``common.tiled_logits``: the model's forward up to the head's
-    input, then tiles of the K = action_mask.sum() rows that predict counted tokens."""
+    topk_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``response_forward`` through ``common.tiled_logits``: the model's forward up to the head's
+    input, then tiles of the K = action_mask.sum() rows that predict counted tokens (and, with
+    ``topk_ids``, the same rows' logits at those ids, tiles of their own)."""
     mask = batch["action_mask"]  # (N, T) bool
     head = hf.get_output_embeddings()
     if "logit_index" in batch:
@@ -203,7 +266,8 @@ def _tiled(
     lp, ent = token_logprobs(
         head, hidden, batch["response"][mask], temperature=temperature, tile_tokens=tile_tokens, entropy=entropy
     )
-    return unpack_to_padded(lp, mask), (unpack_to_padded(ent, mask) if ent is not None else None)
+    top = _unpack_rows(_tiled_gather(head, hidden, topk_ids[mask], tile_tokens), mask) if topk_ids is not None else None
+    return unpack_to_padded(lp, mask), (unpack_to_padded(ent, mask) if ent is not None else None), top
 
 
 @dataclass
@@ -367,13 +431,21 @@ class PolicyTrainer:
             else None
         )
         old_values = self.critic.values(rollout, packed=self.packed) if self.critic is not None else None  # (N, T)
+        if cfg.distill and cfg.algo.distill.topk:
+            have = full["teacher_topk_ids"].shape[-1] if "teacher_topk_ids" in full else 0
+            if have < cfg.algo.distill.topk:
+                raise RuntimeError(
+                    f"--distill_topk {cfg.algo.distill.topk}: the samples carry the teacher's top-{have} "
+                    f"(reward_service --teacher_topk {cfg.algo.distill.topk} on every service)"
+                )
         distill = (
             DistillTerm.of(
                 rollout,
                 full["teacher_logprobs"],
                 old_lp,
                 mask,
-                coef=cfg.algo.distill.coef,
+                # top-k: a loss term instead (below); the sampled-token term is measured only
+                coef=0.0 if cfg.algo.distill.topk else cfg.algo.distill.coef,
                 in_reward=cfg.needs_critic,
                 center=cfg.algo.distill.center,
             )
@@ -454,13 +526,15 @@ class PolicyTrainer:
                                 metrics[f"critic/{k}"].append(v)
                         if policy_step is None:  # the actor is frozen this step
                             continue
-                        lp, ent = response_logprobs(
+                        topk = cfg.distill and cfg.algo.distill.topk > 0
+                        lp, ent, top = response_forward(
                             self.engine,
                             batch,
                             cfg.rollout.temperature,
                             with_entropy=log_entropy,
                             entropy_grad=entropy_in_loss,
                             tile_tokens=cfg.ds.logits_tile_tokens,
+                            topk_ids=batch["teacher_topk_ids"][..., : cfg.algo.distill.topk] if topk else None,
                         )
                         if reuse and weight and (self.sp is None or self.sp.rank == 0):
                             old_lp[idx, :T] = lp.detach().float().cpu()
@@ -485,6 +559,18 @@ class PolicyTrainer:
                             )
                             loss = loss + kloss
                             pm.update(km)
+                        if top is not None:
+                            dloss, dm = topk_loss(
+                                top,
+                                batch["teacher_topk_logprobs"][..., : cfg.algo.distill.topk],
+                                mmask,
+                                agg,
+                                coef=cfg.algo.distill.coef,
+                                beta=cfg.algo.distill.jsd_beta,
+                                temperature=cfg.rollout.temperature,
+                            )
+                            loss = loss + dloss
+                            pm.update({f"distill_{k}": v for k, v in dm.items()})
                         if ent is not None:
                             eloss, em = entropy_bonus(ent, mmask, agg, coef=cfg.actor.entropy_coef)
                             if entropy_in_loss:

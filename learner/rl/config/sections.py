@@ -422,7 +422,8 @@ class DistillSection:
     topk: int = flag(
         0,
         "0: the sampled-token reverse KL (the published recipe); K > 0: the teacher's top-K log-probs per position "
-        "against the student's over the same ids (GKD's JSD(beta), a loss term; not served yet: refused)",
+        "against the student's over the same ids (GKD's JSD(beta), a loss term instead of the advantage term); the "
+        "reward services need --teacher_topk >= K (launch.local passes it)",
         flat="distill_topk",
     )
     jsd_beta: float = flag(

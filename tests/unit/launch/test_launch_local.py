@@ -202,7 +202,9 @@ def test_a_teacher_reaches_the_reward_services_with_the_policys_tokenizer(tmp_pa
     assert cmd[cmd.index("--temperature") + 1] == "0.7" and "--ref_pretrain" not in cmd
     both = _reward_cmd(tmp_path, f"{DATA} --teacher.model_name_or_path /t")  # KL on by default: a reference too
     assert both[both.index("--ref_pretrain") + 1] == "/m" and both[both.index("--teacher_pretrain") + 1] == "/t"
-    assert both.count("--temperature") == 1
+    assert both.count("--temperature") == 1 and "--teacher_topk" not in both
+    topk = _reward_cmd(tmp_path, f"{DATA} --teacher_pretrain /t --distill_topk 16")
+    assert topk[topk.index("--teacher_topk") + 1] == "16"
 
 
 def _reward_cmd(tmp_path, learner_args: str) -> list[str]:

@@ -131,8 +131,9 @@ def test_flags_dotted_and_flat():
     assert not build(PPOConfig, **BASE).distill
     with pytest.raises(ValueError, match="--distill_topk is a setting of on-policy distillation"):
         build(PPOConfig, **BASE, distill_topk=4)
-    with pytest.raises(ValueError, match="top-k distillation's divergence is written and tested"):
-        build(PPOConfig, **BASE, teacher_pretrain="t", distill_topk=4)
+    assert build(PPOConfig, **BASE, teacher_pretrain="t", distill_topk=4).algo.distill.topk == 4
+    with pytest.raises(ValueError, match="--distill_topk 4 is not built for a sequence split"):
+        build(PPOConfig, **BASE, teacher_pretrain="t", distill_topk=4, ring_attn_size=2)
     with pytest.raises(ValueError, match="--distill_coef must be >= 0"):
         build(PPOConfig, **BASE, teacher_pretrain="t", distill_coef=-1.0)
     with pytest.raises(ValueError, match="--distill_jsd_beta must be in"):
@@ -184,6 +185,11 @@ def test_the_learner_needs_a_reward_service_that_serves_the_teacher():
         check_reward_sources(cfg, [plain])
     served = SimpleNamespace(name="reward-1", capabilities=RewardCapabilities(sources=["teacher"]))
     check_reward_sources(cfg, [plain, served])
+    topk = build(PPOConfig, **BASE, teacher_pretrain="t", init_kl_coef=0.0, distill_topk=8)
+    with pytest.raises(RunError, match=r"reward_service --teacher_topk 8\); these serve fewer .*'reward-1': 0"):
+        check_reward_sources(topk, [served])
+    eight = SimpleNamespace(name="reward-2", capabilities=RewardCapabilities(sources=["teacher"], teacher_topk=8))
+    check_reward_sources(topk, [eight])
 
 
 def test_teacher_topk_crosses_the_broadcast_and_collates_to_n_t_k():
