@@ -632,6 +632,43 @@ def test_a_lora_adapter_is_served_by_vllm_and_pushes_after_the_first_send_it_alo
     assert stack.client.call("ra", P.GetHealth()).state == "serving"
 
 
+def test_a_delta_push_lands_in_the_real_engine_bit_for_bit(stack):
+    """--weight_sync delta on the real engine: a publisher of its own gives rc a full push, then
+    a delta of a few values of two weights; the worker extension decodes it into its copy,
+    checks the digests and loads every tensor through vLLM's layerwise reload, and rc's greedy
+    tokens and log-probs equal transformers' for the changed model (which answers differently
+    from before). (rc leaves the stack's weight group for this one's, as in the LoRA test.)"""
+    import copy
+
+    from common.weights.publisher import WeightPublisher
+
+    if "rc" not in stack.client.servers(ready_only=True):  # run alone (-k): rc joins here
+        stack.ep.sock.bind(f"tcp://127.0.0.1:{stack.late_port}")
+        stack.wait_joined(["rc"], timeout=600)
+    v = stack.pool.policy_version
+    model = copy.deepcopy(stack.model)
+    caps = stack.client.peer("rc").capabilities
+    pub = WeightPublisher(model, control=stack.client, backend="gloo", timeout_s=60.0, sync="delta")
+    pub.connect("rc", workers=caps.workers, dtype=caps.dtype)
+    try:
+        assert pub.push(v + 1).sync.encoding == "full"
+        before = [hf_greedy(model, p, GREEDY.max_new_tokens, STOP)[0] for p in PROMPTS]
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight[:, :4] += torch.randn(
+                model.model.layers[0].mlp.down_proj.weight[:, :4].shape, generator=gen
+            )
+            model.model.norm.weight[:16] *= 3.0
+        report = pub.push(v + 2)
+        assert report.updated == ["rc"] and report.sync.encoding == "delta" and report.sync.sparse == 2, report
+        assert report.bytes_per_server < pub.source.nbytes() / 20
+        got = _run(stack, PROMPTS, GREEDY, first_id=740, version=v + 2, to="rc")
+        _assert_parity(model.eval(), PROMPTS, got, v + 2)
+        assert [g[0]["tokens"] for g in got.values()] != before, "the change moved no answer: parity would not show it"
+    finally:
+        pub.close()
+
+
 def test_a_server_shut_down_by_the_controller_leaves_no_fault_in_its_log(stack):
     """What a user reads after a normal run: ra, which took weight pushes and served prompts, is
     told to shut down and exits 0, and its log has neither vLLM's rotary-embedding reload warning
