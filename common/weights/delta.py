@@ -287,6 +287,9 @@ class _Receive:
     pending: dict[str, torch.Tensor] = field(default_factory=dict)  # NAME#idx awaiting its #val
     digests: torch.Tensor | None = None
     touched: set[str] = field(default_factory=set)
+    # Tensors whose #idx held positions outside them (clamped so that the scatter cannot fault
+    # the device; the push fails at end()): a device flag each, read once at the end.
+    out_of_range: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 class DigestMismatch(RuntimeError):
@@ -335,9 +338,12 @@ class DeltaBase:
             base = self.tensors.get(base_name)
             if idx is None or base is None:
                 raise RuntimeError(f"{name}: {'no base tensor' if base is None else 'no #idx before it'}")
-            if idx.numel() != t.numel() or (idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= base.numel())):
-                raise RuntimeError(f"{name}: {t.numel()} values for {idx.numel()} indices into {base.numel()} values")
-            base.view(-1)[idx] = t.to(self.device).view(-1)
+            if idx.numel() != t.numel():
+                raise RuntimeError(f"{name}: {t.numel()} values for {idx.numel()} indices")
+            # No host sync per tensor: an index outside the tensor (a corrupted push) is clamped
+            # (on a GPU it would fault the device) and reported by end().
+            rx.out_of_range.append((base_name, ((idx < 0) | (idx >= base.numel())).any()))
+            base.view(-1)[idx.clamp_(0, base.numel() - 1)] = t.to(self.device).view(-1)
             rx.touched.add(base_name)
         elif rx.encoding == "full":
             self.tensors[name] = t.to(self.device, copy=True)
@@ -363,6 +369,14 @@ class DeltaBase:
         if rx.digests is None or rx.digests.numel() != len(names):
             got = "none" if rx.digests is None else rx.digests.numel()
             raise DigestMismatch(f"push ended with {got} digests for {len(names)} tensors")
+        if rx.out_of_range:
+            flags = torch.stack([f for _, f in rx.out_of_range]).tolist()  # one host sync
+            outside = [n for (n, _), f in zip(rx.out_of_range, flags, strict=True) if f]
+            if outside:
+                raise DigestMismatch(
+                    f"{rx.encoding} push: indices outside {', '.join(outside[:3])}; this server's copy is dropped "
+                    "and it serves nothing until a full push lands"
+                )
         ours = torch.stack([digest(t) for t in self.tensors.values()]) if names else rx.digests
         bad = (ours != rx.digests).nonzero().view(-1).tolist()  # one host sync per push
         if bad:

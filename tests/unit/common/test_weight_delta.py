@@ -106,6 +106,18 @@ def test_decode_applies_indices_and_values_and_checks_digests():
     with pytest.raises(DigestMismatch, match=r"1 of 2 tensors differ .*\(a\)"):
         base.end()
     base.drop()
+    # An index corrupted past the end (position 9 of 4): clamped for the scatter, reported at the end.
+    base.begin("full")
+    for name, t in [("a", a), (DIGEST, torch.stack([digest(a)]))]:
+        base.take(name, t)
+    base.end()
+    base.begin("delta")
+    base.take("a#idx", torch.tensor([9], dtype=torch.int32))
+    base.take("a#val", torch.tensor([30.0]))
+    base.take(DIGEST, torch.stack([digest(a2)]))
+    with pytest.raises(DigestMismatch, match="indices outside a;"):
+        base.end()
+    base.drop()
     with pytest.raises(RuntimeError, match="without a base"):
         base.begin("delta")
     with pytest.raises(ValueError, match="WeightUpdate.encoding: unknown 'sparse'"):
