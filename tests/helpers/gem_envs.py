@@ -3,7 +3,7 @@
 
 The seed (the prompt's label, ``hub_envs.task_seed``) picks how it behaves:
 
-* ``0``: healthy: the observation ``count to 2``; each action is answered ``ok N`` with reward
+* ``0``: healthy: the observation ``COUNT TO 2``; each action is answered ``OK N`` with reward
   0.5 and the second one terminates the episode (rewards 0.5 + 0.5);
 * ``1``: its ``step`` raises ``RuntimeError('board on fire')``;
 * ``2``: its ``step`` returns a number as the observation (not text);
@@ -30,7 +30,7 @@ class FaultsEnv(gem.Env):
     def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         super().reset(seed)
         self.mode, self.turn = (seed or 0) % 4, 0
-        return f"count to {self.goal}", {}
+        return f"COUNT TO {self.goal}", {}
 
     def step(self, action: str) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self.turn += 1
@@ -39,7 +39,7 @@ class FaultsEnv(gem.Env):
         if self.mode == 2:
             return 42, 0.0, False, False, {}
         done = self.mode == 0 and self.turn >= self.goal
-        return f"ok {self.turn}", 0.5, done, False, {"turn": self.turn}
+        return f"OK {self.turn}", 0.5, done, False, {"turn": self.turn}
 
 
 if ENV_ID not in ENV_REGISTRY:  # imported again by another name: already there
