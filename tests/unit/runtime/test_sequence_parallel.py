@@ -34,6 +34,16 @@ import torch
 from learner.runtime import sequence_parallel as sp
 
 ROOT = Path(__file__).resolve().parents[3]
+# PolicyTrainer steps split vs unsplit: (ZeRO stage, packed, gradient checkpointing, on_policy: the old
+# log-probs taken from the training forward, estimator). gae: a critic beside the policy, its values and
+# value loss split too. ZeRO-3 last: while a ZeRO-3 model lives, transformers builds every model it loads
+# inside zero.Init (HfDeepSpeedConfig).
+STEP_CASES = (
+    (2, False, False, False, "group_norm"),
+    (2, True, False, True, "group_norm"),
+    (2, True, False, False, "gae"),
+    (3, False, True, False, "group_norm"),
+)
 
 
 # ------------------------------------------------------------------ by hand, one process
@@ -239,7 +249,7 @@ def _critic_cases(model_dir: str, groups, results: dict) -> None:
         }
 
 
-def _step_cases(model_dir: str, results: dict) -> None:
+def _step_cases(model_dir: str, results: dict, cases: tuple = STEP_CASES) -> None:
     from common.config import build
     from learner.controller.types import Rollout
     from learner.rl.config import PPOConfig
@@ -249,11 +259,6 @@ def _step_cases(model_dir: str, results: dict) -> None:
     from learner.runtime import engine as E
 
     rollout = Rollout(_samples(agent=True), group_size=2)
-    # (ZeRO stage, packed, gradient checkpointing, on_policy: the old log-probs taken from the training forward)
-    # estimator gae: a critic beside the policy, its values and value loss split too. ZeRO-3 last: while a
-    # ZeRO-3 model lives, transformers builds every model it loads inside zero.Init (HfDeepSpeedConfig).
-    cases = ((2, False, False, False, "group_norm"), (2, True, False, True, "group_norm"))
-    cases += ((2, True, False, False, "gae"), (3, False, True, False, "group_norm"))
     for stage, packed, checkpointing, on_policy, estimator in cases:
         got = {}
         for size in (1, 2):
@@ -342,12 +347,15 @@ def _read_grads(engine, seen: dict, prefix: str) -> None:
 
 def worker(model_dir: str) -> None:
     import deepspeed
+    import torch.distributed as dist
 
     deepspeed.init_distributed("gloo")
     results: dict = {}
-    _logprob_cases(model_dir, results)
-    _step_cases(model_dir, results)
-    import torch.distributed as dist
+    if dist.get_world_size() == 2:
+        _logprob_cases(model_dir, results)
+        _step_cases(model_dir, results)
+    else:  # 4 ranks: two groups of 2 (data parallel across them) against 4 data-parallel ranks unsplit
+        _step_cases(model_dir, results, STEP_CASES[2:3])
 
     for rank in range(dist.get_world_size()):  # one line at a time: the ranks share the launcher's stdout
         if rank == dist.get_rank():
@@ -355,25 +363,41 @@ def worker(model_dir: str) -> None:
         dist.barrier()
 
 
-@pytest.mark.slow
-def test_the_split_over_two_gloo_ranks_gives_the_unsplit_loss_and_gradients(tiny_model_dir):
+def _launch(model_dir, ranks: int) -> list[dict]:
+    """Each rank's results of ``worker`` on ``ranks`` gloo ranks, all checked to fp32 tolerance."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
-    proc = subprocess.run(cmd + [str(tiny_model_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", __file__]
+    proc = subprocess.run(cmd + [str(model_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln[len("RESULT ") :] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(lines) == 2, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    for line in lines:
-        results = json.loads(line)
-        assert len(results) == 13, results
+    assert proc.returncode == 0 and len(lines) == ranks, (
+        f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    out = [json.loads(line) for line in lines]
+    for results in out:
         for name, r in results.items():
             assert r["largest_grad"] > 0, (name, r)
             assert r["grads"] < 1e-5, (name, r)
             for key in ("logprobs", "entropy", "loss", "old_logprobs", "values"):
                 if key in r:
                     assert r[key] < 1e-5, (name, key, r)
+    return out
+
+
+@pytest.mark.slow
+def test_the_split_over_two_gloo_ranks_gives_the_unsplit_loss_and_gradients(tiny_model_dir):
+    for results in _launch(tiny_model_dir, 2):
+        assert len(results) == 13, results
         assert results["step_group_norm_zero2_packed_on_policy"]["old_logprobs_reused"] == 1.0, results
+
+
+@pytest.mark.slow
+def test_two_groups_of_two_ranks_give_the_step_of_four_data_parallel_ranks(tiny_model_dir):
+    """SP 2 x DP 2: each group its own samples, the old log-probs and values gathered across groups
+    (a GAE step, packed: policy and critic gradients), against the same step on 4 DP ranks (~50 s)."""
+    for results in _launch(tiny_model_dir, 4):
+        assert list(results) == ["step_gae_zero2_packed"], results
 
 
 if __name__ == "__main__":
