@@ -8,7 +8,7 @@ student's. Pure distillation: no reward source (the service serves the teacher a
 0), GRPO's group advantage is 0 and the advantage is the teacher's per-token term (centred).
 Checked: the exact reverse KL, over the whole vocabulary, at the first response position of the
 training prompts, falls between the student before the run and the model it saved (measured
-1.826 -> 1.649 in 8 steps, ~130 s with the fleet already up); the learner logs its sampled
+1.826 -> 1.649 in 8 steps; 134 s alone, the fleet's start included); the learner logs its sampled
 estimate every step.
 """
 
