@@ -206,3 +206,40 @@ def test_teacher_topk_crosses_the_broadcast_and_collates_to_n_t_k():
     assert full["teacher_topk_ids"].shape == full["teacher_topk_logprobs"].shape == (2, 3, 3)
     assert full["teacher_topk_ids"][0, 1].tolist() == [3, 4, 5] and full["teacher_topk_ids"][0, 2].tolist() == [0, 0, 0]
     assert "teacher_topk_ids" not in collate(rollout().samples, 0)  # none asked: no key
+
+
+def _broadcast_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from learner.rl.experience import broadcast_rollout
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        src = None
+        if rank == 0:
+            src = rollout()
+            for s in src.samples:
+                t = len(s.response)
+                s.teacher_topk_ids = torch.arange(t * 2, dtype=torch.int32).reshape(t, 2) + 7
+                s.teacher_topk_logprobs = -torch.arange(t * 2, dtype=torch.float32).reshape(t, 2)
+        got = broadcast_rollout(src, 2)
+        if rank == 1:
+            torch.save([(s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs) for s in got.samples], out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes importing torch: ~18 s
+def test_a_teacher_s_log_probs_and_top_k_reach_another_rank(tmp_path):
+    """``broadcast_rollout`` over 2 gloo ranks: rank 1 gets rank 0's teacher tensors."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank1.pt"
+    mp.spawn(_broadcast_worker, args=(f"file://{tmp_path / 'store'}", str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    want = rollout()
+    for (lp, ids, lps), s in zip(got, want.samples, strict=True):
+        t = len(s.response)
+        torch.testing.assert_close(lp, s.teacher_logprobs)
+        assert ids.dtype == torch.int32 and torch.equal(ids, torch.arange(t * 2, dtype=torch.int32).reshape(t, 2) + 7)
+        torch.testing.assert_close(lps, -torch.arange(t * 2, dtype=torch.float32).reshape(t, 2))
