@@ -276,7 +276,8 @@ class TrainSection:
         "",
         "an agent file (OpenRLHF's AgentExecutor contract, or an 'async def agent_func(client, prompt, label)' "
         "written against the OpenAI API): every prompt runs as a multi-turn episode on the rollout servers, which "
-        "load the same file (launch.local passes it on); the agent's rewards are the reward (docs/agents.md)",
+        "load the same file (launch.local passes it on); the agent's rewards are the reward (docs/agents.md). "
+        "'gem:ENV_ID[?key=value&...]' plays a GEM environment instead (docs/environments.md)",
         flat="agent_func_path",
     )
     colocate_actor_ref: bool = flag(
