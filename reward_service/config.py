@@ -314,9 +314,11 @@ class RewardConfig:
                 raise ValueError(f"--teacher_gpu_memory_utilization must be in (0, 1], got {share}")
         if self.ref_idle_spin_s is not None and "vllm" not in (self.ref_backend, self.teacher_backend):
             raise ValueError(
-                "--ref_idle_spin_s is the idle spin of --ref_backend (or --teacher_backend) vllm's workers: add "
-                "--ref_backend vllm"
+                "--ref_idle_spin_s is the idle spin of --ref_backend vllm's workers (and --teacher_backend vllm's): "
+                "add --ref_backend vllm"
             )
+        if self.ref_idle_spin_s is not None and self.ref_idle_spin_s < 0:
+            raise ValueError(f"--ref_idle_spin_s must be >= 0, got {self.ref_idle_spin_s}")
         if self.retries < 0 or self.retry_backoff_s < 0:
             raise ValueError("--retries and --retry_backoff_s must be >= 0")
 
