@@ -162,7 +162,11 @@ def child(args) -> None:
         if k:  # step 0 warms up (the allocator, DeepSpeed's first-step set-up)
             times.append(clock() - t0)
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_kb("VmHWM") * 1024) - base
-    print("RESULT " + json.dumps(dict(s=statistics.median(times), peak=peak)))
+    for rank in range(info.world_size):  # one line at a time: the split's ranks share torchrun's stdout
+        if rank == info.rank:
+            print("RESULT " + json.dumps(dict(s=statistics.median(times), peak=peak)), flush=True)
+        if info.world_size > 1:
+            torch.distributed.barrier()
 
 
 def run_case(args, tile: int, length: int, ranks: int = 1) -> dict:
