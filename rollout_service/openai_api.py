@@ -436,7 +436,13 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         else:
             key = _bearer(request.headers.get("Authorization", ""))
         what = _ROUTES.get((path, request.method))
-        if what is None:
+        if (request.url.host, request.url.port) != (self.endpoint.host, self.endpoint.port):
+            status, answer = _error(
+                421,
+                f"{request.url}: the client handed to an agent_func reaches only its episode's endpoint "
+                f"({self.endpoint.url}); build a client of your own for another server",
+            )
+        elif what is None:
             status, answer = _error(404, f"{request.method} {request.url.path}: not served by this endpoint")
         else:
             body = await request.aread()

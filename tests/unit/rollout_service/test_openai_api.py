@@ -338,10 +338,16 @@ def test_completions_models_and_tokenize_through_http(in_process):
         root = str(client.base_url).rstrip("/").removesuffix("/v1")  # vLLM serves /tokenize beside /v1
         tok = await client.post(root + "/tokenize", body={"prompt": "ab"}, cast_to=object)
         got["tokenize"] = tok
+        try:
+            await client.with_options(base_url="http://127.0.0.1:1/v1").models.list()
+        except Exception as e:  # noqa: BLE001 - in-process: the endpoint's refusal; over HTTP: no server there
+            got["elsewhere"] = str(e)
         return 1
 
     eng, req = engine_for([ids("4") + [EOS], ids("6") + [EOS]])
     ep = run(episode(make_agent(agent_func, in_process=in_process), eng))
+    if in_process:  # the handed client answers for its endpoint only, never for another host
+        assert "reaches only its episode's endpoint" in got["elsewhere"]
     assert got["kw"] == {"model": "char-model", "max_tokens": 100, "max_len": 200}
     assert got["models"] == ["char-model"]
     assert got["text"] == "4" and got["lps"] == pytest.approx([-0.1, -0.2])
