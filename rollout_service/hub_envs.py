@@ -57,6 +57,10 @@ GEM_INSTALL = (
     "dependencies (`make setup` installs them; docs/environments.md, 'GEM')"
 )
 _SEED_LOCK = threading.Lock()
+# GEM environments that run the policy's code with GEM's own runner (gem.utils.sandbox: a plain
+# subprocess unless bubblewrap is asked for). Model-written code runs only in common.sandbox
+# (DESIGN.md, "Agents"): refused, naming what to use instead.
+RUNS_MODEL_CODE = ("gem.envs.code_env:CodeEnv",)
 
 
 def load_hub_agent(path: str) -> tuple[Any, str]:
@@ -128,6 +132,13 @@ class GemExecutor(AgentExecutorBase):
             raise ValueError(
                 f"{where}: GEM has no environment {spec.env_id!r} ({len(ENV_REGISTRY)} registered{hint} "
                 "gem.print_envs() lists them)"
+            )
+        entry = ENV_REGISTRY[spec.env_id].entry_point
+        entry_name = entry if isinstance(entry, str) else f"{entry.__module__}:{entry.__qualname__}"
+        if entry_name in RUNS_MODEL_CODE:
+            raise ValueError(
+                f"{where}: {entry_name} runs the policy's code with GEM's own runner, outside rayless's sandbox; "
+                "code tasks: examples/rewards/code_tests.py or examples/agents/python_tool.py (docs/environments.md)"
             )
         kwargs = {k: v for k, v in spec.kwargs.items() if k not in OPTIONS}
 

@@ -92,6 +92,10 @@ def test_start_up_errors_name_the_spec(monkeypatch):
         load_agent("gem:game:GuessTheNumber-v0-easy?max_number=[1]")  # its constructor compares it with ints
     with pytest.raises(ValueError, match=r"import=no_such_envs raised ModuleNotFoundError"):
         load_agent("gem:x:Y-v0?import=no_such_envs")
+    with pytest.raises(
+        ValueError, match=r"gem:code:CodeContest: gem.envs.code_env:CodeEnv runs the policy's code .*outside"
+    ):
+        load_agent("gem:code:CodeContest")  # before gem.make, which would download its dataset
     with pytest.raises(ValueError, match="template must be chat or raw"):
         load_agent(GUESS + "?template=jinja")
     monkeypatch.setitem(sys.modules, "gem", None)  # as if gem-llm were not installed
