@@ -250,9 +250,24 @@ def test_namespaces_as_an_unprivileged_user():
         pytest.skip("needs root (to become uid 65534), setpriv and /usr/bin/python3")
     if subprocess.run([system_python, "-c", "import sys; assert sys.version_info >= (3, 11)"]).returncode:
         pytest.skip("the system's Python is older than 3.11")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", system_python, "-c", NOBODY_PROBE, root]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    import tempfile
+
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    # The package alone (stdlib only), copied where uid 65534 can read it: the checkout may sit
+    # under a folder only root can enter (a CI clone in `mktemp -d`, mode 0700).
+    with tempfile.TemporaryDirectory() as root:
+        os.chmod(root, 0o755)
+        shutil.copytree(
+            os.path.join(checkout, "common", "sandbox"),
+            os.path.join(root, "common", "sandbox"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        shutil.copy(os.path.join(checkout, "common", "__init__.py"), os.path.join(root, "common"))
+        for folder, dirs, files in os.walk(root):
+            for name in dirs + files:
+                os.chmod(os.path.join(folder, name), 0o755 if name in dirs else 0o644)
+        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", system_python, "-c", NOBODY_PROBE]
+        done = subprocess.run([*cmd, root], capture_output=True, text=True, timeout=60)
     if done.returncode and "no sandbox worker could start" in done.stderr:
         pytest.skip(f"this host gives an unprivileged user no namespaces: {done.stderr.strip()[-300:]}")
     assert done.returncode == 0, done.stderr
