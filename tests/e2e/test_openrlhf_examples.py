@@ -16,7 +16,8 @@ and ``rewrite`` changes only these tokens of the argv, saying each change in the
 - sizes -> a couple of steps of a few samples (``SIZES``), and the flags added: a step cap,
   ``--train.max_steps 2`` for PPO, and ``--rollout.max_new_tokens 8`` where a PPO example leaves
   it at its default (1024); the supervised runs stop by their data (8 rows, batches of 4);
-- GPU counts (Ray's placement flags, ``--vllm.num_engines``, tensor parallel) -> this host's;
+- GPU counts (Ray's placement flags, ``--vllm.num_engines``, tensor parallel, the sequence split
+  ``--ds.ring_attn_size``) -> this host's;
 - GPU-only switches the CPU cannot take -> dropped, by ``drop_gpu_only`` (the list is there).
 
 Everything else passes as the script has it: colocation and both sleep flags, bf16, FlashAttention,
@@ -172,7 +173,8 @@ SIZES = {
 }
 
 
-GPU_COUNTS = ("--vllm.tensor_parallel_size", "--vllm.num_engines")
+# The sequence split counts learner ranks: the examples' one learner rank here cannot split by 2.
+GPU_COUNTS = ("--vllm.tensor_parallel_size", "--vllm.num_engines", "--ds.ring_attn_size")
 
 
 def kind(flag: str, values: list[str]) -> str:
