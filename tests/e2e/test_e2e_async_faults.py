@@ -68,10 +68,13 @@ def test_killed_rollout_server_in_async_loses_nothing(tmp_path, tiny_model_dir, 
     assert proc.returncode == 0, out[-4000:]
     rows = async_rows(run)
     check_async_steps_and_accounting(rows, steps, b, g)
-    assert rows[-1]["pool/died"] == 1
+    log = (run / "logs" / "learner.log").read_text()
+    # One death, rollout-1's, besides a fleet service's duplicate Hello taken for a restart holding
+    # nothing (test_e2e_grpo.py's killed-server test says when).
+    spurious = re.findall(r"\(reward\) is gone: restarted \(said Hello again\); 0 work item", log)
+    assert rows[-1]["pool/died"] == 1 + len(spurious), log[-3000:]
     assert all(m["agent/turns"] >= 1 for m in rows) and any(m["agent/turns"] > 1 for m in rows), rows
     assert rows[-1]["agent/failed_episodes"] == 0
-    log = (run / "logs" / "learner.log").read_text()
     reissued = [int(x) for x in re.findall(r"re-issuing (\d+) prompt\(s\) held by rollout-1", log)]
     print("re-issued", reissued, "aborted", rows[-1]["async/aborted"], "stale", rows[-1]["async/dropped_stale"])
     # What it held (if anything: under the admission bound a server can be idle when it is

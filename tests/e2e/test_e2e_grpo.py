@@ -138,8 +138,13 @@ def test_killed_rollout_server_work_is_reissued_and_run_completes(tmp_path, tiny
     # Every step trained exactly its 16 prompts x 8 samples: nothing lost, nothing twice.
     assert all(m["samples"] == 128 for m in rows)
     last = rows[-1]
-    assert last["pool/died"] == 1
     learner_log = (run / "logs" / "learner.log").read_text()
+    # One death: rollout-1's. A fleet service reconnecting from the previous test's learner can
+    # have two Hellos delivered when this learner binds (one queued, one resent): the pool takes
+    # the second for a restart holding nothing (seen once in CI; the Hello carries no incarnation
+    # to tell them apart: an open item, docs/testing.md).
+    spurious = re.findall(r"\(reward\) is gone: restarted \(said Hello again\); 0 work item", learner_log)
+    assert last["pool/died"] == 1 + len(spurious), learner_log[-3000:]
     # What it held came back through the ledger. Usually step 3's prompts; on a loaded machine
     # the kill can land before they were sent, and the server is found gone holding none
     # (seen in CI: "0 work item(s) it held"), which is not a loss either. Or it lands inside the
